@@ -1,0 +1,90 @@
+"""Paged attention: write new keys/values into a slot-addressed KV cache and attend over it.
+
+The KV cache of one layer is a pair of tensors `[num_slots, num_kv_heads, head_dim]` where
+`num_slots = num_blocks * block_size`; the router owns which blocks belong to which request, and the worker
+turns a request's block table into slot indices. A step is described by `PagedAttentionInputs`:
+
+    sequence 0: 5 cached tokens, 1 new token        sequence 1: 0 cached tokens, 3 new tokens (prefill)
+    query rows  [q0]                                 query rows  [q1 q2 q3]
+    keys        [k0 k1 k2 k3 k4 | k5]                keys        [k0 k1 k2]
+    context_slots padded to the longest context; `mask` hides padding and future positions.
+
+This one formulation covers prefill, decode, and the verification of speculative drafts: a query row sees
+every key whose position is at most its own (or, for a tree of drafts, the mask the caller builds).
+
+This module is the plain-PyTorch reference and the CPU path. It is written so a GPU kernel with the same
+signature (flash-attn varlen with a block table, or Triton) can replace it without touching callers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PagedAttentionInputs:
+    """Per-step attention metadata, built once per step and shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] long: cache slot each new token's K/V is written to
+    context_slots: torch.Tensor  # [num_seqs, max_context] long: slots of every position in context (padded)
+    query_index: torch.Tensor  # [num_seqs, max_query] long: row of each padded query in the flat token list
+    query_valid: torch.Tensor  # [num_seqs, max_query] bool: which padded query rows are real tokens
+    mask: torch.Tensor | None  # [num_seqs, 1, max_query, max_context] bool (True = attend); None = attend all
+
+    @property
+    def num_seqs(self) -> int:
+        return self.context_slots.shape[0]
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] long
+) -> None:
+    """Stores the step's keys and values at their slots (in place)."""
+    assert key.shape == value.shape and key.shape[1:] == key_cache.shape[1:], (key.shape, key_cache.shape)
+    assert slot_mapping.shape[0] == key.shape[0]
+    key_cache.index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
+    inputs: PagedAttentionInputs,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Scaled dot-product attention of each sequence's new tokens over its cached context.
+
+    The new tokens' keys and values must already be in the cache (`write_kv_cache`).
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[1]
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads (GQA)"
+    num_seqs, max_query = inputs.query_index.shape
+
+    keys = key_cache[inputs.context_slots]  # [num_seqs, max_context, num_kv_heads, head_dim]
+    values = value_cache[inputs.context_slots]
+    if num_seqs == 1 and max_query == num_tokens:
+        queries = query.unsqueeze(0)  # no padding: the flat token list is the one sequence
+    else:
+        queries = query[inputs.query_index]  # [num_seqs, max_query, num_heads, head_dim]
+
+    out = F.scaled_dot_product_attention(
+        queries.transpose(1, 2),  # [num_seqs, num_heads, max_query, head_dim]
+        keys.transpose(1, 2),  # [num_seqs, num_kv_heads, max_context, head_dim]
+        values.transpose(1, 2),
+        attn_mask=inputs.mask,
+        scale=scale,
+        enable_gqa=num_heads != num_kv_heads,
+    ).transpose(1, 2)  # [num_seqs, max_query, num_heads, head_dim]
+
+    if num_seqs == 1 and max_query == num_tokens:
+        return out[0]
+    return out[inputs.query_valid]  # padded rows dropped; order matches the flat token list

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs for proto/generate.proto (package specula.v1). Regenerate with `make proto`."""

@@ -1,0 +1,97 @@
+"""Batches of requests and the tensors of one forward step.
+
+A `Batch` is an id and a list of `RequestState`s: filtering and concatenation are list operations. The
+tensors a forward pass needs are rebuilt from the requests each step by `build_step`, which describes each
+request's new tokens as a span `[start, start + count)` of its positions:
+
+    prefill:  start = 0,               count = prompt length
+    decode:   start = num_tokens - 1,  count = 1   (the last generated token is fed back)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from specula_kernels.paged_attention import PagedAttentionInputs
+from specula_server.request import RequestState
+
+
+@dataclass
+class Batch:
+    id: int
+    requests: list[RequestState]
+
+    @property
+    def request_ids(self) -> list[int]:
+        return [r.id for r in self.requests]
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.requests)
+
+    def filter(self, keep_ids: Sequence[int]) -> None:
+        keep = set(keep_ids)
+        self.requests = [r for r in self.requests if r.id in keep]
+
+    @classmethod
+    def concatenate(cls, batches: Sequence[Batch]) -> Batch:
+        return cls(id=batches[0].id, requests=[r for b in batches for r in b.requests])
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens] long
+    positions: torch.Tensor  # [num_tokens] long
+    attn: PagedAttentionInputs
+    last_rows: torch.Tensor  # [num_seqs] long: row of each request's last new token in the flat list
+    row_starts: list[int]  # first flat row of each request
+
+
+def build_step(
+    requests: Sequence[RequestState], starts: Sequence[int], counts: Sequence[int], device: torch.device
+) -> StepInputs:
+    """Builds one forward step: request i feeds positions `[starts[i], starts[i] + counts[i])`."""
+    spans = [(r, s, s + c) for r, s, c in zip(requests, starts, counts)]
+    input_ids = torch.cat([r.token_ids[s:e] for r, s, e in spans]).to(device)
+    positions = torch.cat([torch.arange(s, e) for _, s, e in spans]).to(device)
+    slot_mapping = torch.cat([r.slots[s:e] for r, s, e in spans])
+    row_ends = torch.tensor(counts).cumsum(0)
+    row_starts = (row_ends - torch.tensor(counts)).tolist()
+
+    if len(spans) == 1:
+        r, s, e = spans[0]
+        context_slots = r.slots[:e].unsqueeze(0)
+        query_index = torch.arange(e - s, device=device).unsqueeze(0)
+    else:
+        context_slots = pad_sequence([r.slots[:e] for r, _, e in spans], batch_first=True)
+        query_index = pad_sequence(
+            [torch.arange(b, b + c, device=device) for b, c in zip(row_starts, counts)], batch_first=True
+        )
+    max_query = query_index.shape[1]
+    counts_t = torch.tensor(counts, device=device)
+    query_valid = torch.arange(max_query, device=device).unsqueeze(0) < counts_t.unsqueeze(1)
+    mask = _causal_mask(starts, counts, context_slots.shape[1], device)
+    attn = PagedAttentionInputs(slot_mapping, context_slots, query_index, query_valid, mask)
+    return StepInputs(input_ids, positions, attn, (row_ends - 1).to(device), row_starts)
+
+
+def _causal_mask(
+    starts: Sequence[int], counts: Sequence[int], max_context: int, device: torch.device
+) -> torch.Tensor | None:
+    """`[num_seqs, 1, max_query, max_context]`: query q of sequence i sees keys at positions <= starts[i] + q.
+
+    Padded query rows see key 0 only, so no row is fully masked; their outputs are discarded.
+    """
+    if len(starts) == 1 and counts[0] == 1:
+        return None  # a single decoding sequence sees its whole context
+    starts_t = torch.tensor(starts, device=device).view(-1, 1, 1)
+    counts_t = torch.tensor(counts, device=device).view(-1, 1, 1)
+    q = torch.arange(max(counts), device=device).view(1, -1, 1)
+    k = torch.arange(max_context, device=device).view(1, 1, -1)
+    visible = k <= starts_t + q
+    visible = torch.where(q < counts_t, visible, k == 0)
+    return visible.unsqueeze(1)

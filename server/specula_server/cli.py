@@ -1,0 +1,74 @@
+"""`specula-server`: the model worker command line (one process per tensor-parallel shard).
+
+The launcher starts one `specula-server serve` per shard with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+in the environment. Every option also reads an environment variable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, help="Specula model worker (one process per tensor-parallel shard).")
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'512MiB' -> 536870912; plain numbers are bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise typer.BadParameter(f"not a size: {text!r} (examples: 4GiB, 512MiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+
+
+@app.callback()
+def main() -> None:
+    """Specula model worker."""
+
+
+@app.command()
+def serve(
+    model_id: str = typer.Argument(..., envvar="MODEL_ID", help="Hub model id or local directory."),
+    uds_path: str = typer.Option("/tmp/specula-server", envvar="UDS_PATH",
+                                 help="Unix socket path prefix; shard r listens on PATH-r."),
+    revision: Optional[str] = typer.Option(None, envvar="REVISION", help="Hub revision (branch, tag or commit)."),
+    dtype: str = typer.Option("float32", envvar="DTYPE", help="float32, bfloat16 or float16."),
+    device: str = typer.Option("cpu", envvar="DEVICE", help="cpu or cuda."),
+    block_size: int = typer.Option(16, envvar="BLOCK_SIZE", help="Tokens per KV cache block."),
+    kv_cache_memory: Optional[str] = typer.Option(
+        None, envvar="KV_CACHE_MEMORY",
+        help="KV cache size, e.g. 2GiB. Default: 1GiB on CPU, 90% of free memory after warmup on CUDA."),
+    huggingface_hub_cache: Optional[Path] = typer.Option(None, envvar="HUGGINGFACE_HUB_CACHE",
+                                                         help="Hub cache directory."),
+    rank: int = typer.Option(0, envvar="RANK", help="This shard's rank."),
+    world_size: int = typer.Option(1, envvar="WORLD_SIZE", help="Number of shards."),
+    master_addr: str = typer.Option("localhost", envvar="MASTER_ADDR", help="torch.distributed address."),
+    master_port: int = typer.Option(29500, envvar="MASTER_PORT", help="torch.distributed port."),
+    log_level: str = typer.Option("INFO", envvar="LOG_LEVEL", help="Python logging level."),
+) -> None:
+    """Load a model shard and serve it over gRPC on a unix socket."""
+    from specula_server.server import ServerConfig, serve as serve_async
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    memory = parse_size(kv_cache_memory) if kv_cache_memory else (2**30 if device == "cpu" else None)
+    try:
+        config = ServerConfig(
+            model_id=model_id, uds_path=uds_path, revision=revision, dtype=dtype, device=device,
+            block_size=block_size, kv_cache_memory=memory, hub_cache=huggingface_hub_cache, rank=rank,
+            world_size=world_size, master_addr=master_addr, master_port=master_port,
+        )
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    raise typer.Exit(asyncio.run(serve_async(config)))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,257 @@
+"""The worker's step executor: prefill and decode over cached batches.
+
+`TextGenerator` owns the model, the KV cache and the batches cached between steps. The router decides what
+runs (which requests, which KV blocks); this class runs it and reports tokens:
+
+    prefill(batch)  -> forward over every prompt, first token of each request
+    decode(batches) -> concatenate, forward over each request's last token, next token of each request
+    filter / clear  -> drop requests or batches the router no longer wants
+
+Finished requests leave their batch in the step that finishes them; their KV blocks return to the router.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import tokenizers
+import torch
+
+from specula_server.batch import Batch, StepInputs, build_step
+from specula_server.kv_cache import KVCache, slots_for_blocks
+from specula_server.models.llama import LlamaForCausalLM
+from specula_server.params import SamplingParams, StoppingParams
+from specula_server.request import RequestSpec, RequestState, StepOutput, TokenInfo
+from specula_server.sampling import Sampler, SamplingRow
+
+logger = logging.getLogger("specula.generator")
+
+
+class InvalidRequestError(ValueError):
+    """A request the worker cannot run; reported to the router as INVALID_ARGUMENT."""
+
+
+class BatchNotFoundError(KeyError):
+    """A batch id the worker does not hold; reported as NOT_FOUND."""
+
+
+@dataclass
+class StepTimings:
+    forward_ns: int = 0
+    decode_ns: int = 0
+
+
+@dataclass
+class StepResult:
+    outputs: list[StepOutput]
+    batch: Batch | None  # None when every request finished
+    timings: StepTimings
+
+
+class TextGenerator:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        tokenizer: tokenizers.Tokenizer,
+        eos_token_ids: frozenset[int],
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.special_ids = frozenset(
+            tid for tid, tok in tokenizer.get_added_tokens_decoder().items() if tok.special
+        )
+        self.block_size = block_size
+        self.device = device
+        self.dtype = model.norm.weight.dtype
+        self.sampler = Sampler()
+        self.kv_cache: KVCache | None = None
+        self.batches: dict[int, Batch] = {}
+
+    # --- KV cache -----------------------------------------------------------------------------------------
+
+    def bytes_per_block(self) -> int:
+        cfg = self.model.config
+        return KVCache.bytes_per_block(cfg.num_layers, self.model.num_kv_heads, cfg.head_dim, self.block_size, self.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.batches.clear()
+        self.kv_cache = None  # release the old cache before allocating the new one
+        cfg = self.model.config
+        self.kv_cache = KVCache.allocate(
+            num_blocks, self.block_size, cfg.num_layers, self.model.num_kv_heads, cfg.head_dim, self.dtype, self.device
+        )
+
+    # --- requests -----------------------------------------------------------------------------------------
+
+    def _admit(self, spec: RequestSpec) -> RequestState:
+        """Checks a request against the model and the cache, then builds its state."""
+        cache = self.kv_cache
+        if cache is None:
+            raise InvalidRequestError("the KV cache is not allocated: call Warmup first")
+        if not spec.input_ids:
+            raise InvalidRequestError(f"request {spec.id}: empty prompt")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in spec.input_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"request {spec.id}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        if spec.stopping.max_new_tokens < 1:
+            raise InvalidRequestError(f"request {spec.id}: max_new_tokens must be at least 1")
+        total = len(spec.input_ids) + spec.stopping.max_new_tokens
+        if total > self.model.config.max_position_embeddings:
+            raise InvalidRequestError(
+                f"request {spec.id}: {len(spec.input_ids)} prompt + {spec.stopping.max_new_tokens} new tokens "
+                f"exceed the model's {self.model.config.max_position_embeddings} positions"
+            )
+        if len(spec.blocks) * self.block_size < total:
+            raise InvalidRequestError(
+                f"request {spec.id}: {len(spec.blocks)} KV blocks of {self.block_size} tokens cannot hold "
+                f"{total} tokens"
+            )
+        if any(not 0 <= b < cache.num_blocks for b in spec.blocks):
+            raise InvalidRequestError(f"request {spec.id}: KV block ids must be in [0, {cache.num_blocks})")
+        slots = slots_for_blocks(torch.tensor(spec.blocks, device=self.device), self.block_size)
+        return RequestState.create(spec, self.tokenizer, slots, self.eos_token_ids, self.special_ids, self.device)
+
+    # --- steps --------------------------------------------------------------------------------------------
+
+    def prefill(self, batch_id: int, specs: Sequence[RequestSpec]) -> StepResult:
+        if batch_id in self.batches:
+            raise InvalidRequestError(f"batch {batch_id} already exists")
+        if not specs:
+            raise InvalidRequestError("a batch needs at least one request")
+        if len({s.id for s in specs}) != len(specs):
+            raise InvalidRequestError("request ids within a batch must be unique")
+        requests = [self._admit(spec) for spec in specs]
+        step = build_step(requests, [0] * len(requests), [r.prompt_len for r in requests], self.device)
+        return self._run(Batch(batch_id, requests), step, with_prefill_logprobs=True)
+
+    def decode(self, batch_ids: Sequence[int]) -> StepResult:
+        missing = [b for b in batch_ids if b not in self.batches]
+        if missing or not batch_ids:
+            raise BatchNotFoundError(f"unknown batch ids {missing}" if missing else "no batch given")
+        batch = Batch.concatenate([self.batches.pop(b) for b in batch_ids])
+        reqs = batch.requests
+        step = build_step(reqs, [r.num_tokens - 1 for r in reqs], [1] * len(reqs), self.device)
+        return self._run(batch, step, with_prefill_logprobs=False)
+
+    def filter(self, batch_id: int, keep_ids: Sequence[int]) -> Batch:
+        batch = self.batches.get(batch_id)
+        if batch is None:
+            raise BatchNotFoundError(f"unknown batch id {batch_id}")
+        batch.filter(keep_ids)
+        return batch
+
+    def clear(self, batch_id: int | None = None) -> None:
+        if batch_id is None:
+            self.batches.clear()
+        else:
+            self.batches.pop(batch_id, None)
+
+    @torch.inference_mode()
+    def _run(self, batch: Batch, step: StepInputs, with_prefill_logprobs: bool) -> StepResult:
+        assert self.kv_cache is not None
+        start = time.perf_counter_ns()
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attn)
+        logits = self.model.compute_logits(hidden[step.last_rows])  # [num_seqs, vocab]
+        forward_done = time.perf_counter_ns()
+
+        requests = batch.requests
+        rows = [SamplingRow(r.spec.sampling, r.history, r.generator) for r in requests]
+        num_top = max(r.spec.top_n_tokens for r in requests)
+        sample = self.sampler(logits, rows, num_top=num_top)
+        token_ids, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
+
+        outputs = []
+        for i, r in enumerate(requests):
+            prefill = None
+            if with_prefill_logprobs and r.spec.prefill_logprobs:
+                prefill = self._prefill_tokens(r, hidden, step.row_starts[i])
+            token = r.append(token_ids[i], logprobs[i])
+            top = self._top_tokens(sample, i, r.spec.top_n_tokens)
+            out = StepOutput(r.id, [token], [top] if r.spec.top_n_tokens else [], prefill)
+            if r.is_finished:
+                out.generated_text = r.generated_text()
+            outputs.append(out)
+
+        batch.requests = [r for r in requests if not r.is_finished]
+        kept = batch if batch.requests else None
+        if kept is not None:
+            self.batches[batch.id] = kept
+        timings = StepTimings(forward_done - start, time.perf_counter_ns() - forward_done)
+        return StepResult(outputs, kept, timings)
+
+    def _prefill_tokens(self, r: RequestState, hidden: torch.Tensor, row_start: int) -> list[TokenInfo]:
+        """Log-probability of every prompt token given the ones before it (the first has none)."""
+        prompt = r.token_ids[: r.prompt_len]
+        logits = self.model.compute_logits(hidden[row_start : row_start + r.prompt_len - 1])
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, prompt[1:].to(self.device).unsqueeze(1))
+        values = [math.nan] + logprobs.squeeze(1).tolist()
+        ids = prompt.tolist()
+        return [
+            TokenInfo(t, lp, self.tokenizer.decode([t], skip_special_tokens=False), t in self.special_ids)
+            for t, lp in zip(ids, values)
+        ]
+
+    def _top_tokens(self, sample, row: int, n: int) -> list[TokenInfo]:
+        if n == 0:
+            return []
+        ids = sample.top_ids[row, :n].tolist()
+        lps = sample.top_logprobs[row, :n].tolist()
+        return [
+            TokenInfo(t, lp, self.tokenizer.decode([t], skip_special_tokens=False), t in self.special_ids)
+            for t, lp in zip(ids, lps)
+        ]
+
+    # --- warmup -------------------------------------------------------------------------------------------
+
+    def warmup(
+        self, max_input_tokens: int, max_prefill_tokens: int, max_total_tokens: int, kv_cache_memory: int | None
+    ) -> int:
+        """Runs the largest prefill the router may send, then sizes the KV cache; returns its block count.
+
+        On CPU the cache gets `kv_cache_memory` bytes. On CUDA, when no budget is given, it gets 90% of the
+        device memory left free after the warmup forward pass.
+        """
+        per_request = -(-min(max_input_tokens + 1, max_total_tokens) // self.block_size)
+        num_requests = -(-max_prefill_tokens // max_input_tokens)
+        min_blocks = -(-max_total_tokens // self.block_size)
+        warmup_blocks = max(per_request * num_requests, min_blocks)
+        self.allocate_kv_cache(warmup_blocks)
+        self._warmup_prefill(max_input_tokens, max_prefill_tokens, per_request)
+        if kv_cache_memory is None:
+            if self.device.type != "cuda":
+                raise InvalidRequestError("a KV cache memory budget is required on CPU")
+            torch.cuda.synchronize(self.device)
+            self.kv_cache = None
+            torch.cuda.empty_cache()
+            free, _ = torch.cuda.mem_get_info(self.device)
+            kv_cache_memory = int(free * 0.9)
+        num_blocks = kv_cache_memory // self.bytes_per_block()
+        if num_blocks < min_blocks:
+            raise InvalidRequestError(
+                f"the KV cache budget of {kv_cache_memory} bytes holds {num_blocks * self.block_size} tokens, "
+                f"fewer than max_total_tokens={max_total_tokens}; raise the budget or lower the limits"
+            )
+        self.allocate_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens (%d bytes)", num_blocks, self.block_size,
+                    num_blocks * self.bytes_per_block())
+        return num_blocks
+
+    def _warmup_prefill(self, max_input_tokens: int, max_prefill_tokens: int, blocks_per_request: int) -> None:
+        specs, remaining, next_block = [], max_prefill_tokens, 0
+        while remaining > 0:
+            length = min(max_input_tokens, remaining)
+            blocks = tuple(range(next_block, next_block + blocks_per_request))
+            specs.append(RequestSpec(len(specs), (0,) * length, SamplingParams(), StoppingParams(1, (), True), blocks))
+            next_block += blocks_per_request
+            remaining -= length
+        batch_id = -1
+        self.prefill(batch_id, specs)
+        self.clear(batch_id)

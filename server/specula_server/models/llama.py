@@ -1,0 +1,148 @@
+"""The Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2), tensor parallel, over a paged KV cache.
+
+One implementation for the family: Qwen2's q/k/v biases, tied embeddings, Llama 3.1 rope scaling, GQA and an
+explicit `head_dim` are all `ModelConfig` fields. A step processes a flat list of tokens from many sequences
+(`[num_tokens]`); which token belongs to which sequence, and where its keys and values live, is in the
+step's `PagedAttentionInputs`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specula_kernels.paged_attention import PagedAttentionInputs, paged_attention, write_kv_cache
+from specula_server.distributed import ShardGroup
+from specula_server.layers.rotary import RotaryEmbedding, apply_rotary
+from specula_server.layers.tensor_parallel import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from specula_server.models.config import ModelConfig
+from specula_server.weights import Weights
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # ([num_slots, kv_heads, head_dim], same) for one layer
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, then scale in the model dtype (matches the reference implementation).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, weights: Weights, prefix: str, group: ShardGroup) -> None:
+        super().__init__()
+        if config.num_heads % group.world_size or config.num_kv_heads % group.world_size:
+            raise ValueError(
+                f"{config.num_heads} attention heads / {config.num_kv_heads} KV heads cannot be split over "
+                f"{group.world_size} shards; choose a --num-shard that divides both"
+            )
+        self.num_heads = config.num_heads // group.world_size
+        self.num_kv_heads = config.num_kv_heads // group.world_size
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = ColumnParallelLinear.load(
+            weights, [f"{prefix}.{n}_proj" for n in ("q", "k", "v")], bias=config.attention_bias
+        )
+        self.o_proj = RowParallelLinear.load(weights, f"{prefix}.o_proj", bias=False, group=group)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache,
+        attn: PagedAttentionInputs,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        write_kv_cache(k, v, kv_cache[0], kv_cache[1], attn.slot_mapping)
+        out = paged_attention(q, kv_cache[0], kv_cache[1], attn, self.scale)
+        return self.o_proj(out.reshape(num_tokens, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, weights: Weights, prefix: str, group: ShardGroup) -> None:
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear.load(
+            weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=False
+        )
+        self.down_proj = RowParallelLinear.load(weights, f"{prefix}.down_proj", bias=False, group=group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, weights: Weights, prefix: str, group: ShardGroup) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.input_layernorm.weight"), eps)
+        self.self_attn = Attention(config, weights, f"{prefix}.self_attn", group)
+        self.post_attention_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
+        self.mlp = MLP(weights, f"{prefix}.mlp", group)
+
+    def forward(self, hidden, cos, sin, kv_cache: KVCache, attn: PagedAttentionInputs) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM. `forward` returns final-normed hidden states; `compute_logits` the logits."""
+
+    def __init__(self, config: ModelConfig, weights: Weights, group: ShardGroup) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(weights, "model.embed_tokens.weight", group)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, weights, f"model.layers.{i}", group) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(weights.get_tensor("model.norm.weight"), config.rms_norm_eps)
+        head_name = "lm_head.weight"
+        if config.tie_word_embeddings or not weights.has(head_name):
+            head_name = "model.embed_tokens.weight"
+        self.lm_head = ParallelLMHead(weights, head_name, group)
+        self.rotary = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            device=self.norm.weight.device,
+            dtype=self.norm.weight.dtype,
+        )
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.layers[0].self_attn.num_kv_heads
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[KVCache],
+        attn: PagedAttentionInputs,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.tables(positions)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, kv_cache, attn)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+        return self.lm_head(hidden).float()

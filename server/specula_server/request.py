@@ -1,0 +1,137 @@
+"""One request's state inside the worker, from prefill to its last token.
+
+A `RequestState` is created at prefill from the router's request and lives in a batch until it finishes or
+the router filters it out. Everything a step needs (token ids, KV slots, sampling generator, detokenizer,
+stop checker) hangs off this one object; batch tensors are rebuilt from these objects each step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import tokenizers
+import torch
+
+from specula_server.params import FinishReason, SamplingParams, StoppingParams
+from specula_server.tokens import IncrementalDetokenizer, StopChecker
+
+
+@dataclass(frozen=True)
+class TokenInfo:
+    """A token as reported to the router."""
+
+    id: int
+    logprob: float
+    text: str
+    is_special: bool
+
+
+@dataclass(frozen=True)
+class GeneratedText:
+    text: str
+    generated_tokens: int
+    finish_reason: FinishReason
+    seed: int | None
+
+
+@dataclass
+class StepOutput:
+    """What one request produced in one step."""
+
+    request_id: int
+    tokens: list[TokenInfo]
+    top_tokens: list[list[TokenInfo]]  # per entry of `tokens`, its `top_n_tokens` alternatives
+    prefill_tokens: list[TokenInfo] | None = None
+    generated_text: GeneratedText | None = None
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """A request as the router sends it (after protobuf decoding and validation)."""
+
+    id: int
+    input_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stopping: StoppingParams
+    blocks: tuple[int, ...]
+    prefill_logprobs: bool = False
+    top_n_tokens: int = 0
+
+
+@dataclass(eq=False)
+class RequestState:
+    spec: RequestSpec
+    token_ids: torch.Tensor  # [capacity] long (CPU): prompt then generated ids; the tail is unused
+    slots: torch.Tensor  # [capacity] long (device): KV slot of each position
+    detokenizer: IncrementalDetokenizer
+    stop_checker: StopChecker
+    generator: torch.Generator | None
+    num_tokens: int  # prompt + generated tokens so far
+    finish_reason: FinishReason | None = None
+    special_ids: frozenset[int] = field(default_factory=frozenset)
+
+    @classmethod
+    def create(
+        cls,
+        spec: RequestSpec,
+        tokenizer: tokenizers.Tokenizer,
+        slots: torch.Tensor,
+        eos_token_ids: frozenset[int],
+        special_ids: frozenset[int],
+        device: torch.device,
+    ) -> RequestState:
+        capacity = slots.numel()
+        token_ids = torch.zeros(capacity, dtype=torch.long)
+        token_ids[: len(spec.input_ids)] = torch.tensor(spec.input_ids, dtype=torch.long)
+        generator = None
+        if not spec.sampling.is_greedy:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(spec.sampling.seed)
+        return cls(
+            spec=spec,
+            token_ids=token_ids,
+            slots=slots,
+            detokenizer=IncrementalDetokenizer(tokenizer, list(spec.input_ids)),
+            stop_checker=StopChecker(spec.stopping, eos_token_ids),
+            generator=generator,
+            num_tokens=len(spec.input_ids),
+            special_ids=special_ids,
+        )
+
+    @property
+    def id(self) -> int:
+        return self.spec.id
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.spec.input_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return self.num_tokens - self.prompt_len
+
+    @property
+    def history(self) -> torch.Tensor:  # [num_tokens]: every token in context, for penalties
+        return self.token_ids[: self.num_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len : self.num_tokens].tolist()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append(self, token_id: int, logprob: float) -> TokenInfo:
+        """Commits one generated token: detokenises it and checks the stopping criteria."""
+        assert not self.is_finished, "no token may follow the end of a request"
+        self.token_ids[self.num_tokens] = token_id
+        self.num_tokens += 1
+        text = self.detokenizer.push(token_id)
+        self.finish_reason = self.stop_checker.check(token_id, self.detokenizer.text)
+        return TokenInfo(token_id, logprob, text, token_id in self.special_ids)
+
+    def generated_text(self) -> GeneratedText:
+        assert self.finish_reason is not None
+        seed = None if self.spec.sampling.is_greedy else self.spec.sampling.seed
+        return GeneratedText(self.detokenizer.text, self.num_generated, self.finish_reason, seed)

@@ -1,0 +1,221 @@
+"""The worker's token chooser: logits → processed log-probs → one token per position, vectorised over a batch.
+
+Where it sits: the model runner produces logits for every position that needs a token (one per running
+request in a plain decode step; several per request when a speculative draft is verified). `Sampler.process`
+turns each row into a log-prob distribution and `Sampler.choose` draws from it. Speculative acceptance
+calls `process` on its own and applies its acceptance rule to those distributions, so the two halves stay
+separately usable; `Sampler.__call__` is both plus the reported log-probs.
+
+Order of operations for one row (the order of TGI's heterogeneous chooser and of transformers' `generate`):
+
+    logits (any float dtype) → float32 scores
+    1. repetition penalty   tokens in history: score < 0 ? score * p : score / p   (transformers' processor)
+    2. frequency penalty    score -= f * count(token in history)    (OpenAI/vLLM form: count, not TGI's
+                                                                     count / len(history))
+    3. presence penalty     score -= r * [token in history]
+    4. temperature          score /= t
+    5. top-k                keep scores >= the k-th largest (ties at the boundary are kept)
+    6. top-p                sort ascending, drop tokens whose cumulative prob <= 1 - top_p (the top one stays)
+    7. typical-p            keep tokens whose surprise -log p is closest to the entropy, up to mass typical_p
+    log_softmax → [n, V] log-probs; filtered tokens are -inf
+    choose: argmax for greedy rows; for sampling rows an exponential race drawn with the row's own generator
+
+`history` is prompt + generated tokens (TGI applies penalties over both). Penalties run on every row that
+sets one, greedy or not; warpers only on sampling rows (setting a warper makes a row sample, see
+`SamplingParams.is_greedy`). Each step sees the previous step's output, as in transformers, so top-p's
+cumulative mass is over the top-k survivors. Steps 5-7 match transformers' TopK/TopP/TypicalLogitsWarper
+with min_tokens_to_keep=1.
+
+Cost: a batch of plain greedy rows (no penalties) is one argmax and one logsumexp. Otherwise each step runs
+once on the rows that need it, with per-row parameters as [m, 1] tensors; only the sort-based steps (top-p,
+typical-p) sort, and only their rows. The one per-row Python loop is drawing noise with each row's generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """One position to choose a token for."""
+
+    params: SamplingParams
+    history: torch.Tensor  # [num_context_tokens] long: prompt + generated (+ draft prefix); penalties count these
+    generator: torch.Generator | None  # the request's own generator, seeded by the caller; None when greedy
+
+
+@dataclass
+class SampleResult:
+    token_ids: torch.Tensor  # [n] long
+    logprobs: torch.Tensor  # [n] float32: log-prob of the chosen token under the processed distribution
+    top_ids: torch.Tensor  # [n, num_top] long, most likely first
+    top_logprobs: torch.Tensor  # [n, num_top] float32, processed distribution
+
+
+class Sampler:
+    """Chooses tokens for a batch of positions; stateless, every per-request state arrives in the rows."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow], num_top: int = 0) -> SampleResult:
+        """`logits`: [n, vocab], one row per entry of `rows`."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        logits = logits.float()  # [n, vocab]
+        if all(_is_plain_greedy(row.params) for row in rows):
+            return _plain_greedy(logits, num_top)
+        logprobs = self.process(logits, rows)  # [n, vocab]
+        token_ids = self.choose(logprobs, rows)  # [n]
+        top = logprobs.topk(num_top, dim=-1)
+        return SampleResult(
+            token_ids=token_ids,
+            logprobs=logprobs.gather(1, token_ids[:, None]).squeeze(1),
+            top_ids=top.indices,
+            top_logprobs=top.values,
+        )
+
+    def process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """Log-probs after penalties and warpers: [n, vocab] float32, filtered tokens -inf.
+
+        Rows that are greedy without penalties get plain `log_softmax(logits)`. `logits` is not modified.
+        """
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
+        scores: torch.Tensor | None = None  # [n, vocab]; our own copy once any step applies
+        for applies, step in _STEPS:
+            row_ids = [i for i, row in enumerate(rows) if applies(row.params)]
+            if not row_ids:
+                continue
+            if scores is None:
+                scores = logits.to(torch.float32, copy=True)
+            selected = [rows[i] for i in row_ids]
+            if len(row_ids) == len(rows):
+                scores = step(scores, selected)
+            else:
+                index = torch.tensor(row_ids, device=scores.device)
+                scores[index] = step(scores[index], selected)
+        return torch.log_softmax(logits.float() if scores is None else scores, dim=-1)
+
+    def choose(self, logprobs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """[n] long: argmax for greedy rows, a draw from exp(logprobs) with the row's generator otherwise.
+
+        A row's draw depends only on its generator's state and its own distribution, never on the other
+        rows, so a seed reproduces its tokens whatever the batch. The draw is an exponential race:
+        argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i, written in log space so tiny
+        probabilities do not underflow. It needs no cumulative sum and no host sync on GPU.
+        """
+        token_ids = logprobs.argmax(dim=-1)  # [n]
+        sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if not sampled:
+            return token_ids
+        vocab = logprobs.shape[-1]
+        noise = torch.empty(len(sampled), vocab, dtype=torch.float32, device=logprobs.device)  # [m, vocab]
+        for j, i in enumerate(sampled):
+            generator = rows[i].generator
+            assert generator is not None, f"row {i} samples but has no generator"
+            if generator.device == noise.device:
+                noise[j].exponential_(generator=generator)
+            else:  # e.g. a CPU generator for GPU logits: same tokens on every device
+                noise[j].copy_(torch.empty(vocab, device=generator.device).exponential_(generator=generator))
+        # Exp(1) can round to 0; clamping keeps log finite so a -inf (filtered) token can never win.
+        noise.clamp_(min=torch.finfo(torch.float32).tiny)
+        index = torch.tensor(sampled, device=logprobs.device)
+        token_ids[index] = (logprobs[index] - noise.log()).argmax(dim=-1)
+        return token_ids
+
+
+def _is_plain_greedy(params: SamplingParams) -> bool:
+    return params.is_greedy and not params.has_penalties
+
+
+def _plain_greedy(logits: torch.Tensor, num_top: int) -> SampleResult:
+    """The common case without materialising [n, vocab] log-probs: argmax, and logits - logsumexp."""
+    log_normalizer = torch.logsumexp(logits, dim=-1)  # [n]
+    token_ids = logits.argmax(dim=-1)  # [n]
+    top = logits.topk(num_top, dim=-1)  # [n, num_top]
+    return SampleResult(
+        token_ids=token_ids,
+        logprobs=logits.gather(1, token_ids[:, None]).squeeze(1) - log_normalizer,
+        top_ids=top.indices,
+        top_logprobs=top.values - log_normalizer[:, None],
+    )
+
+
+def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    """Per-row parameters as an [m, 1] tensor that broadcasts over the vocab."""
+    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+
+
+def _apply_penalties(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Repetition, frequency and presence penalties over each row's history. scores: [m, vocab]."""
+    num_rows, vocab = scores.shape
+    device = scores.device
+    lengths = torch.tensor([row.history.numel() for row in rows], device=device)  # [m]
+    token_ids = torch.cat([row.history.reshape(-1) for row in rows]).to(device=device, dtype=torch.long)
+    row_ids = torch.repeat_interleave(torch.arange(num_rows, device=device), lengths)  # [sum(lengths)]
+    # Ids past the logits' vocab (embedding tables can be padded larger than lm_head) land in an extra
+    # column that is dropped: such tokens cannot be generated, so there is nothing to penalise.
+    counts = torch.zeros(num_rows, vocab + 1, dtype=scores.dtype, device=device)  # [m, vocab + 1]
+    counts.index_put_((row_ids, token_ids.clamp(max=vocab)), torch.ones_like(token_ids, dtype=scores.dtype), True)
+    counts = counts[:, :vocab]  # [m, vocab]
+    present = counts > 0  # [m, vocab]
+
+    repetition = _column([row.params.repetition_penalty for row in rows], scores)  # [m, 1]
+    frequency = _column([row.params.frequency_penalty for row in rows], scores)
+    presence = _column([row.params.presence_penalty for row in rows], scores)
+    # Dividing a negative score would raise its probability, hence multiply below zero (transformers).
+    repeated = torch.where(scores < 0, scores * repetition, scores / repetition)
+    scores = torch.where(present, repeated, scores)
+    return scores - frequency * counts - presence * present
+
+
+def _apply_temperature(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    return scores / _column([row.params.temperature for row in rows], scores)
+
+
+def _apply_top_k(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Keep each row's k largest scores; topk runs with the batch's largest k, not a full sort."""
+    vocab = scores.shape[-1]
+    top_k = [min(row.params.top_k, vocab) for row in rows]
+    top_values = scores.topk(max(top_k), dim=-1).values  # [m, max_k], descending
+    kth = top_values.gather(1, torch.tensor(top_k, device=scores.device)[:, None] - 1)  # [m, 1]
+    return scores.masked_fill(scores < kth, float("-inf"))
+
+
+def _apply_top_p(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    # 1 - top_p in Python doubles, as transformers computes it, so boundary tokens are decided alike.
+    threshold = _column([1.0 - row.params.top_p for row in rows], scores)  # [m, 1]
+    sorted_scores, sorted_ids = scores.sort(dim=-1, descending=False)  # [m, vocab] each
+    cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+    remove = cumulative <= threshold
+    remove[:, -1] = False  # the most likely token always survives
+    remove = remove.scatter(1, sorted_ids, remove)
+    return scores.masked_fill(remove, float("-inf"))
+
+
+def _apply_typical_p(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Locally typical sampling (Meister et al. 2022) as transformers' TypicalLogitsWarper does it."""
+    mass = _column([row.params.typical_p for row in rows], scores)  # [m, 1]
+    logprobs = torch.log_softmax(scores, dim=-1)  # [m, vocab]
+    entropy = -(logprobs * logprobs.exp()).nansum(dim=-1, keepdim=True)  # [m, 1]; nansum skips -inf * 0
+    surprise_gap = (-logprobs - entropy).abs()  # [m, vocab]
+    sorted_gap, sorted_ids = surprise_gap.sort(dim=-1, descending=False)
+    cumulative = scores.gather(-1, sorted_ids).softmax(dim=-1).cumsum(dim=-1)
+    last = (cumulative < mass).sum(dim=-1).clamp(max=scores.shape[-1] - 1)  # [m]: first index reaching mass
+    remove = sorted_gap > sorted_gap.gather(1, last[:, None])
+    remove[:, 0] = False  # the most typical token always survives
+    remove = remove.scatter(1, sorted_ids, remove)
+    return scores.masked_fill(remove, float("-inf"))
+
+
+# (does the step apply to a row, step on the rows it applies to) in the documented order. Warpers imply
+# sampling, so their predicates need no `is_greedy` check.
+_STEPS: tuple[tuple[Callable[[SamplingParams], bool], Callable[..., torch.Tensor]], ...] = (
+    (lambda p: p.has_penalties, _apply_penalties),
+    (lambda p: p.temperature != 1.0, _apply_temperature),
+    (lambda p: p.top_k > 0, _apply_top_k),
+    (lambda p: p.top_p < 1.0, _apply_top_p),
+    (lambda p: p.typical_p < 1.0, _apply_typical_p),
+)

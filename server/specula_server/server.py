@@ -1,0 +1,126 @@
+"""Loading a model worker and serving it over gRPC on a unix socket.
+
+`load_generator` turns a model id into a ready `TextGenerator` (resolve, read config and tokenizer, load this
+rank's weight slices, build the model). `serve` runs the gRPC server; the socket appears only once the model is
+loaded, which is how the launcher knows the shard is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import torch
+
+from specula_proto import generate_pb2_grpc
+from specula_server.distributed import ShardGroup, init_distributed
+from specula_server.generator import TextGenerator
+from specula_server.hub import resolve_model_dir, weight_files
+from specula_server.models import build_model
+from specula_server.models.config import ModelConfig
+from specula_server.service import ExceptionInterceptor, TextGenerationService, WorkerInfo
+from specula_server.tokens import eos_token_ids, load_tokenizer
+from specula_server.weights import Weights
+
+logger = logging.getLogger("specula.server")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything a worker process needs, built once from the command line."""
+
+    model_id: str
+    uds_path: str
+    revision: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    hub_cache: Path | None = None
+    rank: int = 0
+    world_size: int = 1
+    master_addr: str = "localhost"
+    master_port: int = 29500
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.block_size < 1:
+            raise ValueError("block_size must be positive")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cuda", self.rank) if self.device == "cuda" else torch.device("cpu")
+
+    def uds_url(self, rank: int) -> str:
+        return f"unix://{self.uds_path}-{rank}"
+
+
+def load_generator(config: ServerConfig, group: ShardGroup) -> tuple[TextGenerator, str]:
+    """Loads this rank's part of the model; returns the generator and the model's Hub commit (or "")."""
+    if group.rank == 0:
+        model_dir = resolve_model_dir(config.model_id, config.revision, config.hub_cache)
+    group.barrier()  # rank 0 downloads; the others then find the files in the cache
+    if group.rank != 0:
+        model_dir = resolve_model_dir(config.model_id, config.revision, config.hub_cache)
+    model_config = ModelConfig.from_dir(model_dir)
+    device, dtype = config.torch_device, DTYPES[config.dtype]
+    weights = Weights(weight_files(model_dir), device, dtype, rank=group.rank, world_size=group.world_size)
+    logger.info("loading %s (%s) on %s as %s, shard %d/%d", config.model_id, model_config.architecture,
+                device, config.dtype, group.rank, group.world_size)
+    model = build_model(model_config, weights, group)
+    tokenizer = load_tokenizer(model_dir)
+    raw_config = {"eos_token_id": list(model_config.eos_token_ids)}
+    generator = TextGenerator(model, tokenizer, eos_token_ids(model_dir, raw_config), config.block_size, device)
+    sha = model_dir.name if "snapshots" in model_dir.parts else ""
+    return generator, sha
+
+
+async def serve(config: ServerConfig) -> int:
+    """Serves until SIGINT/SIGTERM (exit code 0) or an unrecoverable error (exit code 1)."""
+    group = init_distributed(config.rank, config.world_size, config.master_addr, config.master_port,
+                             config.torch_device)
+    generator, sha = load_generator(config, group)
+    info = WorkerInfo(
+        model_id=config.model_id,
+        model_sha=sha,
+        device=config.torch_device,
+        world_size=config.world_size,
+        uds_urls=tuple(config.uds_url(r) for r in range(config.world_size)),
+        kv_cache_memory=config.kv_cache_memory,
+    )
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    failures: list[BaseException] = []
+
+    def on_fatal(error: BaseException) -> None:
+        logger.error("unrecoverable error, stopping the shard: %s", error)
+        failures.append(error)
+        loop.call_soon_threadsafe(stop.set)
+
+    server = grpc.aio.server(interceptors=[ExceptionInterceptor(on_fatal)])
+    generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(TextGenerationService(generator, info), server)
+    socket_path = f"{config.uds_path}-{config.rank}"
+    if os.path.exists(socket_path):
+        os.unlink(socket_path)
+    server.add_insecure_port(config.uds_url(config.rank))
+    await server.start()
+    logger.info("shard %d ready on %s", config.rank, socket_path)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(grace=5)
+    if os.path.exists(socket_path):
+        os.unlink(socket_path)
+    return 1 if failures else 0

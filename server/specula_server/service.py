@@ -1,0 +1,234 @@
+"""The worker's gRPC service: protobuf in, `TextGenerator` calls, protobuf out.
+
+Protobuf objects stop here; everything behind this module works with the worker's own dataclasses.
+Steps run in a worker thread so the event loop keeps answering Health while a long forward pass runs,
+and a lock keeps steps strictly one at a time (the model and KV cache are not re-entrant).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import grpc
+import torch
+
+from specula_proto import generate_pb2 as pb
+from specula_proto import generate_pb2_grpc
+from specula_server.batch import Batch
+from specula_server.generator import BatchNotFoundError, InvalidRequestError, StepResult, TextGenerator
+from specula_server.params import FinishReason, SamplingParams, StoppingParams
+from specula_server.request import RequestSpec, StepOutput, TokenInfo
+
+logger = logging.getLogger("specula.service")
+
+_FINISH_REASONS = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.EOS_TOKEN: pb.FINISH_REASON_EOS_TOKEN,
+    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+}
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    model_id: str
+    model_sha: str
+    device: torch.device
+    world_size: int
+    uds_urls: tuple[str, ...]
+    kv_cache_memory: int | None  # bytes for the KV cache; None: derive from free device memory
+
+
+class ExceptionInterceptor(grpc.aio.ServerInterceptor):
+    """Logs worker exceptions and maps them to gRPC status codes.
+
+    Request errors (bad ids, unknown batches) become INVALID_ARGUMENT / NOT_FOUND and the worker keeps serving.
+    Anything else is INTERNAL; `on_fatal` then ends the process, since the shards may now disagree.
+    """
+
+    def __init__(self, on_fatal: Callable[[BaseException], None]) -> None:
+        self.on_fatal = on_fatal
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner = handler.unary_unary
+        method = handler_call_details.method
+
+        async def wrapper(request, context: grpc.aio.ServicerContext):
+            try:
+                return await inner(request, context)
+            except InvalidRequestError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except BatchNotFoundError as e:
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0] if e.args else e))
+            except torch.cuda.OutOfMemoryError as e:
+                logger.exception("%s ran out of device memory", method)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory: {e}")
+            except Exception as e:  # an unrecoverable worker fault: report it, then stop the process
+                logger.exception("%s failed", method)
+                self.on_fatal(e)
+                await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+        return grpc.unary_unary_rpc_method_handler(
+            wrapper,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
+    def __init__(self, generator: TextGenerator, info: WorkerInfo) -> None:
+        self.generator = generator
+        self.info = info
+        self._lock = asyncio.Lock()
+
+    async def _in_thread(self, fn: Callable, *args):
+        async with self._lock:
+            return await asyncio.to_thread(fn, *args)
+
+    async def Info(self, request, context):
+        cfg = self.generator.model.config
+        return pb.InfoResponse(
+            model_id=self.info.model_id,
+            model_sha=self.info.model_sha,
+            dtype=str(self.generator.dtype).removeprefix("torch."),
+            device_type=self.info.device.type,
+            block_size=self.generator.block_size,
+            max_position_embeddings=cfg.max_position_embeddings,
+            vocab_size=cfg.vocab_size,
+            world_size=self.info.world_size,
+            eos_token_ids=sorted(self.generator.eos_token_ids),
+            speculation=pb.SpeculationInfo(max_speculative_tokens=0, method="none"),
+        )
+
+    async def Health(self, request, context):
+        if self.info.device.type == "cuda":
+            torch.zeros(1, device=self.info.device)  # fails if the device is gone
+        return pb.HealthResponse()
+
+    async def ServiceDiscovery(self, request, context):
+        return pb.ServiceDiscoveryResponse(urls=list(self.info.uds_urls))
+
+    async def ClearCache(self, request, context):
+        await self._in_thread(self.generator.clear, request.id if request.HasField("id") else None)
+        return pb.ClearCacheResponse()
+
+    async def FilterBatch(self, request, context):
+        batch = await self._in_thread(self.generator.filter, request.batch_id, list(request.request_ids))
+        return pb.FilterBatchResponse(batch=cached_batch_to_pb(batch))
+
+    async def Warmup(self, request, context):
+        if request.max_total_tokens < 1 or request.max_prefill_tokens < 1 or request.max_input_tokens < 1:
+            raise InvalidRequestError("warmup limits must all be positive")
+        num_blocks = await self._in_thread(
+            self.generator.warmup,
+            request.max_input_tokens,
+            request.max_prefill_tokens,
+            request.max_total_tokens,
+            self.info.kv_cache_memory,
+        )
+        return pb.WarmupResponse(
+            max_supported_total_tokens=num_blocks * self.generator.block_size, num_blocks=num_blocks
+        )
+
+    async def Prefill(self, request, context):
+        start = time.perf_counter_ns()
+        specs = [request_from_pb(r, self.generator) for r in request.batch.requests]
+        result = await self._in_thread(self.generator.prefill, request.batch.id, specs)
+        return pb.PrefillResponse(**step_result_to_pb(result, start))
+
+    async def Decode(self, request, context):
+        start = time.perf_counter_ns()
+        result = await self._in_thread(self.generator.decode, [b.id for b in request.batches])
+        return pb.DecodeResponse(**step_result_to_pb(result, start))
+
+
+# --- conversions -------------------------------------------------------------------------------------------
+
+
+def request_from_pb(r: pb.Request, generator: TextGenerator) -> RequestSpec:
+    p, s = r.parameters, r.stopping_parameters
+    input_ids = tuple(r.input_ids)
+    if not input_ids:
+        input_ids = tuple(generator.tokenizer.encode(r.inputs).ids)
+        if r.truncate:
+            input_ids = input_ids[-r.truncate :]
+    if p.temperature < 0:
+        raise InvalidRequestError(f"request {r.id}: temperature must be > 0, got {p.temperature}")
+    sampling = SamplingParams(
+        do_sample=p.do_sample,
+        temperature=p.temperature or 1.0,  # proto3 default 0 means "unset"
+        top_k=p.top_k,
+        top_p=p.top_p or 1.0,
+        typical_p=p.typical_p or 1.0,
+        repetition_penalty=p.repetition_penalty or 1.0,
+        frequency_penalty=p.frequency_penalty,
+        presence_penalty=p.presence_penalty,
+        seed=p.seed,
+    )
+    if not 0 < sampling.top_p <= 1 or not 0 < sampling.typical_p <= 1 or sampling.repetition_penalty <= 0:
+        raise InvalidRequestError(f"request {r.id}: top_p/typical_p must be in (0, 1], repetition_penalty > 0")
+    stopping = StoppingParams(s.max_new_tokens, tuple(s.stop_sequences), s.ignore_eos_token)
+    return RequestSpec(
+        id=r.id,
+        input_ids=input_ids,
+        sampling=sampling,
+        stopping=stopping,
+        blocks=tuple(r.blocks),
+        prefill_logprobs=r.prefill_logprobs,
+        top_n_tokens=r.top_n_tokens,
+    )
+
+
+def tokens_to_pb(tokens: list[TokenInfo]) -> pb.Tokens:
+    return pb.Tokens(
+        ids=[t.id for t in tokens],
+        logprobs=[t.logprob for t in tokens],
+        texts=[t.text for t in tokens],
+        is_special=[t.is_special for t in tokens],
+    )
+
+
+def generation_to_pb(out: StepOutput) -> pb.Generation:
+    gen = pb.Generation(
+        request_id=out.request_id,
+        tokens=tokens_to_pb(out.tokens),
+        top_tokens=[tokens_to_pb(t) for t in out.top_tokens],
+    )
+    if out.prefill_tokens is not None:
+        gen.prefill_tokens.CopyFrom(tokens_to_pb(out.prefill_tokens))
+    if out.generated_text is not None:
+        g = out.generated_text
+        gen.generated_text.CopyFrom(
+            pb.GeneratedText(
+                text=g.text,
+                generated_tokens=g.generated_tokens,
+                finish_reason=_FINISH_REASONS[g.finish_reason],
+                seed=g.seed,
+            )
+        )
+    return gen
+
+
+def cached_batch_to_pb(batch: Batch) -> pb.CachedBatch:
+    return pb.CachedBatch(id=batch.id, request_ids=batch.request_ids, num_cached_tokens=batch.num_cached_tokens)
+
+
+def step_result_to_pb(result: StepResult, start_ns: int) -> dict:
+    fields = {
+        "generations": [generation_to_pb(o) for o in result.outputs],
+        "timings": pb.Timings(
+            forward_ns=result.timings.forward_ns,
+            decode_ns=result.timings.decode_ns,
+            total_ns=time.perf_counter_ns() - start_ns,
+        ),
+    }
+    if result.batch is not None:
+        fields["batch"] = cached_batch_to_pb(result.batch)
+    return fields
+

@@ -1,0 +1,73 @@
+"""Driving a `TextGenerator` directly, as the router would, for tests and benchmarks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from specula_server.distributed import ShardGroup
+from specula_server.generator import TextGenerator
+from specula_server.params import SamplingParams, StoppingParams
+from specula_server.request import RequestSpec, StepOutput
+from specula_server.server import ServerConfig, load_generator
+
+
+def load_test_generator(
+    model_dir: Path, num_blocks: int = 256, block_size: int = 16, dtype: str = "float32",
+    group: ShardGroup | None = None,
+) -> TextGenerator:
+    config = ServerConfig(model_id=str(model_dir), uds_path="/tmp/unused", dtype=dtype, block_size=block_size,
+                          rank=(group or ShardGroup()).rank, world_size=(group or ShardGroup()).world_size)
+    generator, _ = load_generator(config, group or ShardGroup())
+    generator.allocate_kv_cache(num_blocks)
+    return generator
+
+
+class BlockPool:
+    """Hands out KV blocks the way the router does (a free list), so tests exercise non-contiguous tables."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.block_size = block_size
+
+    def take(self, num_tokens: int) -> tuple[int, ...]:
+        count = -(-num_tokens // self.block_size)
+        assert count <= len(self.free), "test KV pool exhausted"
+        return tuple(self.free.pop() for _ in range(count))[::-1]
+
+    def give(self, blocks: Sequence[int]) -> None:
+        self.free.extend(blocks)
+
+
+def make_spec(
+    request_id: int,
+    input_ids: Sequence[int],
+    pool: BlockPool,
+    max_new_tokens: int = 16,
+    sampling: SamplingParams | None = None,
+    stop_sequences: Sequence[str] = (),
+    ignore_eos_token: bool = True,
+    **kwargs,
+) -> RequestSpec:
+    return RequestSpec(
+        id=request_id,
+        input_ids=tuple(input_ids),
+        sampling=sampling or SamplingParams(),
+        stopping=StoppingParams(max_new_tokens, tuple(stop_sequences), ignore_eos_token),
+        blocks=pool.take(len(input_ids) + max_new_tokens),
+        **kwargs,
+    )
+
+
+def generate_alone(generator: TextGenerator, spec: RequestSpec, batch_id: int = 0) -> list[StepOutput]:
+    """Runs one request to completion in a batch of its own; returns its output of every step."""
+    result = generator.prefill(batch_id, [spec])
+    outputs = list(result.outputs)
+    while result.batch is not None:
+        result = generator.decode([batch_id])
+        outputs.extend(result.outputs)
+    return outputs
+
+
+def token_ids(outputs: Sequence[StepOutput]) -> list[int]:
+    return [t.id for o in outputs for t in o.tokens]

@@ -1,0 +1,142 @@
+"""Checkpoint reader that gives one tensor-parallel rank exactly its slice of each tensor.
+
+Sits between `hub.weight_files` (which safetensors files make up a checkpoint) and the model's layers: a
+column-parallel linear asks for `get_sharded(name, dim=0)`, a row-parallel one for `get_sharded(name, dim=1)`,
+fused projections for `get_packed_sharded([q, k, v], dim=0)`, and replicated tensors (norms, row-parallel
+biases) for `get_tensor`. Sharded reads go through safetensors' `get_slice`, so a rank reads only its own
+block from the memory-mapped file and never materialises the full tensor.
+
+Example, world_size 2, a [6, 4] weight sharded on dim 0: rank 0 gets rows 0..2, rank 1 rows 3..5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+
+class WeightNotFoundError(KeyError):
+    """A tensor name is absent from every checkpoint file."""
+
+    def __init__(self, name: str, files: Sequence[Path]) -> None:
+        self.name = name
+        self.files = list(files)
+        self.message = f"Tensor '{name}' not found in checkpoint files {[str(f) for f in files]}"
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        # KeyError's default str() is the repr of its argument; show the plain sentence instead.
+        return self.message
+
+
+class Weights:
+    """Name-routed, rank-aware access to the tensors of a (possibly sharded) safetensors checkpoint.
+
+    Floating-point tensors come back as `dtype` on `device`; integer tensors (quantised weights, index
+    buffers) keep their dtype and only move to `device`. Every name passed in is prefixed with `prefix`
+    ("base_model.model." for an adapter, say); `names()` returns the names under `prefix` without it, so they
+    round-trip through `has`/`get_*`. Every returned tensor is contiguous and owns its memory: callers may
+    modify it in place without affecting other reads.
+    """
+
+    def __init__(
+        self,
+        files: Sequence[Path],
+        device: torch.device,
+        dtype: torch.dtype,
+        rank: int = 0,
+        world_size: int = 1,
+        prefix: str = "",
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        if not files:
+            raise ValueError("Weights needs at least one safetensors file")
+        self.files = [Path(f) for f in files]
+        self.device = device
+        self.dtype = dtype
+        self.rank = rank
+        self.world_size = world_size
+        self.prefix = prefix
+        # Handles stay open for the loader's lifetime: opening parses the header, reads are mmap-backed.
+        self._handles: dict[Path, Any] = {}
+        self._routing: dict[str, Path] = {}  # full tensor name -> file holding it
+        for file in self.files:
+            handle = safe_open(str(file), framework="pt")
+            self._handles[file] = handle
+            for name in handle.keys():
+                if name in self._routing:
+                    raise ValueError(f"Tensor '{name}' is in both {self._routing[name]} and {file}")
+                self._routing[name] = file
+
+    def has(self, name: str) -> bool:
+        return self.prefix + name in self._routing
+
+    def names(self) -> list[str]:
+        """Sorted names under `prefix`, with `prefix` removed."""
+        cut = len(self.prefix)
+        return sorted(full[cut:] for full in self._routing if full.startswith(self.prefix))
+
+    def shape(self, name: str) -> list[int]:
+        """The full (unsharded) shape of `name`, read from the file header only."""
+        full_name, handle = self._handle(name)
+        return list(handle.get_slice(full_name).get_shape())
+
+    def get_tensor(self, name: str, to_dtype: bool = True) -> Tensor:
+        """The whole tensor, for weights every rank holds in full. `to_dtype=False` keeps the file's dtype."""
+        full_name, handle = self._handle(name)
+        return self._place(handle.get_tensor(full_name), to_dtype)
+
+    def get_sharded(self, name: str, dim: int) -> Tensor:
+        """This rank's contiguous block of `name` along `dim`; the size along `dim` must divide by world_size.
+
+        Only the block is read: e.g. a [8, 6] tensor, dim=1, world_size=2, rank=1 reads `[:, 3:6]` -> [8, 3].
+        """
+        full_name, handle = self._handle(name)
+        tensor_slice = handle.get_slice(full_name)
+        shape: list[int] = tensor_slice.get_shape()
+        if not -len(shape) <= dim < len(shape):
+            raise ValueError(f"Cannot shard tensor '{full_name}' of shape {shape} along dim {dim}")
+        dim %= len(shape)
+        size = shape[dim]
+        if size % self.world_size != 0:
+            raise ValueError(
+                f"Cannot shard tensor '{full_name}' of shape {shape} along dim {dim}: "
+                f"size {size} is not divisible by world_size {self.world_size}"
+            )
+        block = size // self.world_size
+        start = self.rank * block
+        index = (slice(None),) * dim + (slice(start, start + block),)
+        return self._place(tensor_slice[index], to_dtype=True)
+
+    def get_packed_sharded(self, names: Sequence[str], dim: int) -> Tensor:
+        """Each tensor sharded along `dim`, then concatenated along `dim` in the order given.
+
+        For a fused q/k/v projection each rank gets [q_shard; k_shard; v_shard], which is what a
+        column-parallel fused layer needs: the split sizes after the matmul are the per-rank head counts.
+        """
+        if not names:
+            raise ValueError("get_packed_sharded needs at least one tensor name")
+        shards = [self.get_sharded(name, dim) for name in names]
+        return torch.cat(shards, dim=dim)
+
+    def _handle(self, name: str) -> tuple[str, Any]:
+        full_name = self.prefix + name
+        file = self._routing.get(full_name)
+        if file is None:
+            raise WeightNotFoundError(full_name, self.files)
+        return full_name, self._handles[file]
+
+    def _place(self, tensor: Tensor, to_dtype: bool) -> Tensor:
+        # safetensors (0.8 at least) hands out zero-copy views into one private mmap per handle: every read of a
+        # tensor aliases the same memory, so an in-place edit of one weight (a fused norm, say) would leak
+        # into later reads (tied embeddings read the same tensor twice), and a dim-1 shard would be a
+        # strided view. copy=True gives an owned, contiguous tensor of exactly the slice's size, in the
+        # same single copy that a device or dtype change makes anyway.
+        dtype = self.dtype if to_dtype and tensor.is_floating_point() else tensor.dtype
+        return tensor.to(device=self.device, dtype=dtype, copy=True)
