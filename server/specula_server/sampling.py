@@ -46,7 +46,7 @@ class SamplingRow:
     """One position to choose a token for."""
 
     params: SamplingParams
-    history: torch.Tensor  # [num_context_tokens] long: prompt + generated (+ draft prefix); penalties count these
+    history: torch.Tensor  # [num_context_tokens] long: prompt + generated (+ draft prefix), for penalties
     generator: torch.Generator | None  # the request's own generator, seeded by the caller; None when greedy
 
 
@@ -158,7 +158,8 @@ def _apply_penalties(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
     # Ids past the logits' vocab (embedding tables can be padded larger than lm_head) land in an extra
     # column that is dropped: such tokens cannot be generated, so there is nothing to penalise.
     counts = torch.zeros(num_rows, vocab + 1, dtype=scores.dtype, device=device)  # [m, vocab + 1]
-    counts.index_put_((row_ids, token_ids.clamp(max=vocab)), torch.ones_like(token_ids, dtype=scores.dtype), True)
+    ones = torch.ones_like(token_ids, dtype=scores.dtype)
+    counts.index_put_((row_ids, token_ids.clamp(max=vocab)), ones, accumulate=True)
     counts = counts[:, :vocab]  # [m, vocab]
     present = counts > 0  # [m, vocab]
 

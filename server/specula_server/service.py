@@ -154,6 +154,8 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
 def request_from_pb(r: pb.Request, generator: TextGenerator) -> RequestSpec:
     p, s = r.parameters, r.stopping_parameters
     input_ids = tuple(r.input_ids)
+    if not input_ids and not r.inputs:
+        raise InvalidRequestError(f"request {r.id}: empty prompt (neither inputs nor input_ids given)")
     if not input_ids:
         input_ids = tuple(generator.tokenizer.encode(r.inputs).ids)
         if r.truncate:

@@ -1,0 +1,26 @@
+"""Shared fixtures: small random models in Hugging Face layout, built once per test session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from specula_server.testing.models import build_tiny_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _threads():
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {kind: build_tiny_model(root / kind, kind) for kind in ("llama", "qwen2", "llama31")}
+
+
+@pytest.fixture(scope="session")
+def llama_dir(model_dirs) -> Path:
+    return model_dirs["llama"]

@@ -1,0 +1,83 @@
+"""Continuous batching changes nothing: a request's tokens do not depend on what it is batched with."""
+
+from __future__ import annotations
+
+import pytest
+
+from specula_server.params import SamplingParams
+from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
+
+SEEDED = SamplingParams(do_sample=True, temperature=0.9, top_k=50, seed=1234)
+REQUESTS = [  # (prompt, max_new_tokens, sampling)
+    ([1, 50, 60, 70, 80, 90, 100], 20, SamplingParams()),
+    ([1, 7, 9], 12, SamplingParams()),
+    ([1] + list(range(200, 240)), 16, SEEDED),
+    ([1, 11, 12, 13, 14], 24, SamplingParams(do_sample=True, seed=7, repetition_penalty=1.3)),
+]
+
+
+@pytest.fixture(scope="module")
+def generator(llama_dir):
+    return load_test_generator(llama_dir, num_blocks=128)
+
+
+def alone(generator, i: int) -> list[int]:
+    prompt, max_new, sampling = REQUESTS[i]
+    spec = make_spec(i, prompt, BlockPool(128, 16), max_new_tokens=max_new, sampling=sampling)
+    return token_ids(generate_alone(generator, spec, batch_id=100 + i))
+
+
+def test_staggered_prefill_concatenate_and_filter(generator):
+    expected = {i: alone(generator, i) for i in range(len(REQUESTS))}
+    pool = BlockPool(128, 16)
+    specs = [
+        make_spec(i, p, pool, max_new_tokens=n, sampling=s) for i, (p, n, s) in enumerate(REQUESTS)
+    ]
+    got: dict[int, list[int]] = {i: [] for i in range(len(REQUESTS))}
+
+    def record(result):
+        for out in result.outputs:
+            got[out.request_id].extend(t.id for t in out.tokens)
+        return result.batch
+
+    live = record(generator.prefill(1, [specs[0]]))  # request 0 starts alone
+    for _ in range(3):
+        live = record(generator.decode([live.id]))
+    second = record(generator.prefill(2, [specs[1], specs[2]]))  # two join mid-flight, in another batch
+    live = record(generator.decode([live.id, second.id]))  # the batches are concatenated
+    assert sorted(live.request_ids) == [0, 1, 2]
+    third = record(generator.prefill(3, [specs[3]]))
+    live = record(generator.decode([third.id, live.id]))
+    while live is not None:
+        live = record(generator.decode([live.id]))
+    assert got == expected
+    assert generator.batches == {}
+
+
+def test_filter_drops_a_request_without_affecting_others(generator):
+    expected = alone(generator, 0)
+    pool = BlockPool(128, 16)
+    specs = [make_spec(i, p, pool, max_new_tokens=n, sampling=s) for i, (p, n, s) in enumerate(REQUESTS[:2])]
+    result = generator.prefill(5, specs)
+    tokens = [result.outputs[0].tokens[0].id]
+    batch = generator.filter(5, [0])  # request 1 is cancelled
+    assert batch.request_ids == [0]
+    while result.batch is not None:
+        result = generator.decode([5])
+        assert [o.request_id for o in result.outputs] == [0]
+        tokens.extend(t.id for o in result.outputs for t in o.tokens)
+    assert tokens == expected
+
+
+def test_finished_requests_leave_the_batch(generator):
+    pool = BlockPool(128, 16)
+    short = make_spec(0, [1, 5, 6], pool, max_new_tokens=2)
+    long = make_spec(1, [1, 8, 9], pool, max_new_tokens=5)
+    result = generator.prefill(9, [short, long])
+    result = generator.decode([9])
+    done = {o.request_id: o.generated_text for o in result.outputs}
+    assert done[0] is not None and done[0].generated_tokens == 2 and done[0].finish_reason.value == "length"
+    assert done[1] is None
+    assert result.batch.request_ids == [1]
+    generator.clear()
+    assert generator.batches == {}

@@ -1,0 +1,149 @@
+"""The worker at its gRPC edge: the contract the router relies on, and errors that must not crash it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from specula_proto import generate_pb2 as pb
+from specula_proto import generate_pb2_grpc
+from specula_server.distributed import ShardGroup
+from specula_server.server import ServerConfig, load_generator
+from specula_server.service import ExceptionInterceptor, TextGenerationService, WorkerInfo
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def request(rid: int, ids: list[int], blocks: list[int], max_new: int = 4, top_n_tokens: int = 0,
+            **params) -> pb.Request:
+    return pb.Request(
+        id=rid,
+        top_n_tokens=top_n_tokens,
+        input_ids=ids,
+        parameters=pb.NextTokenChooserParameters(**params),
+        stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=max_new, ignore_eos_token=True),
+        blocks=blocks,
+    )
+
+
+@pytest.fixture
+def stub_factory(llama_dir, tmp_path):
+    """Runs the service in-process on a unix socket and yields an async client stub."""
+    config = ServerConfig(model_id=str(llama_dir), uds_path=str(tmp_path / "sock"), kv_cache_memory=2**22)
+    generator, _ = load_generator(config, ShardGroup())
+    info = WorkerInfo(str(llama_dir), "", config.torch_device, 1, (config.uds_url(0),), config.kv_cache_memory)
+    fatal: list[BaseException] = []
+
+    async def run(body):
+        server = grpc.aio.server(interceptors=[ExceptionInterceptor(fatal.append)])
+        generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(TextGenerationService(generator, info), server)
+        server.add_insecure_port(config.uds_url(0))
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(config.uds_url(0)) as channel:
+                await body(generate_pb2_grpc.TextGenerationServiceStub(channel))
+        finally:
+            await server.stop(None)
+        assert not fatal, f"a request error was treated as fatal: {fatal}"
+
+    return lambda body: asyncio.run(run(body))
+
+
+def test_contract_round_trip(stub_factory):
+    async def body(stub):
+        info = await stub.Info(pb.InfoRequest())
+        assert info.block_size == 16 and info.dtype == "float32" and info.device_type == "cpu"
+        assert info.speculation.max_speculative_tokens == 0 and 2 in info.eos_token_ids
+        await stub.Health(pb.HealthRequest())
+        urls = (await stub.ServiceDiscovery(pb.ServiceDiscoveryRequest())).urls
+        assert len(urls) == 1 and urls[0].startswith("unix://")
+        warm = await stub.Warmup(pb.WarmupRequest(max_input_tokens=64, max_prefill_tokens=128, max_total_tokens=96))
+        assert warm.num_blocks > 0 and warm.max_supported_total_tokens == warm.num_blocks * info.block_size
+        prefill = await stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=[
+            request(10, [1, 5, 6, 7], [0], max_new=3), request(11, [1, 9], [1], max_new=2, top_n_tokens=2)])))
+        assert [g.request_id for g in prefill.generations] == [10, 11]
+        assert len(prefill.generations[1].top_tokens[0].ids) == 2
+        assert prefill.batch.request_ids == [10, 11] and prefill.timings.forward_ns > 0
+        decode = await stub.Decode(pb.DecodeRequest(batches=[prefill.batch]))
+        finished = {g.request_id: g.HasField("generated_text") for g in decode.generations}
+        assert finished == {10: False, 11: True}
+        assert decode.batch.request_ids == [10]
+        filtered = await stub.FilterBatch(pb.FilterBatchRequest(batch_id=1, request_ids=[]))
+        assert list(filtered.batch.request_ids) == []
+        await stub.ClearCache(pb.ClearCacheRequest())
+
+    stub_factory(body)
+
+
+def test_malformed_requests_are_errors_not_crashes(stub_factory):
+    async def expect(call, code, match):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await call
+        assert err.value.code() == code and match in err.value.details()
+
+    async def body(stub):
+        await expect(stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=[request(1, [1, 2], [0])]))),
+                     grpc.StatusCode.INVALID_ARGUMENT, "Warmup")
+        await stub.Warmup(pb.WarmupRequest(max_input_tokens=32, max_prefill_tokens=32, max_total_tokens=64))
+        bad = [
+            (request(1, [1, 10**6], [0]), "outside the vocabulary"),
+            (request(1, [1] * 30, [0], max_new=8), "cannot hold"),
+            (request(1, [1, 2], [10**6]), "KV block ids"),
+            (request(1, [], [0]), "empty prompt"),
+            (request(1, [1, 2], [0], max_new=0), "max_new_tokens"),
+            (request(1, [1, 2], [0], temperature=-1.0), "temperature"),
+        ]
+        for req, match in bad:
+            await expect(stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=[req]))),
+                         grpc.StatusCode.INVALID_ARGUMENT, match)
+        await expect(stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=42)])),
+                     grpc.StatusCode.NOT_FOUND, "unknown batch")
+        await expect(stub.FilterBatch(pb.FilterBatchRequest(batch_id=42)), grpc.StatusCode.NOT_FOUND, "42")
+        # The worker still serves after all of that.
+        ok = await stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=[request(1, [1, 2], [0])])))
+        assert len(ok.generations) == 1
+
+    stub_factory(body)
+
+
+def test_cli_serves_on_a_socket_and_stops_on_sigterm(llama_dir, tmp_path):
+    uds = tmp_path / "shard"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(REPO / p) for p in ("server", "kernels", "proto")))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specula_server.cli", "serve", str(llama_dir), "--uds-path", str(uds),
+         "--kv-cache-memory", "4MiB"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not Path(f"{uds}-0").exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "socket never appeared"
+            time.sleep(0.1)
+
+        async def info():
+            async with grpc.aio.insecure_channel(f"unix://{uds}-0") as channel:
+                return await generate_pb2_grpc.TextGenerationServiceStub(channel).Info(pb.InfoRequest())
+
+        assert asyncio.run(info()).model_id == str(llama_dir)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        output = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0, output
+    assert not Path(f"{uds}-0").exists()
+
+
+def test_cli_help_lists_every_option():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(REPO / p) for p in ("server", "kernels", "proto")))
+    out = subprocess.run([sys.executable, "-m", "specula_server.cli", "serve", "--help"], env=env,
+                         capture_output=True, text=True, check=True).stdout
+    for flag in ("--uds-path", "--revision", "--dtype", "--device", "--kv-cache-memory", "--block-size"):
+        assert flag in out

@@ -1,0 +1,59 @@
+"""Two tensor-parallel ranks over gloo give the same tokens as one rank."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from specula_server.params import SamplingParams
+from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
+
+PROMPTS = [[1, 50, 60, 70, 80, 90, 100], [1, 7], [1] + list(range(100, 140))]
+SAMPLED = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=99)
+
+
+def run_requests(model_dir, group=None) -> list[list[int]]:
+    generator = load_test_generator(model_dir, group=group)
+    results = []
+    for i, prompt in enumerate(PROMPTS):
+        for j, sampling in enumerate([SamplingParams(), SAMPLED]):
+            spec = make_spec(i, prompt, BlockPool(256, 16), max_new_tokens=24, sampling=sampling)
+            results.append(token_ids(generate_alone(generator, spec, batch_id=2 * i + j)))
+    return results
+
+
+def _rank_main(rank: int, world_size: int, port: int, model_dir, queue) -> None:
+    from specula_server.distributed import init_distributed
+
+    torch.set_num_threads(1)
+    group = init_distributed(rank, world_size, "127.0.0.1", port, torch.device("cpu"))
+    try:
+        queue.put((rank, run_requests(model_dir, group)))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_two_ranks_match_one_rank(model_dirs, kind):
+    expected = run_requests(model_dirs[kind])
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, model_dirs[kind], queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert results[0] == expected
+    assert results[1] == expected  # every rank accepts the same tokens
