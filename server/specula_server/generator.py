@@ -117,7 +117,7 @@ class TextGenerator:
         if any(not 0 <= b < cache.num_blocks for b in spec.blocks):
             raise InvalidRequestError(f"request {spec.id}: KV block ids must be in [0, {cache.num_blocks})")
         slots = slots_for_blocks(torch.tensor(spec.blocks, device=self.device), self.block_size)
-        return RequestState.create(spec, self.tokenizer, slots, self.eos_token_ids, self.special_ids, self.device)
+        return RequestState.create(spec, self.tokenizer, slots, self.eos_token_ids, self.device)
 
     # --- steps --------------------------------------------------------------------------------------------
 

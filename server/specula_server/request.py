@@ -7,7 +7,7 @@ stop checker) hangs off this one object; batch tensors are rebuilt from these ob
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import tokenizers
 import torch
@@ -68,7 +68,6 @@ class RequestState:
     generator: torch.Generator | None
     num_tokens: int  # prompt + generated tokens so far
     finish_reason: FinishReason | None = None
-    special_ids: frozenset[int] = field(default_factory=frozenset)
 
     @classmethod
     def create(
@@ -77,7 +76,6 @@ class RequestState:
         tokenizer: tokenizers.Tokenizer,
         slots: torch.Tensor,
         eos_token_ids: frozenset[int],
-        special_ids: frozenset[int],
         device: torch.device,
     ) -> RequestState:
         capacity = slots.numel()
@@ -95,7 +93,6 @@ class RequestState:
             stop_checker=StopChecker(spec.stopping, eos_token_ids),
             generator=generator,
             num_tokens=len(spec.input_ids),
-            special_ids=special_ids,
         )
 
     @property
@@ -129,7 +126,9 @@ class RequestState:
         self.num_tokens += 1
         text = self.detokenizer.push(token_id)
         self.finish_reason = self.stop_checker.check(token_id, self.detokenizer.text)
-        return TokenInfo(token_id, logprob, text, token_id in self.special_ids)
+        if self.finish_reason is not None:
+            text += self.detokenizer.finish()  # bytes of a character cut short by the end
+        return TokenInfo(token_id, logprob, text, self.detokenizer.is_special(token_id))
 
     def generated_text(self) -> GeneratedText:
         assert self.finish_reason is not None
