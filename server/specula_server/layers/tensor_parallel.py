@@ -13,21 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specula_kernels.linear import default_num_parts, linear, pack_weight
 from specula_server.distributed import ShardGroup
 from specula_server.weights import Weights
-
-
-def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ weight_t + bias` with the weight stored input-major (`[in, out]`).
-
-    Checkpoints store `[out, in]`; we keep the transpose because single-token decode on CPU is a
-    matrix-vector product bound by memory bandwidth, and MKL streams an `[in, out]` matrix about 1.4x
-    faster than an `[out, in]` one (19.5 vs 14 GB/s measured on the 2-core benchmark machine, up to 2x on
-    the LM head). Large-batch GEMMs run at the same speed either way.
-    """
-    if bias is None:
-        return torch.matmul(x, weight_t)
-    return torch.addmm(bias, x, weight_t) if x.dim() == 2 else torch.matmul(x, weight_t) + bias
 
 
 class ColumnParallelLinear(nn.Module):
@@ -35,8 +23,8 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
-        # Input-major copy of the checkpoint's [out_local, in] weight; see `_linear`.
-        self.weight_t = nn.Parameter(weight.t().contiguous(), requires_grad=False)  # [in, out_local]
+        parts = default_num_parts(weight.shape[0], weight.device)
+        self.weight = nn.Parameter(pack_weight(weight, parts), requires_grad=False)  # [parts, in, out_local/parts]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
@@ -47,7 +35,7 @@ class ColumnParallelLinear(nn.Module):
         return cls(weight, b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight_t, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -55,7 +43,8 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: ShardGroup) -> None:
         super().__init__()
-        self.weight_t = nn.Parameter(weight.t().contiguous(), requires_grad=False)  # [in_local, out]
+        parts = default_num_parts(weight.shape[0], weight.device)
+        self.weight = nn.Parameter(pack_weight(weight, parts), requires_grad=False)  # [parts, in_local, out/parts]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group
 
@@ -66,7 +55,7 @@ class RowParallelLinear(nn.Module):
         return cls(weight, b, group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.group.all_reduce(_linear(x, self.weight_t, None))
+        out = self.group.all_reduce(linear(x, self.weight))
         # The bias is added once, after the reduction, so it is not counted world_size times.
         return out if self.bias is None else out + self.bias
 
@@ -109,12 +98,13 @@ class ParallelLMHead(nn.Module):
     def __init__(self, weights: Weights, name: str, group: ShardGroup) -> None:
         super().__init__()
         weight, _ = _vocab_shard(weights, name, group)
-        self.weight_t = nn.Parameter(weight.t().contiguous(), requires_grad=False)  # [hidden, vocab_local]
+        parts = default_num_parts(weight.shape[0], weight.device)
+        self.weight = nn.Parameter(pack_weight(weight, parts), requires_grad=False)  # [parts, hidden, vocab_local/parts]
         self.vocab_size = weights.shape(name)[0]
         self.group = group
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
-        logits = _linear(hidden, self.weight_t, None)
+        logits = linear(hidden, self.weight)
         if self.group.world_size == 1:
             return logits
         return self.group.all_gather(logits, dim=-1)[:, : self.vocab_size]

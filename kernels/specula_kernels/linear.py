@@ -1,0 +1,60 @@
+"""Dense linear layers with weights packed for bandwidth-bound decoding.
+
+A decode step multiplies a handful of activation rows by every weight matrix once, so its speed is the speed
+at which weights stream from memory. On CPU, MKL runs such a skinny GEMM (`[1, in] @ [in, out]`) on a single
+thread, which leaves most of the memory bandwidth unused. Packing the weight as `num_parts` contiguous
+column blocks `[num_parts, in, out / num_parts]` turns the product into a batched GEMM whose batches run on
+separate threads:
+
+    x [m, in] --expand--> [parts, m, in] @ packed [parts, in, out/parts] -> [parts, m, out/parts] -> [m, out]
+
+Each output element is still one dot product over the full input, so results equal `F.linear` up to the
+GEMM's summation order. Measured on the 2-core benchmark machine (12 layers of a 125M Llama + LM head):
+20.9 ms per token with `x @ W^T` in one block, 15.4 ms with two blocks. On CUDA one block is used.
+
+`linear_reference` is the plain definition the packed form is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def default_num_parts(out_features: int, device: torch.device) -> int:
+    """One block per CPU thread when the output splits evenly; a single block on accelerators."""
+    if device.type != "cpu":
+        return 1
+    threads = torch.get_num_threads()
+    return threads if threads > 1 and out_features % threads == 0 else 1
+
+
+def pack_weight(weight: torch.Tensor, num_parts: int) -> torch.Tensor:
+    """`[out, in]` (checkpoint layout) -> `[num_parts, in, out / num_parts]`, contiguous."""
+    out_features, in_features = weight.shape
+    if out_features % num_parts:
+        raise ValueError(f"cannot split {out_features} output features into {num_parts} blocks")
+    return weight.t().reshape(in_features, num_parts, out_features // num_parts).permute(1, 0, 2).contiguous()
+
+
+def unpack_weight(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_weight`: back to `[out, in]`."""
+    num_parts, in_features, block = packed.shape
+    return packed.permute(1, 0, 2).reshape(in_features, num_parts * block).t()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ W^T + bias` for `x` `[m, in]` and a packed weight; returns `[m, out]`."""
+    assert x.dim() == 2 and x.shape[1] == packed.shape[1], (x.shape, packed.shape)
+    assert x.dtype == packed.dtype, (x.dtype, packed.dtype)
+    num_parts, in_features, block = packed.shape
+    if num_parts == 1:
+        out = torch.matmul(x, packed[0])
+    else:
+        out = torch.bmm(x.unsqueeze(0).expand(num_parts, -1, -1), packed)  # [parts, m, block]
+        out = out.transpose(0, 1).reshape(x.shape[0], num_parts * block)
+    return out if bias is None else out + bias
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, weight, bias)

@@ -1,0 +1,42 @@
+"""The packed linear kernel against `F.linear`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specula_kernels.linear import default_num_parts, linear, linear_reference, pack_weight, unpack_weight
+
+
+@pytest.mark.parametrize("num_parts", [1, 2, 4])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_reference(num_parts, rows, with_bias):
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(64, 48, generator=gen)
+    bias = torch.randn(64, generator=gen) if with_bias else None
+    x = torch.randn(rows, 48, generator=gen)
+    packed = pack_weight(weight, num_parts)
+    assert packed.shape == (num_parts, 48, 64 // num_parts) and packed.is_contiguous()
+    torch.testing.assert_close(linear(x, packed, bias), linear_reference(x, weight, bias), rtol=1e-5, atol=1e-5)
+    assert torch.equal(unpack_weight(packed), weight)
+
+
+def test_pack_rejects_uneven_split():
+    with pytest.raises(ValueError, match="cannot split 10 output features into 4"):
+        pack_weight(torch.zeros(10, 4), 4)
+
+
+def test_default_parts_follow_threads_on_cpu_only():
+    threads = torch.get_num_threads()
+    assert default_num_parts(threads * 8, torch.device("cpu")) == threads
+    assert default_num_parts(threads * 8 + 1, torch.device("cpu")) in (1, threads)
+    assert default_num_parts(64, torch.device("cuda")) == 1
+
+
+def test_shape_and_dtype_checks():
+    packed = pack_weight(torch.zeros(8, 4), 2)
+    with pytest.raises(AssertionError):
+        linear(torch.zeros(2, 5), packed)
+    with pytest.raises(AssertionError):
+        linear(torch.zeros(2, 4, dtype=torch.float64), packed)
