@@ -147,3 +147,33 @@ def test_cli_help_lists_every_option():
                          capture_output=True, text=True, check=True).stdout
     for flag in ("--uds-path", "--revision", "--dtype", "--device", "--kv-cache-memory", "--block-size"):
         assert flag in out
+
+
+def test_unexpected_worker_fault_is_internal_and_fatal(llama_dir, tmp_path):
+    config = ServerConfig(model_id=str(llama_dir), uds_path=str(tmp_path / "sock"), kv_cache_memory=2**22)
+    generator, _ = load_generator(config, ShardGroup())
+    info = WorkerInfo(str(llama_dir), "", config.torch_device, 1, (config.uds_url(0),), config.kv_cache_memory)
+    fatal: list[BaseException] = []
+
+    def broken(batch_ids):
+        raise RuntimeError("device fell over")
+
+    generator.decode = broken
+
+    async def run():
+        server = grpc.aio.server(interceptors=[ExceptionInterceptor(fatal.append)])
+        generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(TextGenerationService(generator, info), server)
+        server.add_insecure_port(config.uds_url(0))
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(config.uds_url(0)) as channel:
+                stub = generate_pb2_grpc.TextGenerationServiceStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=1)]))
+                assert err.value.code() == grpc.StatusCode.INTERNAL
+                assert "device fell over" in err.value.details()
+        finally:
+            await server.stop(None)
+
+    asyncio.run(run())
+    assert len(fatal) == 1 and isinstance(fatal[0], RuntimeError)
