@@ -1,0 +1,248 @@
+"""`specula-router`: the HTTP front of a Specula deployment (started by `specula-launcher`).
+
+Startup follows TGI: connect to shard 0, discover every shard, clear their caches, read Info, derive and check
+the token limits, Warmup (the KV cache size comes back), then serve HTTP while the batching loop runs.
+Every option also reads an environment variable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, help="Specula router: HTTP API, validation, queue and batching.")
+logger = logging.getLogger("specula.router")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_id: str
+    master_shard_uds_path: str
+    revision: str | None = None
+    huggingface_hub_cache: Path | None = None
+    hostname: str = "0.0.0.0"
+    port: int = 3000
+    speculative_tokens: int = 0
+    speculator: str | None = None
+    adapter_source: str = "hub"
+    max_concurrent_requests: int = 128
+    max_best_of: int = 2
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_input_tokens: int | None = None
+    max_total_tokens: int | None = None
+    waiting_served_ratio: float = 1.2
+    max_batch_prefill_tokens: int | None = None
+    max_batch_total_tokens: int | None = None
+    max_waiting_tokens: int = 20
+    max_batch_size: int | None = None
+    payload_limit: int = 2_000_000
+    cors_allow_origin: tuple[str, ...] = field(default_factory=tuple)
+    json_output: bool = False
+    num_shard: int = 1
+    shutdown_timeout: float = 30.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_input_tokens: int
+    max_total_tokens: int
+    max_batch_prefill_tokens: int
+
+
+def derive_limits(config: RouterConfig, max_position_embeddings: int) -> Limits:
+    """TGI's defaults from the model's position limit, then the checks that keep every request servable."""
+    lookahead = config.speculative_tokens
+    max_total = config.max_total_tokens or min(max_position_embeddings - lookahead, 4096)
+    max_input = config.max_input_tokens or max_total - 1
+    prefill = config.max_batch_prefill_tokens or max_input + 50
+    if max_input >= max_total:
+        raise ValueError(f"--max-input-tokens ({max_input}) must be < --max-total-tokens ({max_total})")
+    if max_total + lookahead > max_position_embeddings:
+        raise ValueError(
+            f"--max-total-tokens ({max_total}) + --speculative-tokens ({lookahead}) exceeds the model's "
+            f"{max_position_embeddings} positions"
+        )
+    if prefill < max_input:
+        raise ValueError(f"--max-batch-prefill-tokens ({prefill}) must be >= --max-input-tokens ({max_input})")
+    return Limits(max_input, max_total, prefill)
+
+
+async def run(config: RouterConfig) -> int:
+    import uvicorn
+
+    from specula_router.block_allocator import BlockAllocator
+    from specula_router.client import ShardedClient
+    from specula_router.metrics import Metrics
+    from specula_router.scheduler import Scheduler, SchedulerConfig
+    from specula_router.server import RouterState, create_app
+    from specula_router.validation import ValidationLimits, Validator
+    from specula_server.hub import resolve_model_dir
+    from specula_server.tokens import load_tokenizer
+
+    client = await ShardedClient.connect(f"unix://{config.master_shard_uds_path}")
+    await client.clear_cache()
+    info = await client.info()
+    limits = derive_limits(config, info.max_position_embeddings)
+    lookahead = config.speculative_tokens
+    warm = await client.warmup(limits.max_input_tokens, limits.max_batch_prefill_tokens,
+                               limits.max_total_tokens + lookahead)
+    num_blocks = warm.num_blocks
+    if config.max_batch_total_tokens:
+        num_blocks = min(num_blocks, config.max_batch_total_tokens // info.block_size)
+    if num_blocks * info.block_size < limits.max_total_tokens + lookahead:
+        raise ValueError(f"the KV cache holds {num_blocks * info.block_size} tokens, fewer than one request's "
+                         f"{limits.max_total_tokens + lookahead}; lower --max-total-tokens or give it more memory")
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens", num_blocks, info.block_size,
+                num_blocks * info.block_size)
+
+    model_dir = resolve_model_dir(config.model_id, config.revision, config.huggingface_hub_cache,
+                                  allow_patterns=("*.json", "tokenizer.model"))
+    validator = Validator(load_tokenizer(model_dir), ValidationLimits(
+        max_input_tokens=limits.max_input_tokens, max_total_tokens=limits.max_total_tokens,
+        max_stop_sequences=config.max_stop_sequences, max_best_of=config.max_best_of,
+        max_top_n_tokens=config.max_top_n_tokens, max_speculative_tokens=config.speculative_tokens,
+        max_position_embeddings=info.max_position_embeddings))
+    metrics = Metrics()
+    scheduler = Scheduler(client, BlockAllocator(num_blocks, info.block_size), SchedulerConfig(
+        max_batch_prefill_tokens=limits.max_batch_prefill_tokens, waiting_served_ratio=config.waiting_served_ratio,
+        max_waiting_tokens=config.max_waiting_tokens, max_batch_size=config.max_batch_size,
+        lookahead=lookahead), metrics)
+    state = RouterState(scheduler, validator, client, metrics, info_body(config, info, limits, num_blocks),
+                        config.max_concurrent_requests, "gpu" if info.device_type == "cuda" else "cpu")
+    app_ = create_app(state, config.payload_limit, list(config.cors_allow_origin))
+    server = uvicorn.Server(uvicorn.Config(app_, host=config.hostname, port=config.port, log_config=None,
+                                           timeout_graceful_shutdown=int(config.shutdown_timeout)))
+    failures: list[BaseException] = []
+
+    def on_loop_done(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("batching loop failed: %r", task.exception())
+            failures.append(task.exception())
+            server.should_exit = True
+
+    loop_task = asyncio.create_task(scheduler.run())
+    loop_task.add_done_callback(on_loop_done)
+    logger.info("serving on http://%s:%d", config.hostname, config.port)
+    await server.serve()
+    loop_task.cancel()
+    await client.close()
+    return 1 if failures else 0
+
+
+def info_body(config: RouterConfig, info, limits: Limits, num_blocks: int) -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        specula_version = version("specula")
+    except PackageNotFoundError:
+        specula_version = "0.0.0+source"
+    return {
+        "model_id": config.model_id,
+        "model_sha": info.model_sha or None,
+        "model_dtype": info.dtype,
+        "model_device_type": info.device_type,
+        "model_pipeline_tag": "text-generation",
+        "max_concurrent_requests": config.max_concurrent_requests,
+        "max_best_of": config.max_best_of,
+        "max_stop_sequences": config.max_stop_sequences,
+        "max_top_n_tokens": config.max_top_n_tokens,
+        "max_input_tokens": limits.max_input_tokens,
+        "max_input_length": limits.max_input_tokens,
+        "max_total_tokens": limits.max_total_tokens,
+        "max_batch_prefill_tokens": limits.max_batch_prefill_tokens,
+        "max_batch_total_tokens": num_blocks * info.block_size,
+        "max_batch_size": config.max_batch_size,
+        "waiting_served_ratio": config.waiting_served_ratio,
+        "max_waiting_tokens": config.max_waiting_tokens,
+        "validation_workers": 1,
+        "num_shard": info.world_size,
+        "block_size": info.block_size,
+        "max_position_embeddings": info.max_position_embeddings,
+        "speculation": {
+            "method": info.speculation.method if config.speculative_tokens else "none",
+            "max_speculative_tokens": config.speculative_tokens,
+            "speculator": config.speculator,
+        },
+        "version": specula_version,
+        "sha": None,
+        "docker_label": None,
+    }
+
+
+def _setup_logging(level: str, json_output: bool) -> None:
+    if json_output:
+        fmt = '{"time": "%(asctime)s", "level": "%(levelname)s", "logger": "%(name)s", "message": %(message)r}'
+    else:
+        fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stdout)
+
+
+@app.command()
+def main(
+    model_id: str = typer.Option(..., envvar="MODEL_ID", help="Model id or directory (for the tokenizer and /info)."),
+    master_shard_uds_path: str = typer.Option("/tmp/specula-server-0", envvar="MASTER_SHARD_UDS_PATH",
+                                              help="Unix socket of shard 0."),
+    revision: Optional[str] = typer.Option(None, envvar="REVISION", help="Hub revision."),
+    huggingface_hub_cache: Optional[Path] = typer.Option(None, envvar="HUGGINGFACE_HUB_CACHE", help="Hub cache."),
+    hostname: str = typer.Option("0.0.0.0", envvar="HOSTNAME", help="HTTP bind address."),
+    port: int = typer.Option(3000, envvar="PORT", help="HTTP port."),
+    speculative_tokens: int = typer.Option(0, envvar="SPECULATIVE_TOKENS", help="Max draft tokens per step."),
+    speculator: Optional[str] = typer.Option(None, envvar="SPECULATOR", help="Speculator served for all requests."),
+    adapter_source: str = typer.Option("hub", envvar="ADAPTER_SOURCE", help="Default adapter source."),
+    max_concurrent_requests: int = typer.Option(128, envvar="MAX_CONCURRENT_REQUESTS",
+                                                help="Requests in flight before 429."),
+    max_best_of: int = typer.Option(2, envvar="MAX_BEST_OF", help="Largest best_of."),
+    max_stop_sequences: int = typer.Option(4, envvar="MAX_STOP_SEQUENCES", help="Most stop sequences."),
+    max_top_n_tokens: int = typer.Option(5, envvar="MAX_TOP_N_TOKENS", help="Largest top_n_tokens."),
+    max_input_tokens: Optional[int] = typer.Option(None, "--max-input-tokens", "--max-input-length",
+                                                   envvar="MAX_INPUT_TOKENS", help="Longest prompt in tokens."),
+    max_total_tokens: Optional[int] = typer.Option(None, envvar="MAX_TOTAL_TOKENS",
+                                                   help="Longest prompt + generation in tokens."),
+    waiting_served_ratio: float = typer.Option(1.2, envvar="WAITING_SERVED_RATIO",
+                                               help="Waiting/running ratio that triggers a prefill."),
+    max_batch_prefill_tokens: Optional[int] = typer.Option(None, envvar="MAX_BATCH_PREFILL_TOKENS",
+                                                           help="Most prompt tokens in one prefill."),
+    max_batch_total_tokens: Optional[int] = typer.Option(None, envvar="MAX_BATCH_TOTAL_TOKENS",
+                                                         help="Cap on KV cache tokens (default: what warmup finds)."),
+    max_waiting_tokens: int = typer.Option(20, envvar="MAX_WAITING_TOKENS",
+                                           help="Decode steps a waiting request may be delayed."),
+    max_batch_size: Optional[int] = typer.Option(None, envvar="MAX_BATCH_SIZE", help="Most requests in a batch."),
+    payload_limit: int = typer.Option(2_000_000, envvar="PAYLOAD_LIMIT", help="Largest request body in bytes."),
+    cors_allow_origin: List[str] = typer.Option([], envvar="CORS_ALLOW_ORIGIN", help="Allowed CORS origins."),
+    json_output: bool = typer.Option(False, envvar="JSON_OUTPUT", help="Log as JSON lines."),
+    num_shard: int = typer.Option(1, envvar="NUM_SHARD", help="Number of shards (informational)."),
+    shutdown_timeout: float = typer.Option(30.0, envvar="SHUTDOWN_TIMEOUT",
+                                           help="Seconds to drain in-flight requests on SIGTERM."),
+    log_level: str = typer.Option("INFO", envvar="LOG_LEVEL", help="Python logging level."),
+) -> None:
+    """Serve the HTTP API in front of running model shards."""
+    _setup_logging(log_level, json_output)
+    config = RouterConfig(
+        model_id=model_id, master_shard_uds_path=master_shard_uds_path, revision=revision,
+        huggingface_hub_cache=huggingface_hub_cache, hostname=hostname, port=port,
+        speculative_tokens=speculative_tokens, speculator=speculator, adapter_source=adapter_source,
+        max_concurrent_requests=max_concurrent_requests, max_best_of=max_best_of,
+        max_stop_sequences=max_stop_sequences, max_top_n_tokens=max_top_n_tokens, max_input_tokens=max_input_tokens,
+        max_total_tokens=max_total_tokens, waiting_served_ratio=waiting_served_ratio,
+        max_batch_prefill_tokens=max_batch_prefill_tokens, max_batch_total_tokens=max_batch_total_tokens,
+        max_waiting_tokens=max_waiting_tokens, max_batch_size=max_batch_size, payload_limit=payload_limit,
+        cors_allow_origin=tuple(cors_allow_origin), json_output=json_output, num_shard=num_shard,
+        shutdown_timeout=shutdown_timeout,
+    )
+    try:
+        code = asyncio.run(run(config))
+    except ValueError as e:
+        logger.error("%s", e)
+        raise typer.Exit(2) from e
+    raise typer.Exit(code)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,67 @@
+"""Prometheus metrics of the router: TGI's set under the `specula_` prefix, plus what TGI and LoRAX lack.
+
+Additions: time to first token, inter-token latency, and an `adapter` label on per-request metrics (empty
+for the base model). Each `Metrics` owns its registry, so several routers (or tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class Metrics:
+    def __init__(self, prefix: str = "specula") -> None:
+        self.registry = CollectorRegistry()
+        r, p = self.registry, prefix
+
+        def counter(name, doc, labels=()):
+            return Counter(f"{p}_{name}", doc, labels, registry=r)
+
+        def histogram(name, doc, buckets, labels=()):
+            return Histogram(f"{p}_{name}", doc, labels, buckets=buckets, registry=r)
+
+        def gauge(name, doc):
+            return Gauge(f"{p}_{name}", doc, registry=r)
+
+        self.request_count = counter("request_count", "Requests received", ["adapter"])
+        self.request_success = counter("request_success", "Requests that completed", ["adapter"])
+        self.request_failure = counter("request_failure", "Requests that failed, by error type", ["err", "adapter"])
+        self.batch_inference_count = counter("batch_inference_count", "Worker steps run", ["method"])
+        self.batch_inference_success = counter("batch_inference_success", "Worker steps that succeeded", ["method"])
+        self.batch_inference_failure = counter("batch_inference_failure", "Worker steps that failed", ["method"])
+        self.batch_concat = counter("batch_concat", "Running batch extended with new requests", ["reason"])
+        self.queue_size = gauge("queue_size", "Requests waiting to be admitted")
+        self.batch_current_size = gauge("batch_current_size", "Requests in the running batch")
+        self.batch_current_max_tokens = gauge("batch_current_max_tokens", "KV cache tokens reserved by the batch")
+        self.request_duration = histogram("request_duration", "End-to-end request time (s)", _SECONDS, ["adapter"])
+        self.request_validation_duration = histogram(
+            "request_validation_duration", "Validation and tokenisation time (s)", _SECONDS)
+        self.request_queue_duration = histogram("request_queue_duration", "Time in queue (s)", _SECONDS, ["adapter"])
+        self.request_inference_duration = histogram(
+            "request_inference_duration", "Time from admission to last token (s)", _SECONDS, ["adapter"])
+        self.request_mean_time_per_token_duration = histogram(
+            "request_mean_time_per_token_duration", "Mean time per generated token (s)", _SECONDS, ["adapter"])
+        self.request_time_to_first_token = histogram(
+            "request_time_to_first_token", "Time from arrival to first token (s)", _SECONDS, ["adapter"])
+        self.request_inter_token_latency = histogram(
+            "request_inter_token_latency", "Time between consecutive tokens of a request (s)", _SECONDS, ["adapter"])
+        self.request_input_length = histogram("request_input_length", "Prompt tokens", _TOKENS, ["adapter"])
+        self.request_generated_tokens = histogram(
+            "request_generated_tokens", "Generated tokens", _TOKENS, ["adapter"])
+        self.request_max_new_tokens = histogram("request_max_new_tokens", "max_new_tokens asked", _TOKENS)
+        self.request_skipped_tokens = histogram(
+            "request_skipped_tokens", "Tokens beyond the first of a step (speculation)", _TOKENS, ["adapter"])
+        self.batch_inference_duration = histogram(
+            "batch_inference_duration", "Worker step time seen by the router (s)", _SECONDS, ["method"])
+        self.batch_forward_duration = histogram(
+            "batch_forward_duration", "Model forward time of a step (s)", _SECONDS, ["method"])
+        self.batch_decode_duration = histogram(
+            "batch_decode_duration", "Sampling and detokenisation time of a step (s)", _SECONDS, ["method"])
+        self.batch_next_size = histogram("batch_next_size", "Requests in a new prefill batch", _BATCH)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

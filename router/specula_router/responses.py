@@ -1,0 +1,126 @@
+"""Turning scheduler events into the JSON bodies of TGI/LoRAX responses.
+
+`collect` drains one request's events into a `Generation`; the `*_body` functions build the exact JSON the
+published clients parse. Kept apart from the routes so both the streaming and non-streaming paths (and
+best_of) share one definition of a token, a prefill token and the details object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from specula_router.scheduler import Entry, ErrorEvent, FinalEvent, TokenOut, TokensEvent
+
+
+class GenerationError(Exception):
+    """The request failed in the workers (HTTP 424)."""
+
+
+class ClientGone(Exception):
+    """The client disconnected before the request finished."""
+
+
+@dataclass
+class Generation:
+    """Everything one request produced, gathered from its events."""
+
+    tokens: list[TokenOut] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+    top_tokens: list[list[TokenOut]] = field(default_factory=list)
+    prefill: list[TokenOut] = field(default_factory=list)
+    final: FinalEvent | None = None
+
+    def add(self, event: TokensEvent) -> None:
+        self.tokens += event.tokens
+        self.skipped += [i > 0 for i in range(len(event.tokens))]
+        self.top_tokens += event.top_tokens
+        if event.prefill is not None:
+            self.prefill = event.prefill
+
+    @property
+    def num_skipped(self) -> int:
+        return sum(self.skipped)
+
+    @property
+    def sum_logprob(self) -> float:
+        return sum(t.logprob for t in self.tokens)
+
+
+async def next_event(entry: Entry, is_disconnected: Callable[[], Awaitable[bool]], poll_s: float = 0.25):
+    """The entry's next event; raises ClientGone when the client disconnects while waiting."""
+    get = asyncio.ensure_future(entry.events.get())
+    try:
+        while True:
+            done, _ = await asyncio.wait({get}, timeout=poll_s)
+            if done:
+                return get.result()
+            if await is_disconnected():
+                raise ClientGone
+    finally:
+        if not get.done():
+            get.cancel()  # a cancelled Queue.get takes nothing from the queue
+
+
+async def collect(entry: Entry, is_disconnected: Callable[[], Awaitable[bool]]) -> Generation:
+    generation = Generation()
+    while True:
+        event = await next_event(entry, is_disconnected)
+        if isinstance(event, TokensEvent):
+            generation.add(event)
+        elif isinstance(event, FinalEvent):
+            generation.final = event
+            return generation
+        elif isinstance(event, ErrorEvent):
+            raise GenerationError(event.message)
+
+
+def _logprob(value: float) -> float | None:
+    return None if math.isnan(value) else value
+
+
+def token_body(token: TokenOut, skipped: bool = False, alternatives: list[TokenOut] | None = None) -> dict:
+    body = {"id": token.id, "text": token.text, "logprob": token.logprob, "special": token.special,
+            "skipped": skipped}
+    if alternatives is not None:
+        body["alternative_tokens"] = [{"id": t.id, "text": t.text, "logprob": t.logprob} for t in alternatives]
+    return body
+
+
+def top_tokens_body(tokens: list[TokenOut]) -> list[dict]:
+    return [token_body(t) for t in tokens]
+
+
+def prefill_body(prefill: list[TokenOut]) -> list[dict]:
+    return [{"id": t.id, "text": t.text, "logprob": _logprob(t.logprob)} for t in prefill]
+
+
+def sequence_details(g: Generation, with_top: bool) -> dict:
+    assert g.final is not None
+    details = {
+        "finish_reason": g.final.finish_reason,
+        "generated_tokens": g.final.generated_tokens,
+        "seed": g.final.seed,
+        "prefill": prefill_body(g.prefill),
+        "tokens": [token_body(t, s, top if with_top else None)
+                   for t, s, top in zip(g.tokens, g.skipped, g.top_tokens or [None] * len(g.tokens))],
+    }
+    if with_top:
+        details["top_tokens"] = [top_tokens_body(top) for top in g.top_tokens]
+    return details
+
+
+def generate_body(
+    text: str, best: Generation, others: list[tuple[str, Generation]], prompt_tokens: int, details: bool,
+    with_top: bool,
+) -> dict:
+    if not details:
+        return {"generated_text": text}
+    body = sequence_details(best, with_top)
+    body["prompt_tokens"] = prompt_tokens
+    body["skipped_tokens"] = best.num_skipped
+    if others:
+        body["best_of_sequences"] = [dict(sequence_details(g, with_top), generated_text=t) for t, g in others]
+    return {"generated_text": text, "details": body}

@@ -1,0 +1,347 @@
+"""Continuous batching: the router's queue and the loop that drives the workers (TGI semantics).
+
+One `Entry` per admitted HTTP request carries its validated request, its KV blocks and a queue of events for
+the HTTP handler. The loop:
+
+    wait for a request ──> prefill a first batch
+        └─ while requests are running:
+             maybe prefill newcomers (when enough wait, or one has waited max_waiting_tokens steps)
+             decode every running batch together (the worker concatenates them)
+             free finished requests' blocks; filter out requests whose client went away
+
+Admission is FIFO and exact: a request joins only when blocks for its whole budget
+(prompt + max_new_tokens + speculative lookahead) are free, and a prefill batch stays within
+`max_batch_prefill_tokens`. New requests never wait for the running batch to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from specula_proto import generate_pb2 as pb
+from specula_router.block_allocator import BlockAllocator
+from specula_router.client import ShardedClient, ShardError, StepResponse
+from specula_router.metrics import Metrics
+from specula_router.requests import ValidGenerateRequest
+
+logger = logging.getLogger("specula.router.scheduler")
+
+_FINISH_REASONS = {
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_EOS_TOKEN: "eos_token",
+    pb.FINISH_REASON_STOP_SEQUENCE: "stop_sequence",
+}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_batch_prefill_tokens: int
+    waiting_served_ratio: float = 1.2
+    max_waiting_tokens: int = 20
+    max_batch_size: int | None = None
+    lookahead: int = 0  # KV positions reserved past max_new_tokens for speculative drafts
+
+
+# --- events sent to the HTTP handler ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    id: int
+    text: str
+    logprob: float
+    special: bool
+
+
+@dataclass(frozen=True)
+class TokensEvent:
+    """Tokens of one step: one, or several under speculation (all but the first are 'skipped')."""
+
+    tokens: list[TokenOut]
+    top_tokens: list[list[TokenOut]]
+    prefill: list[TokenOut] | None = None
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    generated_text: str
+    finish_reason: str
+    generated_tokens: int
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    message: str
+    error_type: str = "generation"
+
+
+class EntryState(enum.IntEnum):
+    QUEUED = 0
+    RUNNING = 1
+    DONE = 2
+
+
+@dataclass(eq=False)
+class Entry:
+    id: int
+    request: ValidGenerateRequest
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    state: EntryState = EntryState.QUEUED
+    blocks: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    queued_at: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_generated: int = 0
+    num_skipped: int = 0
+
+    @property
+    def adapter(self) -> str:
+        return self.request.adapter_id or ""
+
+    def to_pb(self) -> pb.Request:
+        r, s, t = self.request, self.request.sampling, self.request.stopping
+        return pb.Request(
+            id=self.id,
+            input_ids=r.input_ids,
+            parameters=pb.NextTokenChooserParameters(
+                do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                typical_p=s.typical_p, seed=s.seed, repetition_penalty=s.repetition_penalty,
+                frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+            ),
+            stopping_parameters=pb.StoppingCriteriaParameters(
+                max_new_tokens=t.max_new_tokens, stop_sequences=t.stop_sequences,
+                ignore_eos_token=t.ignore_eos_token,
+            ),
+            prefill_logprobs=r.decoder_input_details,
+            top_n_tokens=r.top_n_tokens,
+            blocks=self.blocks,
+            adapter_id=r.adapter_id or "",
+        )
+
+
+def _tokens(tokens: pb.Tokens) -> list[TokenOut]:
+    return [TokenOut(i, t, lp, sp) for i, t, lp, sp in zip(tokens.ids, tokens.texts, tokens.logprobs, tokens.is_special)]
+
+
+class Scheduler:
+    def __init__(
+        self, client: ShardedClient, allocator: BlockAllocator, config: SchedulerConfig, metrics: Metrics
+    ) -> None:
+        self.client = client
+        self.allocator = allocator
+        self.config = config
+        self.metrics = metrics
+        self.queue: deque[Entry] = deque()
+        self.running: dict[int, Entry] = {}
+        self._ids = itertools.count()
+        self._batch_ids = itertools.count()
+        self._wake = asyncio.Event()
+        self.last_step_ok: float | None = None  # monotonic time of the last successful worker step
+
+    # --- called by the HTTP handlers ----------------------------------------------------------------------
+
+    def submit(self, request: ValidGenerateRequest) -> Entry:
+        entry = Entry(next(self._ids), request)
+        self.queue.append(entry)
+        self.metrics.queue_size.set(len(self.queue))
+        self._wake.set()
+        return entry
+
+    def cancel(self, entry: Entry) -> None:
+        """The client went away: drop a queued request now, a running one after the current step."""
+        if entry.state is EntryState.QUEUED:
+            entry.state = EntryState.DONE
+            self.queue.remove(entry)
+            self.metrics.queue_size.set(len(self.queue))
+        elif entry.state is EntryState.RUNNING:
+            entry.cancelled = True
+
+    # --- the loop -----------------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            entries = self._next_batch(min_size=None, max_size=self.config.max_batch_size)
+            if not entries:
+                continue
+            batches = await self._prefill(entries)
+            waiting_steps = 1
+            while batches:
+                new_batch = self._admit_more(waiting_steps)
+                if new_batch:
+                    batches += await self._prefill(new_batch)
+                    waiting_steps = 1
+                batches = await self._decode(batches)
+                waiting_steps += 1
+            if self.queue:
+                self._wake.set()
+
+    def _admit_more(self, waiting_steps: int) -> list[Entry] | None:
+        """Newcomers that may join the running batch now (TGI's waiting-served-ratio rule)."""
+        if not self.queue:
+            return None
+        running = len(self.running)
+        waited_enough = waiting_steps >= self.config.max_waiting_tokens
+        min_size = None if waited_enough else math.floor(running * self.config.waiting_served_ratio)
+        max_size = None
+        if self.config.max_batch_size is not None:
+            max_size = self.config.max_batch_size - running
+            if max_size <= 0:
+                return None
+        entries = self._next_batch(min_size, max_size)
+        if entries:
+            self.metrics.batch_concat.labels("wait_exceeded" if waited_enough else "backpressure").inc()
+        return entries
+
+    def _next_batch(self, min_size: int | None, max_size: int | None) -> list[Entry] | None:
+        """Takes requests from the head of the queue while their prompts and KV budgets fit."""
+        batch: list[Entry] = []
+        prefill_tokens = 0
+        for entry in self.queue:
+            if max_size is not None and len(batch) >= max_size:
+                break
+            if batch and prefill_tokens + entry.request.input_length > self.config.max_batch_prefill_tokens:
+                break
+            blocks = self.allocator.allocate(entry.request.max_total_tokens + self.config.lookahead)
+            if blocks is None:
+                break  # FIFO: nobody overtakes the head of the queue
+            entry.blocks = blocks
+            batch.append(entry)
+            prefill_tokens += entry.request.input_length
+        if not batch or (min_size is not None and len(batch) < min_size):
+            for entry in batch:
+                self.allocator.free(entry.blocks)
+                entry.blocks = []
+            return None
+        now = time.monotonic()
+        for entry in batch:
+            self.queue.popleft()
+            entry.state, entry.admitted_at = EntryState.RUNNING, now
+            self.running[entry.id] = entry
+            self.metrics.request_queue_duration.labels(entry.adapter).observe(now - entry.queued_at)
+        self.metrics.queue_size.set(len(self.queue))
+        self.metrics.batch_next_size.observe(len(batch))
+        return batch
+
+    async def _prefill(self, entries: list[Entry]) -> list[pb.CachedBatch]:
+        batch = pb.Batch(id=next(self._batch_ids), requests=[e.to_pb() for e in entries])
+        response = await self._step("prefill", self.client.prefill(batch), [e.id for e in entries], [batch.id])
+        return [] if response is None else await self._after_step(response)
+
+    async def _decode(self, batches: list[pb.CachedBatch]) -> list[pb.CachedBatch]:
+        ids = [i for b in batches for i in b.request_ids]
+        response = await self._step("decode", self.client.decode(batches), ids, [b.id for b in batches])
+        return [] if response is None else await self._after_step(response)
+
+    async def _step(self, method: str, call, request_ids: Sequence[int], batch_ids: Sequence[int]) -> StepResponse | None:
+        self.metrics.batch_inference_count.labels(method).inc()
+        start = time.monotonic()
+        try:
+            response = await call
+        except ShardError as e:
+            logger.error("%s failed: %s", method, e)
+            self.metrics.batch_inference_failure.labels(method).inc()
+            for request_id in request_ids:
+                self._finish(self.running[request_id], ErrorEvent(str(e)))
+            for batch_id in batch_ids:
+                await self._clear_quietly(batch_id)
+            return None
+        self.last_step_ok = time.monotonic()
+        m = self.metrics
+        m.batch_inference_success.labels(method).inc()
+        m.batch_inference_duration.labels(method).observe(self.last_step_ok - start)
+        m.batch_forward_duration.labels(method).observe(response.timings.forward_ns / 1e9)
+        m.batch_decode_duration.labels(method).observe(response.timings.decode_ns / 1e9)
+        for generation in response.generations:
+            self._deliver(generation)
+        return response
+
+    async def _after_step(self, response: StepResponse) -> list[pb.CachedBatch]:
+        """Drops requests whose clients went away (within one step of it) and updates the gauges."""
+        batch = response.batch
+        if batch is not None:
+            cancelled = [i for i in batch.request_ids if self.running[i].cancelled]
+            if cancelled:
+                keep = [i for i in batch.request_ids if not self.running[i].cancelled]
+                try:
+                    batch = await self.client.filter_batch(batch.id, keep)
+                except ShardError as e:
+                    keep = []
+                    for i in batch.request_ids:
+                        self._finish(self.running[i], ErrorEvent(str(e)))
+                for i in cancelled:
+                    self._finish(self.running[i], None)
+                if not keep:
+                    await self._clear_quietly(batch.id)
+                    batch = None
+        self.metrics.batch_current_size.set(len(self.running))
+        self.metrics.batch_current_max_tokens.set(self.allocator.num_used_tokens)
+        return [] if batch is None else [batch]
+
+    def _deliver(self, generation: pb.Generation) -> None:
+        entry = self.running.get(generation.request_id)
+        if entry is None:
+            return
+        now = time.monotonic()
+        tokens = _tokens(generation.tokens)
+        if tokens:
+            if entry.first_token_at is None:
+                entry.first_token_at = now
+                self.metrics.request_time_to_first_token.labels(entry.adapter).observe(now - entry.queued_at)
+            else:
+                gap = (now - entry.last_token_at) / len(tokens)
+                for _ in tokens:
+                    self.metrics.request_inter_token_latency.labels(entry.adapter).observe(gap)
+            entry.last_token_at = now
+            entry.num_generated += len(tokens)
+            entry.num_skipped += len(tokens) - 1
+            prefill = _tokens(generation.prefill_tokens) if generation.HasField("prefill_tokens") else None
+            top = [_tokens(t) for t in generation.top_tokens]
+            entry.events.put_nowait(TokensEvent(tokens, top, prefill))
+        if generation.HasField("generated_text"):
+            g = generation.generated_text
+            seed = g.seed if g.HasField("seed") else None
+            self._finish(entry, FinalEvent(g.text, _FINISH_REASONS[g.finish_reason], g.generated_tokens, seed))
+
+    def _finish(self, entry: Entry, event: FinalEvent | ErrorEvent | None) -> None:
+        """Ends a running request: frees its blocks and sends its last event (None: its client left)."""
+        if entry.state is EntryState.DONE:
+            return
+        entry.state = EntryState.DONE
+        self.running.pop(entry.id, None)
+        self.allocator.free(entry.blocks)
+        entry.blocks = []
+        m, adapter = self.metrics, entry.adapter
+        if isinstance(event, FinalEvent):
+            m.request_success.labels(adapter).inc()
+            now = time.monotonic()
+            m.request_inference_duration.labels(adapter).observe(now - (entry.admitted_at or now))
+            if entry.num_generated:
+                m.request_mean_time_per_token_duration.labels(adapter).observe(
+                    (now - (entry.admitted_at or now)) / entry.num_generated)
+            m.request_generated_tokens.labels(adapter).observe(entry.num_generated)
+            m.request_skipped_tokens.labels(adapter).observe(entry.num_skipped)
+        elif isinstance(event, ErrorEvent):
+            m.request_failure.labels(event.error_type, adapter).inc()
+        else:
+            m.request_failure.labels("cancelled", adapter).inc()
+        if event is not None:
+            entry.events.put_nowait(event)
+
+    async def _clear_quietly(self, batch_id: int) -> None:
+        try:
+            await self.client.clear_cache(batch_id)
+        except ShardError as e:
+            logger.warning("could not clear batch %d: %s", batch_id, e)

@@ -1,0 +1,318 @@
+"""The router's HTTP API, compatible with TGI and LoRAX (and their published clients).
+
+Routes: `POST /` (compat: JSON array or SSE), `/generate`, `/generate_stream`, `/tokenize`, `GET /health`,
+`/info`, `/metrics`, OpenAPI at `/docs` and `/api-doc/openapi.json`. Errors are `{"error", "error_type"}`:
+422 validation, 429 overloaded (rejected at once), 424 generation (worker or adapter failure), 413 payload
+too large, 503 unhealthy; inside a stream an error is an SSE event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from specula_router.client import ShardedClient
+from specula_router.metrics import Metrics
+from specula_router.requests import ValidGenerateRequest
+from specula_router.responses import (
+    ClientGone, Generation, GenerationError, collect, generate_body, next_event, token_body, top_tokens_body,
+)
+from specula_router.scheduler import Entry, ErrorEvent, FinalEvent, Scheduler, TokensEvent
+from specula_router.schemas import CompatGenerateRequest, GenerateRequest, TokenizeRequest
+from specula_router.validation import ValidationError, Validator
+
+logger = logging.getLogger("specula.router.http")
+
+
+@dataclass
+class RouterState:
+    """What the routes need; built once at startup by `specula_router.cli`."""
+
+    scheduler: Scheduler
+    validator: Validator
+    client: ShardedClient
+    metrics: Metrics
+    info: dict
+    max_concurrent_requests: int
+    compute_type: str
+    in_flight: int = 0
+
+
+def error(status: int, message: str, error_type: str) -> JSONResponse:
+    return JSONResponse({"error": message, "error_type": error_type}, status_code=status)
+
+
+class _Rejected(Exception):
+    def __init__(self, response: JSONResponse) -> None:
+        self.response = response
+
+
+def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins: list[str] | None = None) -> FastAPI:
+    app = FastAPI(title="Specula", version=state.info.get("version", ""), docs_url="/docs",
+                  openapi_url="/api-doc/openapi.json",
+                  description="LLM inference server with exact speculative decoding (TGI/LoRAX compatible).")
+    app.state.router = state
+    if cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["*"], allow_headers=["*"])
+    app.add_middleware(PayloadLimitMiddleware, limit=payload_limit)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_body(request: Request, exc: RequestValidationError):
+        state.metrics.request_failure.labels("validation", "").inc()
+        return error(422, _describe(exc), "validation")
+
+    @app.post("/generate", tags=["Text Generation Inference"])
+    async def generate(body: GenerateRequest, request: Request):
+        """Generate tokens; answers once generation has finished."""
+        return await _generate(state, body.inputs, body.parameters, request)
+
+    @app.post("/generate_stream", tags=["Text Generation Inference"])
+    async def generate_stream(body: GenerateRequest, request: Request):
+        """Generate tokens as Server-Sent Events, one event per token."""
+        return await _generate_stream(state, body.inputs, body.parameters, request)
+
+    @app.post("/", tags=["Text Generation Inference"])
+    async def compat_generate(body: CompatGenerateRequest, request: Request):
+        """TGI/LoRAX compat route used by the published clients: SSE when `stream`, else a JSON array."""
+        if body.stream:
+            return await _generate_stream(state, body.inputs, body.parameters, request)
+        response = await _generate(state, body.inputs, body.parameters, request)
+        if response.status_code != 200:
+            return response
+        return JSONResponse([json.loads(response.body)], headers=_copy_headers(response))
+
+    @app.post("/tokenize", tags=["Text Generation Inference"])
+    async def tokenize(body: TokenizeRequest):
+        """Tokenize the inputs with the model's tokenizer."""
+        try:
+            tokens = await asyncio.to_thread(state.validator.tokenize, body.inputs)
+        except ValidationError as e:
+            return error(422, e.message, "validation")
+        return JSONResponse([t if isinstance(t, dict) else t.model_dump() for t in tokens])
+
+    @app.get("/health", tags=["Text Generation Inference"])
+    async def health():
+        """200 when the workers answer; 503 otherwise. Does not wait behind a running step."""
+        last = state.scheduler.last_step_ok
+        if last is not None and time.monotonic() - last < 5.0:
+            return Response(status_code=200)
+        try:
+            await state.client.health(timeout=5.0)
+        except Exception as e:  # any failure to reach a shard means unhealthy
+            logger.warning("health check failed: %s", e)
+            return error(503, "unhealthy", "healthcheck")
+        return Response(status_code=200)
+
+    @app.get("/info", tags=["Text Generation Inference"])
+    async def info():
+        """Model, limits and speculation configuration."""
+        return JSONResponse(state.info)
+
+    @app.get("/metrics", tags=["Text Generation Inference"])
+    async def metrics():
+        """Prometheus metrics."""
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _describe(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        location = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        parts.append(f"`{location}`: {err.get('msg')}" if location else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request body"
+
+
+def _copy_headers(response: Response) -> dict:
+    return {k: v for k, v in response.headers.items() if k.startswith("x-")}
+
+
+async def _admit(state: RouterState, inputs: str, parameters, stream: bool) -> tuple[ValidGenerateRequest, float]:
+    """Concurrency limit, then validation (in a thread: tokenising a long prompt is slow).
+
+    On success the request counts as in flight; the caller must decrement `state.in_flight` when it ends.
+    """
+    if state.in_flight >= state.max_concurrent_requests:
+        state.metrics.request_failure.labels("overloaded", "").inc()
+        raise _Rejected(error(429, "Model is overloaded", "overloaded"))
+    state.in_flight += 1  # counted before the first await, so concurrent arrivals see it
+    start = time.monotonic()
+    try:
+        valid = await asyncio.to_thread(state.validator.validate, inputs, parameters, stream)
+    except ValidationError as e:
+        state.in_flight -= 1
+        state.metrics.request_failure.labels("validation", "").inc()
+        raise _Rejected(error(422, e.message, "validation")) from None
+    elapsed = time.monotonic() - start
+    state.metrics.request_validation_duration.observe(elapsed)
+    if valid.adapter_id:
+        state.in_flight -= 1
+        state.metrics.request_failure.labels("generation", valid.adapter_id).inc()
+        raise _Rejected(error(424, f"adapter `{valid.adapter_id}` is not available: this server does not serve "
+                                   "adapters yet", "generation"))
+    m = state.metrics
+    m.request_count.labels("").inc()
+    m.request_input_length.labels("").observe(valid.input_length)
+    m.request_max_new_tokens.observe(valid.stopping.max_new_tokens)
+    return valid, elapsed
+
+
+def _timing_headers(state: RouterState, entry: Entry, arrived: float, validation_s: float,
+                    generation: Generation, prompt_tokens: int) -> dict[str, str]:
+    now = time.monotonic()
+    admitted = entry.admitted_at or now
+    inference = now - admitted
+    generated = len(generation.tokens)
+    ms = lambda s: str(int(s * 1000))  # noqa: E731
+    return {
+        "x-compute-type": state.compute_type,
+        "x-compute-time": f"{inference:.6f}",
+        "x-total-time": ms(now - arrived),
+        "x-validation-time": ms(validation_s),
+        "x-queue-time": ms(admitted - entry.queued_at),
+        "x-inference-time": ms(inference),
+        "x-time-per-token": ms(inference / max(generated, 1)),
+        "x-prompt-tokens": str(prompt_tokens),
+        "x-generated-tokens": str(generated),
+        "x-skipped-tokens": str(generation.num_skipped),
+    }
+
+
+async def _generate(state: RouterState, inputs: str, parameters, request: Request) -> JSONResponse:
+    arrived = time.monotonic()
+    try:
+        valid, validation_s = await _admit(state, inputs, parameters, stream=False)
+    except _Rejected as r:
+        return r.response
+    seeds = [(valid.sampling.seed + i) % 2**64 for i in range(valid.best_of)]
+    requests = [dataclasses.replace(valid, sampling=dataclasses.replace(valid.sampling, seed=s)) for s in seeds]
+    entries = [state.scheduler.submit(r) for r in requests]
+    try:
+        generations = await asyncio.gather(*(collect(e, request.is_disconnected) for e in entries))
+    except GenerationError as e:
+        return error(424, str(e), "generation")
+    except ClientGone:
+        return error(499, "client disconnected", "cancelled")
+    finally:
+        state.in_flight -= 1
+        for entry in entries:
+            state.scheduler.cancel(entry)  # no-op for finished entries; frees the rest
+    ranked = sorted(zip(generations, entries), key=lambda ge: ge[0].sum_logprob, reverse=True)
+    texts = [(valid.inputs if valid.return_full_text else "") + g.final.generated_text for g, _ in ranked]
+    best, best_entry = ranked[0]
+    others = [(t, g) for t, (g, _) in zip(texts[1:], ranked[1:])]
+    body = generate_body(texts[0], best, others, valid.input_length, valid.details, valid.top_n_tokens > 0)
+    headers = _timing_headers(state, best_entry, arrived, validation_s, best, valid.input_length)
+    state.metrics.request_duration.labels("").observe(time.monotonic() - arrived)
+    return JSONResponse(body, headers=headers)
+
+
+async def _generate_stream(state: RouterState, inputs: str, parameters, request: Request):
+    arrived = time.monotonic()
+    try:
+        valid, _ = await _admit(state, inputs, parameters, stream=True)
+    except _Rejected as r:
+        return r.response
+    entry = state.scheduler.submit(valid)
+    headers = {"x-compute-type": state.compute_type, "x-accel-buffering": "no", "cache-control": "no-cache"}
+    return StreamingResponse(_events(state, valid, entry, request, arrived), media_type="text/event-stream",
+                             headers=headers)
+
+
+def _sse(payload: dict) -> str:
+    return f"data:{json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _events(state: RouterState, valid: ValidGenerateRequest, entry: Entry, request: Request,
+                  arrived: float) -> AsyncIterator[str]:
+    """One SSE event per token; the last carries the generated text and details (TGI's stream format)."""
+    text_prefix = valid.inputs if valid.return_full_text else ""
+    generated: list[str] = []
+    try:
+        while True:
+            event = await next_event(entry, request.is_disconnected)
+            if isinstance(event, ErrorEvent):
+                yield _sse({"error": event.message, "error_type": event.error_type})
+                return
+            if not isinstance(event, TokensEvent):
+                continue
+            # The worker reports the last token and the final text in one step; both events are queued together.
+            final = entry.events.get_nowait() if not entry.events.empty() else None
+            for i, token in enumerate(event.tokens):
+                generated.append(token.text)
+                top = event.top_tokens[i] if i < len(event.top_tokens) else None
+                payload = {"token": token_body(token, skipped=i > 0, alternatives=top),
+                           "generated_text": None, "details": None}
+                if top is not None:
+                    payload["top_tokens"] = top_tokens_body(top)
+                last = i == len(event.tokens) - 1
+                if last and isinstance(final, FinalEvent):
+                    payload["generated_text"] = text_prefix + final.generated_text
+                    if valid.details:
+                        payload["details"] = {"finish_reason": final.finish_reason, "prompt_tokens": valid.input_length,
+                                              "generated_tokens": final.generated_tokens, "seed": final.seed}
+                yield _sse(payload)
+            if isinstance(final, ErrorEvent):
+                yield _sse({"error": final.message, "error_type": final.error_type})
+                return
+            if isinstance(final, FinalEvent):
+                state.metrics.request_duration.labels("").observe(time.monotonic() - arrived)
+                return
+    except ClientGone:
+        return
+    finally:
+        state.in_flight -= 1
+        state.scheduler.cancel(entry)
+
+
+class PayloadLimitMiddleware:
+    """413 for request bodies over the limit, by Content-Length or by counting a chunked body."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._reject(send)
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.limit:
+                    raise _PayloadTooLarge
+            return message
+
+        try:
+            await self.app(scope, counting_receive, send)
+        except _PayloadTooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send) -> None:
+        body = json.dumps({"error": f"payload larger than {self.limit} bytes", "error_type": "payload_limit"}).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _PayloadTooLarge(Exception):
+    pass
