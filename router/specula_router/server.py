@@ -29,7 +29,7 @@ from specula_router.responses import (
 )
 from specula_router.scheduler import Entry, ErrorEvent, FinalEvent, Scheduler, TokensEvent
 from specula_router.schemas import CompatGenerateRequest, GenerateRequest, TokenizeRequest
-from specula_router.validation import ValidationError, Validator
+from specula_router.validation import ValidationError, Validator, format_request_errors
 
 logger = logging.getLogger("specula.router.http")
 
@@ -71,7 +71,7 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError):
         state.metrics.request_failure.labels("validation", "").inc()
-        return error(422, _describe(exc), "validation")
+        return error(422, format_request_errors(exc.errors()), "validation")
 
     @app.post("/generate", tags=["Text Generation Inference"])
     async def generate(body: GenerateRequest, request: Request):
@@ -126,14 +126,6 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def _describe(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        location = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-        parts.append(f"`{location}`: {err.get('msg')}" if location else str(err.get("msg")))
-    return "; ".join(parts) or "invalid request body"
 
 
 def _copy_headers(response: Response) -> dict:

@@ -1,0 +1,355 @@
+"""The HTTP API's JSON bodies: what clients send and what the router answers (TGI + LoRAX compatible).
+
+These pydantic models sit at the HTTP edge only. A `GenerateParameters` is checked and resolved by
+`validation.Validator` into a `requests.ValidGenerateRequest`; the handlers build the response models
+from the worker's generations. Field descriptions and examples feed FastAPI's OpenAPI page (`/docs`).
+
+Parsing follows TGI where TGI is lenient and serde where it is strict:
+- unknown fields are ignored and `null` means "not given" for every parameter, so the published
+  `text-generation` and `lorax-client` bodies (which send every field, mostly as `null`) parse;
+- types are strict: `"0.5"` is not a number, `5.0` is not an integer, `"true"` is not a boolean.
+Value ranges are *not* enforced here but in `Validator`, so every range error carries TGI's wording
+and the limit configured at launch (`max_best_of`, `max_top_n_tokens`, ...).
+
+Responses omit `details`, `top_tokens`, `best_of_sequences` and `alternative_tokens` when absent, as
+TGI and LoRAX do; both published clients parse them unchanged (`router/tests/test_schemas.py`).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
+
+ADAPTER_SOURCES = ("hub", "local", "s3", "pbase")
+
+
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+def _omitted_if_none(**kwargs: Any) -> Any:
+    """A field that defaults to None and is left out of the JSON when None (serde `skip_serializing_if`)."""
+    return Field(None, exclude_if=_is_none, **kwargs)
+
+
+class _RequestModel(BaseModel):
+    """Base of request bodies: strict types, unknown fields ignored, `null` treated as absent."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Requests
+# ---------------------------------------------------------------------------------------------------------
+
+
+class MergedAdapters(_RequestModel):
+    """LoRAX adapter merging. Accepted so LoRAX bodies parse; the router rejects it (not supported yet)."""
+
+    ids: list[str] = Field(default_factory=list, description="Adapters to merge.", examples=[["a/b", "c/d"]])
+    weights: list[float] = Field(default_factory=list, description="One weight per adapter.")
+    merge_strategy: str | None = Field(None, description="linear, ties, dare_linear or dare_ties.")
+    density: float = Field(0.0, description="Fraction of weights kept by ties/dare merges.")
+    majority_sign_method: str | None = Field(None, description="total or frequency.")
+
+
+class GenerateParameters(_RequestModel):
+    """Generation parameters: the union of TGI's and LoRAX's, plus Specula's `speculative_tokens`."""
+
+    adapter_id: str | None = Field(
+        None, description="LoRA adapter to apply (LoRAX). Absent or empty: the base model.",
+        examples=["predibase/conllpp"],
+    )
+    adapter_source: str | None = Field(
+        None, description="Where `adapter_id` lives.", json_schema_extra={"enum": list(ADAPTER_SOURCES)},
+        examples=["hub"],
+    )
+    merged_adapters: MergedAdapters | None = Field(None, description="LoRAX adapter merging; not supported yet.")
+    api_token: str | None = Field(None, description="Token for private adapters. Never logged.")
+    best_of: int | None = Field(
+        None, description="Sample this many sequences and return the one with the highest log-probability. "
+        "> 1 needs sampling, no `seed`, and no streaming.", json_schema_extra={"exclusiveMinimum": 0},
+        examples=[1],
+    )
+    decoder_input_details: bool = Field(
+        False, description="Return the prompt tokens with their log-probabilities in `details.prefill`."
+    )
+    details: bool = Field(
+        False, description="Return generation details (tokens, log-probabilities, finish reason). "
+        "The published clients always send true.",
+    )
+    do_sample: bool = Field(
+        False, description="Sample instead of greedy decoding. Setting any of temperature != 1, top_k, "
+        "top_p < 1 or typical_p also samples.",
+    )
+    frequency_penalty: float | None = Field(
+        None, description="Subtracted from a token's logit once per occurrence so far, in [-2, 2].",
+        json_schema_extra={"minimum": -2.0, "maximum": 2.0}, examples=[0.1],
+    )
+    presence_penalty: float | None = Field(
+        None, description="Subtracted from a token's logit once if it occurred so far, in [-2, 2].",
+        json_schema_extra={"minimum": -2.0, "maximum": 2.0}, examples=[0.1],
+    )
+    ignore_eos_token: bool = Field(False, description="Keep generating past end-of-sequence tokens.")
+    max_new_tokens: int | None = Field(
+        None, description="Most tokens to generate. Default: as many as `max_total_tokens` (and the "
+        "model's position limit) leave after the prompt.", json_schema_extra={"exclusiveMinimum": 0},
+        examples=[20],
+    )
+    repetition_penalty: float | None = Field(
+        None, description="Repetition penalty, > 0; 1.0 means none.", json_schema_extra={"exclusiveMinimum": 0},
+        examples=[1.03],
+    )
+    return_full_text: bool | None = Field(None, description="Prepend the prompt to `generated_text`.")
+    seed: int | None = Field(
+        None, description="Random seed (unsigned 64-bit). Chosen by the server when absent.",
+        json_schema_extra={"minimum": 0, "maximum": 2**64 - 1}, examples=[42],
+    )
+    stop: list[str] = Field(
+        default_factory=list, description="Stop when the generated text contains one of these "
+        "(at most `max_stop_sequences`). A single string is read as a list of one.",
+        examples=[["photographer"]],
+    )
+    temperature: float | None = Field(
+        None, description="Softmax temperature, > 0.", json_schema_extra={"exclusiveMinimum": 0}, examples=[0.5]
+    )
+    top_k: int | None = Field(
+        None, description="Sample among the k most likely tokens.", json_schema_extra={"exclusiveMinimum": 0},
+        examples=[10],
+    )
+    top_p: float | None = Field(
+        None, description="Nucleus sampling mass in (0, 1]; 1.0 means off.",
+        json_schema_extra={"exclusiveMinimum": 0, "maximum": 1}, examples=[0.95],
+    )
+    truncate: int | None = Field(
+        None, description="Keep only the last `truncate` prompt tokens (at most `max_input_tokens`).",
+        json_schema_extra={"exclusiveMinimum": 0},
+    )
+    typical_p: float | None = Field(
+        None, description="Typical sampling mass in (0, 1).",
+        json_schema_extra={"exclusiveMinimum": 0, "exclusiveMaximum": 1}, examples=[0.95],
+    )
+    watermark: bool = Field(False, description="Watermarking (Kirchenbauer et al.); not supported.")
+    top_n_tokens: int | None = Field(
+        None, description="Return this many most likely alternatives per generated token (TGI name; "
+        "alias of `return_k_alternatives`), at most `max_top_n_tokens`.", json_schema_extra={"minimum": 0},
+        examples=[5],
+    )
+    return_k_alternatives: int | None = Field(
+        None, description="LoRAX name of `top_n_tokens`; given both, they must agree.",
+        json_schema_extra={"minimum": 0},
+    )
+    response_format: dict[str, Any] | None = Field(
+        None, description="LoRAX structured output (`{type: json_object, schema}`); not supported yet."
+    )
+    grammar: dict[str, Any] | None = Field(
+        None, description="TGI structured output (`{type: json|regex, value}`); not supported yet."
+    )
+    speculative_tokens: int | None = Field(
+        None, description="Specula: cap this request's draft length per step, in [0, the server's "
+        "`max_speculative_tokens`]; 0 turns speculation off for it.", json_schema_extra={"minimum": 0},
+        examples=[3],
+    )
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+
+class GenerateRequest(_RequestModel):
+    """Body of `POST /generate` and `POST /generate_stream`."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"inputs": "My name is Olivier and I", "parameters": {"max_new_tokens": 20}}]}
+    )
+
+    inputs: str = Field(..., description="The prompt.", examples=["My name is Olivier and I"])
+    parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+
+
+class CompatGenerateRequest(GenerateRequest):
+    """Body of `POST /`, where the published clients post: a JSON array answer, or SSE when `stream`."""
+
+    stream: bool = Field(False, description="Stream tokens as server-sent events.")
+
+
+class TokenizeRequest(_RequestModel):
+    """Body of `POST /tokenize` (`parameters` is accepted for TGI compatibility and ignored)."""
+
+    inputs: str = Field(..., description="Text to tokenize.", examples=["My name is Olivier and I"])
+    parameters: dict[str, Any] | None = Field(None, description="Ignored.")
+    add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens (BOS).")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Responses
+# ---------------------------------------------------------------------------------------------------------
+
+
+class FinishReason(str, Enum):
+    """Why generation stopped."""
+
+    LENGTH = "length"  # generated max_new_tokens
+    EOS_TOKEN = "eos_token"  # the model emitted an end-of-sequence token
+    STOP_SEQUENCE = "stop_sequence"  # the text contains one of `stop`
+
+
+class AlternativeToken(BaseModel):
+    """One of the most likely tokens at a position (LoRAX `alternative_tokens`)."""
+
+    id: int = Field(..., examples=[0])
+    text: str = Field(..., examples=["test"])
+    logprob: float = Field(..., examples=[-0.34])
+
+
+class Token(BaseModel):
+    """A generated token."""
+
+    id: int = Field(..., examples=[0])
+    text: str = Field(..., examples=["test"])
+    logprob: float = Field(..., description="Log-probability under the (warped) sampling distribution.",
+                           examples=[-0.34])
+    special: bool = Field(..., description="A special token (e.g. EOS): skip it when concatenating text.")
+    alternative_tokens: list[AlternativeToken] | None = _omitted_if_none(
+        description="The `top_n_tokens` most likely tokens at this position (LoRAX)."
+    )
+    skipped: bool = Field(False, description="Produced by the same decode step as the previous token "
+                                             "(an accepted speculative draft).")
+
+
+class PrefillToken(BaseModel):
+    """A prompt token; the first has no log-probability."""
+
+    id: int = Field(..., examples=[0])
+    text: str = Field(..., examples=["test"])
+    logprob: float | None = Field(..., examples=[-0.34])
+
+
+class BestOfSequence(BaseModel):
+    """One of the other sequences sampled for `best_of`."""
+
+    generated_text: str = Field(..., examples=["test"])
+    finish_reason: FinishReason
+    generated_tokens: int = Field(..., examples=[1])
+    seed: int | None = Field(None, examples=[42])
+    prefill: list[PrefillToken] = Field(default_factory=list)
+    tokens: list[Token] = Field(default_factory=list)
+    top_tokens: list[list[Token]] | None = _omitted_if_none()
+
+
+class Details(BaseModel):
+    """Generation details, returned when `details` is true."""
+
+    finish_reason: FinishReason
+    prompt_tokens: int = Field(..., description="Prompt length in tokens, after truncation.", examples=[5])
+    generated_tokens: int = Field(..., examples=[1])
+    seed: int | None = Field(None, examples=[42])
+    prefill: list[PrefillToken] = Field(default_factory=list, description="Empty unless "
+                                        "`decoder_input_details`.")
+    tokens: list[Token] = Field(default_factory=list)
+    top_tokens: list[list[Token]] | None = _omitted_if_none(description="Per generated token, its "
+                                                             "`top_n_tokens` alternatives (TGI).")
+    best_of_sequences: list[BestOfSequence] | None = _omitted_if_none()
+    skipped_tokens: int = Field(0, description="Tokens marked `skipped`: accepted speculative drafts.")
+
+
+class GenerateResponse(BaseModel):
+    """Answer of `POST /generate` (and each item of `POST /`'s array)."""
+
+    generated_text: str = Field(..., examples=["test"])
+    details: Details | None = _omitted_if_none()
+
+
+class StreamDetails(BaseModel):
+    """Details of the last server-sent event."""
+
+    finish_reason: FinishReason
+    prompt_tokens: int = Field(..., examples=[5])
+    generated_tokens: int = Field(..., examples=[1])
+    seed: int | None = Field(None, examples=[42])
+
+
+class StreamResponse(BaseModel):
+    """One server-sent event: a token; the last one also carries the text and details."""
+
+    token: Token
+    top_tokens: list[Token] | None = _omitted_if_none(description="This token's `top_n_tokens` "
+                                                      "alternatives (TGI).")
+    generated_text: str | None = Field(None, description="Only on the last event.")
+    details: StreamDetails | None = Field(None, description="Only on the last event, when `details`.")
+
+
+class ErrorResponse(BaseModel):
+    """Body of every error answer, and of the error event that ends a failed stream."""
+
+    error: str = Field(..., examples=["`temperature` must be strictly positive"])
+    error_type: str = Field(..., description="validation, overloaded, generation, incomplete_generation "
+                                             "or healthcheck.", examples=["validation"])
+
+
+class SimpleToken(BaseModel):
+    """A prompt token from `POST /tokenize`. `start`/`stop` are UTF-8 byte offsets into `inputs` (TGI)."""
+
+    id: int = Field(..., examples=[0])
+    text: str = Field(..., description="`inputs[start:stop]`, or the token itself for special tokens.",
+                      examples=["test"])
+    start: int = Field(..., examples=[0])
+    stop: int = Field(..., examples=[2])
+    special: bool = Field(False, description="Added by the tokenizer (e.g. BOS); covers no input text.")
+
+
+class SpeculationInfo(BaseModel):
+    """How the server drafts and verifies tokens (Specula; neither TGI nor LoRAX reports this)."""
+
+    method: str = Field(..., description="none, ngram, medusa, mlp_speculator or draft_model.",
+                        examples=["ngram"])
+    max_speculative_tokens: int = Field(..., description="Most draft tokens verified per request per step "
+                                                         "(0: off).", examples=[4])
+    mode: str = Field(..., description="off, fixed, or adaptive (draft length follows load and "
+                                       "acceptance).", examples=["adaptive"])
+
+
+class Info(BaseModel):
+    """Answer of `GET /info`: TGI's fields plus Specula's speculation and KV-cache settings."""
+
+    model_config = ConfigDict(protected_namespaces=())
+
+    model_id: str = Field(..., examples=["meta-llama/Llama-3.1-8B-Instruct"])
+    model_sha: str | None = Field(None, examples=["e985a63cdc139290c5f700ff1929f0b5942cced2"])
+    model_dtype: str = Field(..., examples=["bfloat16"])
+    model_device_type: str = Field(..., examples=["cuda"])
+    model_pipeline_tag: str | None = Field("text-generation", examples=["text-generation"])
+    max_concurrent_requests: int = Field(..., examples=[128])
+    max_best_of: int = Field(..., examples=[2])
+    max_stop_sequences: int = Field(..., examples=[4])
+    max_top_n_tokens: int = Field(..., examples=[5])
+    max_input_tokens: int = Field(..., examples=[1024])
+    max_total_tokens: int = Field(..., examples=[2048])
+    max_position_embeddings: int | None = Field(None, examples=[131072])
+    waiting_served_ratio: float = Field(..., examples=[1.2])
+    max_batch_total_tokens: int = Field(..., examples=[32000])
+    max_batch_prefill_tokens: int | None = Field(None, examples=[4096])
+    max_waiting_tokens: int = Field(..., examples=[20])
+    max_batch_size: int | None = Field(None, examples=[None])
+    validation_workers: int = Field(..., examples=[2])
+    num_shard: int = Field(1, description="Tensor-parallel shards.", examples=[1])
+    block_size: int = Field(..., description="Tokens per KV cache block.", examples=[16])
+    speculation: SpeculationInfo
+    version: str = Field(..., examples=["0.1.0"])
+    sha: str | None = Field(None, examples=[None])
+    docker_label: str | None = Field(None, examples=[None])
+
+    @computed_field(description="Older TGI name of `max_input_tokens`.")  # type: ignore[prop-decorator]
+    @property
+    def max_input_length(self) -> int:
+        return self.max_input_tokens

@@ -1,0 +1,358 @@
+"""Request validation: a client's `GenerateParameters` in, a checked `ValidGenerateRequest` out.
+
+Sits between the HTTP handlers and the scheduler. Every rule a user can break is checked here and
+raises `ValidationError`, which the HTTP layer answers with 422 `{"error": message, "error_type":
+"validation"}`; the message names the field and its limit, in TGI's words where TGI has them.
+
+Resolution rules (where Specula differs from TGI/LoRAX, the reason is given):
+- Sampling is on iff `do_sample` or any warper is active (temperature != 1, top_k, top_p < 1,
+  typical_p). TGI's router only turns `do_sample` on when the whole `parameters` object is missing.
+- `top_p == 1.0` is accepted and means "off" (TGI rejects it; OpenAI-style clients send it).
+- `max_new_tokens` defaults to what `max_total_tokens` leaves after the prompt (LoRAX), and never lets
+  prompt + new tokens + speculative lookahead pass the model's position limit (LoRAX #474).
+- `truncate` keeps the last `truncate` tokens of the encoded prompt, BOS included in the count (TGI).
+- A missing seed is drawn from the validator's generator, so all shards sample alike.
+- `grammar`, `response_format`, `watermark` and `merged_adapters` are refused, never silently ignored.
+
+`Validator.validate` is synchronous and may tokenise a long prompt: run it in a thread pool.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import tokenizers
+
+from specula_router.requests import SamplingParameters, StoppingParameters, ValidGenerateRequest
+from specula_router.schemas import ADAPTER_SOURCES, GenerateParameters, SimpleToken
+
+MAX_SEED = 2**64 - 1
+
+
+class ValidationError(Exception):
+    """A request the router refuses: HTTP 422 with `message`; `field` names the offending parameter."""
+
+    error_type = "validation"
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ValidationLimits:
+    """The limits requests are checked against, from the launcher's flags and the model's config."""
+
+    max_input_tokens: int
+    max_total_tokens: int
+    max_stop_sequences: int = 4
+    max_best_of: int = 2
+    max_top_n_tokens: int = 5
+    max_speculative_tokens: int = 0
+    max_position_embeddings: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_input_tokens < 1:
+            raise ValueError(f"max_input_tokens must be >= 1, got {self.max_input_tokens}")
+        if self.max_total_tokens <= self.max_input_tokens:
+            raise ValueError(
+                f"max_total_tokens ({self.max_total_tokens}) must be > max_input_tokens ({self.max_input_tokens})"
+            )
+        for name in ("max_stop_sequences", "max_top_n_tokens", "max_speculative_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_best_of < 1:
+            raise ValueError(f"max_best_of must be >= 1, got {self.max_best_of}")
+        if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
+            raise ValueError(f"max_position_embeddings must be >= 1, got {self.max_position_embeddings}")
+
+
+class Validator:
+    """Checks generate requests against `limits` and tokenises their prompts."""
+
+    def __init__(
+        self, tokenizer: tokenizers.Tokenizer, limits: ValidationLimits, rng: random.Random | None = None
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.rng = rng if rng is not None else random.Random()
+
+    def validate(self, inputs: str, params: GenerateParameters, stream: bool = False) -> ValidGenerateRequest:
+        """Check every parameter, tokenise and truncate the prompt, and fill in every default.
+
+        Cheap checks run before tokenisation, so a bad parameter fails fast even for a long prompt.
+        """
+        if not inputs:
+            raise ValidationError("`inputs` cannot be empty", "inputs")
+        self._check_unsupported(params)
+        adapter_id = params.adapter_id or None  # LoRAX sends "" for the base model
+        if params.adapter_source is not None and params.adapter_source not in ADAPTER_SOURCES:
+            raise ValidationError(
+                f"`adapter_source` must be one of {list(ADAPTER_SOURCES)}. Given: {params.adapter_source!r}",
+                "adapter_source",
+            )
+        sampling = self._sampling(params)
+        best_of = self._best_of(params, sampling, stream)
+        if stream and params.decoder_input_details:
+            raise ValidationError(
+                "`decoder_input_details` == true is not supported when streaming tokens", "decoder_input_details"
+            )
+        stop_sequences = self._stop_sequences(params.stop)
+        top_n_tokens = self._top_n_tokens(params)
+        speculative_tokens = self._speculative_tokens(params.speculative_tokens)
+        truncate = self._truncate(params.truncate)
+        if params.max_new_tokens is not None and params.max_new_tokens <= 0:
+            raise ValidationError("`max_new_tokens` must be strictly positive", "max_new_tokens")
+
+        input_ids = self._encode(inputs)
+        if truncate is not None:
+            input_ids = input_ids[-truncate:]
+        if len(input_ids) > self.limits.max_input_tokens:
+            raise ValidationError(
+                f"`inputs` must have less than {self.limits.max_input_tokens} tokens. Given: {len(input_ids)}",
+                "inputs",
+            )
+        lookahead = self.limits.max_speculative_tokens if speculative_tokens is None else speculative_tokens
+        max_new_tokens = self._max_new_tokens(len(input_ids), params.max_new_tokens, lookahead)
+
+        return ValidGenerateRequest(
+            inputs=inputs,
+            input_ids=tuple(input_ids),
+            sampling=sampling,
+            stopping=StoppingParameters(
+                max_new_tokens=max_new_tokens,
+                stop_sequences=stop_sequences,
+                ignore_eos_token=params.ignore_eos_token,
+            ),
+            truncate=truncate,
+            decoder_input_details=params.decoder_input_details,
+            details=params.details,
+            return_full_text=bool(params.return_full_text),
+            top_n_tokens=top_n_tokens,
+            best_of=best_of,
+            adapter_id=adapter_id,
+            adapter_source=params.adapter_source,
+            api_token=params.api_token,
+            speculative_tokens=speculative_tokens,
+        )
+
+    def tokenize(self, inputs: str, add_special_tokens: bool = True) -> list[SimpleToken]:
+        """The prompt's tokens for `POST /tokenize`, with UTF-8 byte offsets into `inputs` (as TGI).
+
+        Example (a byte-level BPE with BOS `<s>` = 1; "é" is two bytes and here two tokens, which both
+        report the whole character):
+            tokenize("hé!") -> [SimpleToken(id=1, text="<s>", start=0, stop=0, special=True),
+                                SimpleToken(id=74, text="h", start=0, stop=1),
+                                SimpleToken(id=130, text="é", start=1, stop=3),
+                                SimpleToken(id=105, text="é", start=1, stop=3),
+                                SimpleToken(id=3, text="!", start=3, stop=4)]
+        """
+        encoding = self._encoding(inputs, add_special_tokens)
+        byte_offset = _char_to_byte_offsets(inputs)
+        encoded = inputs.encode("utf-8")
+        tokens = []
+        for token_id, token, (start, stop), special in zip(
+            encoding.ids, encoding.tokens, encoding.offsets, encoding.special_tokens_mask
+        ):
+            byte_start, byte_stop = byte_offset[start], byte_offset[stop]
+            text = token if special else encoded[byte_start:byte_stop].decode("utf-8", errors="replace")
+            tokens.append(
+                SimpleToken(id=token_id, text=text, start=byte_start, stop=byte_stop, special=bool(special))
+            )
+        return tokens
+
+    # -- parameter checks ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_unsupported(params: GenerateParameters) -> None:
+        if params.grammar is not None:
+            raise ValidationError("`grammar` (structured output) is not supported yet", "grammar")
+        if params.response_format is not None:
+            raise ValidationError(
+                "`response_format` (structured output) is not supported yet", "response_format"
+            )
+        if params.watermark:
+            raise ValidationError("`watermark` is not supported", "watermark")
+        if params.merged_adapters is not None:
+            raise ValidationError(
+                "`merged_adapters` is not supported yet: use `adapter_id` with a single adapter", "merged_adapters"
+            )
+
+    def _sampling(self, params: GenerateParameters) -> SamplingParameters:
+        temperature = params.temperature if params.temperature is not None else 1.0
+        if not (math.isfinite(temperature) and temperature > 0.0):
+            raise ValidationError("`temperature` must be strictly positive", "temperature")
+        top_k = params.top_k if params.top_k is not None else 0
+        if params.top_k is not None and params.top_k <= 0:
+            raise ValidationError("`top_k` must be strictly positive", "top_k")
+        top_p = params.top_p if params.top_p is not None else 1.0
+        if not (0.0 < top_p <= 1.0):
+            raise ValidationError("`top_p` must be > 0.0 and <= 1.0", "top_p")
+        typical_p = params.typical_p if params.typical_p is not None else 1.0
+        if params.typical_p is not None and not (0.0 < params.typical_p < 1.0):
+            raise ValidationError("`typical_p` must be > 0.0 and < 1.0", "typical_p")
+        repetition_penalty = params.repetition_penalty if params.repetition_penalty is not None else 1.0
+        if not (math.isfinite(repetition_penalty) and repetition_penalty > 0.0):
+            raise ValidationError("`repetition_penalty` must be strictly positive", "repetition_penalty")
+        frequency_penalty = _penalty(params.frequency_penalty, "frequency_penalty")
+        presence_penalty = _penalty(params.presence_penalty, "presence_penalty")
+        seed = params.seed
+        if seed is not None and not (0 <= seed <= MAX_SEED):
+            raise ValidationError(f"`seed` must be >= 0 and <= {MAX_SEED}. Given: {seed}", "seed")
+
+        has_warper = temperature != 1.0 or top_k > 0 or top_p < 1.0 or typical_p < 1.0
+        return SamplingParameters(
+            do_sample=params.do_sample or has_warper,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            typical_p=typical_p,
+            repetition_penalty=repetition_penalty,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            seed=seed if seed is not None else self.rng.getrandbits(64),
+            watermark=False,
+        )
+
+    def _best_of(self, params: GenerateParameters, sampling: SamplingParameters, stream: bool) -> int:
+        best_of = params.best_of if params.best_of is not None else 1
+        if best_of == 1:
+            return 1
+        out_of_range = ValidationError(
+            f"`best_of` must be > 0 and <= {self.limits.max_best_of}. Given: {best_of}", "best_of"
+        )
+        if best_of <= 0:
+            raise out_of_range
+        if stream:
+            raise ValidationError("`best_of` != 1 is not supported when streaming tokens", "best_of")
+        if self.limits.max_best_of == 1:
+            raise ValidationError("`best_of` != 1 is not allowed for this endpoint", "best_of")
+        if best_of > self.limits.max_best_of:
+            raise out_of_range
+        if not sampling.do_sample:
+            raise ValidationError("you must use sampling when `best_of` is > 1", "best_of")
+        if params.seed is not None:
+            raise ValidationError("`seed` must not be set when `best_of` > 1", "seed")
+        return best_of
+
+    def _stop_sequences(self, stop: list[str]) -> tuple[str, ...]:
+        if len(stop) > self.limits.max_stop_sequences:
+            raise ValidationError(
+                f"`stop` supports up to {self.limits.max_stop_sequences} stop sequences. Given: {len(stop)}", "stop"
+            )
+        if any(sequence == "" for sequence in stop):
+            # An empty stop sequence would match before the first token: almost certainly a client bug.
+            raise ValidationError("`stop` sequences must not be empty strings", "stop")
+        return tuple(stop)
+
+    def _top_n_tokens(self, params: GenerateParameters) -> int:
+        top_n, k_alternatives = params.top_n_tokens, params.return_k_alternatives
+        if top_n is not None and k_alternatives is not None and top_n != k_alternatives:
+            raise ValidationError(
+                "`top_n_tokens` and `return_k_alternatives` are aliases and must be equal when both are given. "
+                f"Given: {top_n} and {k_alternatives}",
+                "top_n_tokens",
+            )
+        name, value = ("top_n_tokens", top_n) if top_n is not None else ("return_k_alternatives", k_alternatives)
+        if value is None:
+            return 0
+        if not (0 <= value <= self.limits.max_top_n_tokens):
+            raise ValidationError(
+                f"`{name}` must be >= 0 and <= {self.limits.max_top_n_tokens}. Given: {value}", name
+            )
+        return value
+
+    def _speculative_tokens(self, value: int | None) -> int | None:
+        if value is not None and not (0 <= value <= self.limits.max_speculative_tokens):
+            raise ValidationError(
+                f"`speculative_tokens` must be >= 0 and <= {self.limits.max_speculative_tokens}. Given: {value}",
+                "speculative_tokens",
+            )
+        return value
+
+    def _truncate(self, value: int | None) -> int | None:
+        if value is not None and not (0 < value <= self.limits.max_input_tokens):
+            raise ValidationError(
+                f"`truncate` must be strictly positive and less than {self.limits.max_input_tokens}. Given: {value}",
+                "truncate",
+            )
+        return value
+
+    def _max_new_tokens(self, input_length: int, requested: int | None, lookahead: int) -> int:
+        """The request's `max_new_tokens`: checked when given, else the most the limits allow.
+
+        Two budgets bound it: the KV budget `input + max_new_tokens <= max_total_tokens`, and the model's
+        position limit, which the verify forward reaches `lookahead` positions early:
+        `input + max_new_tokens + lookahead <= max_position_embeddings`.
+        """
+        limits = self.limits
+        position_room = None
+        if limits.max_position_embeddings is not None:
+            position_room = limits.max_position_embeddings - input_length - lookahead
+        if requested is None:
+            requested = limits.max_total_tokens - input_length
+            if position_room is not None:
+                requested = min(requested, position_room)
+            requested = max(requested, 1)  # too little room left: report it with the smallest valid value
+        if input_length + requested > limits.max_total_tokens:
+            raise ValidationError(
+                f"`inputs` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "
+                f"Given: {input_length} `inputs` tokens and {requested} `max_new_tokens`",
+                "max_new_tokens",
+            )
+        if position_room is not None and requested > position_room:
+            raise ValidationError(
+                f"`inputs` tokens + `max_new_tokens` + speculative tokens must be <= "
+                f"{limits.max_position_embeddings} (the model's maximum positions). Given: {input_length} "
+                f"`inputs` tokens, {requested} `max_new_tokens` and {lookahead} speculative tokens",
+                "max_new_tokens",
+            )
+        return requested
+
+    # -- tokenisation -------------------------------------------------------------------------------------
+
+    def _encoding(self, inputs: str, add_special_tokens: bool) -> tokenizers.Encoding:
+        try:
+            return self.tokenizer.encode(inputs, add_special_tokens=add_special_tokens)
+        except Exception as exc:  # the Rust tokenizer raises plain Exception subclasses
+            raise ValidationError(f"tokenizer error {exc}", "inputs") from exc
+
+    def _encode(self, inputs: str) -> list[int]:
+        return self._encoding(inputs, add_special_tokens=True).ids
+
+
+def format_request_errors(errors: Sequence[Mapping[str, Any]]) -> str:
+    """One readable message from pydantic's (FastAPI's `RequestValidationError.errors()`) error list.
+
+    Example: [{"loc": ("body", "parameters", "top_k"), "msg": "Input should be a valid integer"}]
+             -> "`parameters.top_k`: Input should be a valid integer"
+    """
+    parts = []
+    for error in errors:
+        loc = [str(part) for part in error.get("loc", ()) if part != "body"]
+        where = ".".join(loc) or "body"
+        parts.append(f"`{where}`: {error.get('msg', 'invalid value')}")
+    return "; ".join(parts) or "invalid request body"
+
+
+def _penalty(value: float | None, name: str) -> float:
+    if value is None:
+        return 0.0
+    if not (-2.0 <= value <= 2.0):  # also refuses NaN
+        raise ValidationError(f"`{name}` must be >= -2.0 and <= 2.0", name)
+    return value
+
+
+def _char_to_byte_offsets(text: str) -> list[int]:
+    """`offsets[i]` is the UTF-8 byte offset of character `i` (`offsets[len(text)]` = byte length)."""
+    if text.isascii():
+        return list(range(len(text) + 1))
+    offsets = [0]
+    for char in text:
+        offsets.append(offsets[-1] + len(char.encode("utf-8")))
+    return offsets

@@ -1,0 +1,373 @@
+"""Validator: every rule names its field and limit; defaults, seeds, truncation and aliases resolve as documented."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import tokenizers
+
+from specula_router.schemas import GenerateParameters
+from specula_router.validation import (
+    MAX_SEED,
+    ValidationError,
+    ValidationLimits,
+    Validator,
+    format_request_errors,
+)
+from specula_server.testing.tokenizer import BOS_ID, build_tokenizer
+
+PROMPT = "def hello(name):\n    return name"
+
+LIMITS = ValidationLimits(
+    max_input_tokens=32,
+    max_total_tokens=64,
+    max_stop_sequences=3,
+    max_best_of=2,
+    max_top_n_tokens=5,
+    max_speculative_tokens=4,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> tokenizers.Tokenizer:
+    out_dir = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(out_dir)
+    return tokenizers.Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+
+
+@pytest.fixture()
+def validator(tokenizer) -> Validator:
+    return Validator(tokenizer, LIMITS, random.Random(0))
+
+
+def params(**kwargs) -> GenerateParameters:
+    return GenerateParameters.model_validate(kwargs)
+
+
+def prompt_length(tokenizer: tokenizers.Tokenizer, text: str = PROMPT) -> int:
+    return len(tokenizer.encode(text).ids)
+
+
+def test_defaults(validator, tokenizer):
+    request = validator.validate(PROMPT, GenerateParameters())
+    ids = tokenizer.encode(PROMPT, add_special_tokens=True).ids
+    assert ids[0] == BOS_ID
+    assert request.input_ids == tuple(ids)
+    assert request.inputs == PROMPT
+    sampling = request.sampling
+    assert (sampling.do_sample, sampling.temperature, sampling.top_k, sampling.top_p, sampling.typical_p) == (
+        False, 1.0, 0, 1.0, 1.0,
+    )
+    assert (sampling.repetition_penalty, sampling.frequency_penalty, sampling.presence_penalty) == (1.0, 0.0, 0.0)
+    assert sampling.watermark is False
+    # LoRAX default: everything max_total_tokens leaves after the prompt.
+    assert request.stopping.max_new_tokens == LIMITS.max_total_tokens - len(ids)
+    assert request.max_total_tokens == LIMITS.max_total_tokens
+    assert request.stopping.stop_sequences == ()
+    assert request.stopping.ignore_eos_token is False
+    assert (request.details, request.decoder_input_details, request.return_full_text) == (False, False, False)
+    assert (request.top_n_tokens, request.best_of, request.truncate) == (0, 1, None)
+    assert (request.adapter_id, request.adapter_source, request.api_token, request.speculative_tokens) == (
+        None, None, None, None,
+    )
+
+
+def test_explicit_values_pass_through(validator):
+    request = validator.validate(
+        PROMPT,
+        params(
+            temperature=0.7, top_k=40, top_p=0.9, typical_p=0.95, repetition_penalty=1.1,
+            frequency_penalty=-0.5, presence_penalty=1.5, max_new_tokens=7, stop=["\n\n", "###"],
+            ignore_eos_token=True, details=True, decoder_input_details=True, return_full_text=True,
+            adapter_id="org/adapter", adapter_source="local", api_token="secret", speculative_tokens=2,
+        ),
+    )
+    s = request.sampling
+    assert (s.do_sample, s.temperature, s.top_k, s.top_p, s.typical_p) == (True, 0.7, 40, 0.9, 0.95)
+    assert (s.repetition_penalty, s.frequency_penalty, s.presence_penalty) == (1.1, -0.5, 1.5)
+    assert request.stopping.max_new_tokens == 7
+    assert request.stopping.stop_sequences == ("\n\n", "###")
+    assert request.stopping.ignore_eos_token is True
+    assert (request.details, request.decoder_input_details, request.return_full_text) == (True, True, True)
+    assert (request.adapter_id, request.adapter_source, request.api_token) == ("org/adapter", "local", "secret")
+    assert request.speculative_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "do_sample"),
+    [
+        ({}, False),
+        ({"do_sample": True}, True),
+        ({"temperature": 0.5}, True),  # TGI's router would keep do_sample=false here
+        ({"temperature": 1.0}, False),  # neutral values are not warpers
+        ({"top_p": 1.0}, False),
+        ({"top_k": 5}, True),
+        ({"top_p": 0.9}, True),
+        ({"typical_p": 0.5}, True),
+        ({"repetition_penalty": 1.2}, False),  # penalties do not imply sampling
+        ({"do_sample": False, "top_k": 5}, True),
+    ],
+)
+def test_sampling_is_on_iff_asked_or_warped(validator, kwargs, do_sample):
+    assert validator.validate(PROMPT, params(**kwargs)).sampling.do_sample is do_sample
+
+
+# (parameters, stream, field, exact message)
+REJECTED = [
+    ({"temperature": 0.0}, False, "temperature", "`temperature` must be strictly positive"),
+    ({"temperature": -1.0}, False, "temperature", "`temperature` must be strictly positive"),
+    ({"temperature": math.inf}, False, "temperature", "`temperature` must be strictly positive"),
+    ({"temperature": math.nan}, False, "temperature", "`temperature` must be strictly positive"),
+    ({"top_k": 0}, False, "top_k", "`top_k` must be strictly positive"),
+    ({"top_k": -3}, False, "top_k", "`top_k` must be strictly positive"),
+    ({"top_p": 0.0}, False, "top_p", "`top_p` must be > 0.0 and <= 1.0"),
+    ({"top_p": 1.01}, False, "top_p", "`top_p` must be > 0.0 and <= 1.0"),
+    ({"typical_p": 0.0}, False, "typical_p", "`typical_p` must be > 0.0 and < 1.0"),
+    ({"typical_p": 1.0}, False, "typical_p", "`typical_p` must be > 0.0 and < 1.0"),
+    ({"repetition_penalty": 0.0}, False, "repetition_penalty", "`repetition_penalty` must be strictly positive"),
+    ({"frequency_penalty": 2.5}, False, "frequency_penalty", "`frequency_penalty` must be >= -2.0 and <= 2.0"),
+    ({"frequency_penalty": -2.01}, False, "frequency_penalty", "`frequency_penalty` must be >= -2.0 and <= 2.0"),
+    ({"presence_penalty": 3.0}, False, "presence_penalty", "`presence_penalty` must be >= -2.0 and <= 2.0"),
+    ({"presence_penalty": math.nan}, False, "presence_penalty", "`presence_penalty` must be >= -2.0 and <= 2.0"),
+    ({"max_new_tokens": 0}, False, "max_new_tokens", "`max_new_tokens` must be strictly positive"),
+    ({"max_new_tokens": -5}, False, "max_new_tokens", "`max_new_tokens` must be strictly positive"),
+    ({"seed": -1}, False, "seed", f"`seed` must be >= 0 and <= {MAX_SEED}. Given: -1"),
+    ({"seed": 2**64}, False, "seed", f"`seed` must be >= 0 and <= {MAX_SEED}. Given: {2**64}"),
+    ({"truncate": 0}, False, "truncate", "`truncate` must be strictly positive and less than 32. Given: 0"),
+    ({"truncate": 33}, False, "truncate", "`truncate` must be strictly positive and less than 32. Given: 33"),
+    ({"stop": ["a", "b", "c", "d"]}, False, "stop", "`stop` supports up to 3 stop sequences. Given: 4"),
+    ({"stop": ["ok", ""]}, False, "stop", "`stop` sequences must not be empty strings"),
+    ({"best_of": 3, "do_sample": True}, False, "best_of", "`best_of` must be > 0 and <= 2. Given: 3"),
+    ({"best_of": 0}, False, "best_of", "`best_of` must be > 0 and <= 2. Given: 0"),
+    ({"best_of": 2}, False, "best_of", "you must use sampling when `best_of` is > 1"),
+    ({"best_of": 2, "temperature": 1.0}, False, "best_of", "you must use sampling when `best_of` is > 1"),
+    ({"best_of": 2, "do_sample": True, "seed": 5}, False, "seed", "`seed` must not be set when `best_of` > 1"),
+    ({"best_of": 2, "do_sample": True}, True, "best_of", "`best_of` != 1 is not supported when streaming tokens"),
+    ({"decoder_input_details": True}, True, "decoder_input_details",
+     "`decoder_input_details` == true is not supported when streaming tokens"),
+    ({"top_n_tokens": 6}, False, "top_n_tokens", "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
+    ({"top_n_tokens": -1}, False, "top_n_tokens", "`top_n_tokens` must be >= 0 and <= 5. Given: -1"),
+    ({"return_k_alternatives": 9}, False, "return_k_alternatives",
+     "`return_k_alternatives` must be >= 0 and <= 5. Given: 9"),
+    ({"top_n_tokens": 2, "return_k_alternatives": 3}, False, "top_n_tokens",
+     "`top_n_tokens` and `return_k_alternatives` are aliases and must be equal when both are given. "
+     "Given: 2 and 3"),
+    ({"speculative_tokens": 5}, False, "speculative_tokens", "`speculative_tokens` must be >= 0 and <= 4. Given: 5"),
+    ({"speculative_tokens": -1}, False, "speculative_tokens",
+     "`speculative_tokens` must be >= 0 and <= 4. Given: -1"),
+    ({"adapter_source": "ftp"}, False, "adapter_source",
+     "`adapter_source` must be one of ['hub', 'local', 's3', 'pbase']. Given: 'ftp'"),
+    ({"grammar": {"type": "regex", "value": "a+"}}, False, "grammar",
+     "`grammar` (structured output) is not supported yet"),
+    ({"response_format": {"type": "json_object", "schema": {}}}, False, "response_format",
+     "`response_format` (structured output) is not supported yet"),
+    ({"watermark": True}, False, "watermark", "`watermark` is not supported"),
+    ({"merged_adapters": {"ids": ["a", "b"], "weights": [0.5, 0.5], "density": 1.0}}, False, "merged_adapters",
+     "`merged_adapters` is not supported yet: use `adapter_id` with a single adapter"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "stream", "field", "message"), REJECTED)
+def test_rejected_parameters_name_field_and_limit(validator, kwargs, stream, field, message):
+    with pytest.raises(ValidationError) as info:
+        validator.validate(PROMPT, params(**kwargs), stream=stream)
+    assert info.value.message == message
+    assert str(info.value) == message
+    assert info.value.field == field
+    assert info.value.error_type == "validation"
+
+
+def test_empty_inputs_rejected(validator):
+    with pytest.raises(ValidationError) as info:
+        validator.validate("", GenerateParameters())
+    assert (info.value.field, info.value.message) == ("inputs", "`inputs` cannot be empty")
+
+
+def test_best_of_disabled_when_limit_is_one(tokenizer):
+    limits = ValidationLimits(max_input_tokens=32, max_total_tokens=64, max_best_of=1)
+    validator = Validator(tokenizer, limits, random.Random(0))
+    with pytest.raises(ValidationError, match="`best_of` != 1 is not allowed for this endpoint"):
+        validator.validate(PROMPT, params(best_of=2, do_sample=True))
+    assert validator.validate(PROMPT, params(best_of=1)).best_of == 1
+
+
+def test_best_of_accepted_with_sampling(validator):
+    request = validator.validate(PROMPT, params(best_of=2, top_k=10))
+    assert request.best_of == 2
+    assert request.sampling.do_sample is True
+    assert 0 <= request.sampling.seed <= MAX_SEED  # a seed is still drawn; the server derives one per sequence
+
+
+def test_input_length_limit(validator, tokenizer):
+    long_prompt = " ".join(f"word{i}" for i in range(100))
+    length = prompt_length(tokenizer, long_prompt)
+    assert length > LIMITS.max_input_tokens
+    with pytest.raises(ValidationError) as info:
+        validator.validate(long_prompt, GenerateParameters())
+    assert info.value.field == "inputs"
+    assert info.value.message == f"`inputs` must have less than 32 tokens. Given: {length}"
+
+
+def test_truncate_keeps_last_tokens_before_length_checks(validator, tokenizer):
+    long_prompt = " ".join(f"word{i}" for i in range(100))
+    full_ids = tokenizer.encode(long_prompt).ids
+    request = validator.validate(long_prompt, params(truncate=10, max_new_tokens=5))
+    assert request.input_ids == tuple(full_ids[-10:])
+    assert request.truncate == 10
+    assert request.inputs == long_prompt  # the text is kept as received
+    # A truncate longer than the prompt keeps it whole.
+    short = validator.validate(PROMPT, params(truncate=32))
+    assert short.input_ids == tuple(tokenizer.encode(PROMPT).ids)
+
+
+def test_total_tokens_limit(validator, tokenizer):
+    length = prompt_length(tokenizer)
+    allowed = LIMITS.max_total_tokens - length
+    assert validator.validate(PROMPT, params(max_new_tokens=allowed)).stopping.max_new_tokens == allowed
+    with pytest.raises(ValidationError) as info:
+        validator.validate(PROMPT, params(max_new_tokens=allowed + 1))
+    assert info.value.field == "max_new_tokens"
+    assert info.value.message == (
+        f"`inputs` tokens + `max_new_tokens` must be <= 64. Given: {length} `inputs` tokens and "
+        f"{allowed + 1} `max_new_tokens`"
+    )
+
+
+def test_position_limit_counts_speculative_lookahead(tokenizer):
+    limits = ValidationLimits(
+        max_input_tokens=32, max_total_tokens=64, max_speculative_tokens=4, max_position_embeddings=40
+    )
+    validator = Validator(tokenizer, limits, random.Random(0))
+    length = prompt_length(tokenizer)
+    room = 40 - length - 4
+    # Default: capped by the position limit, not just by max_total_tokens.
+    assert validator.validate(PROMPT, GenerateParameters()).stopping.max_new_tokens == room
+    assert validator.validate(PROMPT, params(max_new_tokens=room)).stopping.max_new_tokens == room
+    with pytest.raises(ValidationError) as info:
+        validator.validate(PROMPT, params(max_new_tokens=room + 1))  # within max_total_tokens (64)
+    assert info.value.field == "max_new_tokens"
+    assert info.value.message == (
+        f"`inputs` tokens + `max_new_tokens` + speculative tokens must be <= 40 (the model's maximum positions). "
+        f"Given: {length} `inputs` tokens, {room + 1} `max_new_tokens` and 4 speculative tokens"
+    )
+    # A request that speculates less may generate more.
+    request = validator.validate(PROMPT, params(speculative_tokens=0, max_new_tokens=room + 4))
+    assert request.stopping.max_new_tokens == room + 4
+    assert request.speculative_tokens == 0
+
+
+def test_position_limit_leaves_no_room(tokenizer):
+    length = prompt_length(tokenizer)
+    limits = ValidationLimits(
+        max_input_tokens=32, max_total_tokens=64, max_speculative_tokens=4, max_position_embeddings=length + 4
+    )
+    validator = Validator(tokenizer, limits, random.Random(0))
+    with pytest.raises(ValidationError, match="the model's maximum positions") as info:
+        validator.validate(PROMPT, GenerateParameters())
+    assert f"Given: {length} `inputs` tokens, 1 `max_new_tokens` and 4 speculative tokens" in info.value.message
+
+
+def test_given_seed_is_kept(validator):
+    assert validator.validate(PROMPT, params(seed=1234, do_sample=True)).sampling.seed == 1234
+    assert validator.validate(PROMPT, params(seed=MAX_SEED)).sampling.seed == MAX_SEED
+    assert validator.validate(PROMPT, params(seed=0)).sampling.seed == 0
+
+
+def test_missing_seed_is_drawn_from_the_rng(tokenizer):
+    def seeds(rng_seed: int) -> list[int]:
+        validator = Validator(tokenizer, LIMITS, random.Random(rng_seed))
+        return [validator.validate(PROMPT, params(do_sample=True)).sampling.seed for _ in range(3)]
+
+    first = seeds(7)
+    assert first == seeds(7)  # deterministic with a seeded generator
+    assert first != seeds(8)
+    assert len(set(first)) == 3  # a fresh seed per request
+    assert all(0 <= seed <= MAX_SEED for seed in first)
+    assert Validator(tokenizer, LIMITS).validate(PROMPT, GenerateParameters()).sampling.seed >= 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"top_n_tokens": 3}, 3),
+        ({"return_k_alternatives": 4}, 4),
+        ({"top_n_tokens": 2, "return_k_alternatives": 2}, 2),
+        ({"top_n_tokens": 0}, 0),
+        ({"top_n_tokens": 5}, 5),
+        ({}, 0),
+    ],
+)
+def test_top_n_tokens_aliases(validator, kwargs, expected):
+    assert validator.validate(PROMPT, params(**kwargs)).top_n_tokens == expected
+
+
+def test_empty_adapter_id_means_base_model(validator):
+    assert validator.validate(PROMPT, params(adapter_id="")).adapter_id is None
+
+
+def test_checks_run_before_tokenisation(tokenizer):
+    class ExplodingTokenizer:
+        def encode(self, *args, **kwargs):
+            raise AssertionError("tokenised an invalid request")
+
+    validator = Validator(ExplodingTokenizer(), LIMITS)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="temperature"):
+        validator.validate(PROMPT, params(temperature=0.0))
+
+
+def test_tokenizer_failure_is_a_validation_error():
+    class FailingTokenizer:
+        def encode(self, *args, **kwargs):
+            raise Exception("bad input")
+
+    validator = Validator(FailingTokenizer(), LIMITS)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError) as info:
+        validator.validate(PROMPT, GenerateParameters())
+    assert (info.value.field, info.value.message) == ("inputs", "tokenizer error bad input")
+
+
+def test_tokenize_offsets_are_utf8_bytes(validator, tokenizer):
+    text = "héllo 🚀 x"
+    tokens = validator.tokenize(text)
+    encoding = tokenizer.encode(text)
+    assert [t.id for t in tokens] == encoding.ids
+    assert tokens[0].id == BOS_ID and tokens[0].special and tokens[0].text == "<s>"
+    encoded = text.encode("utf-8")
+    for token in tokens[1:]:
+        assert not token.special
+        assert 0 <= token.start < token.stop <= len(encoded)
+        assert token.text == encoded[token.start : token.stop].decode("utf-8")
+    assert tokens[-1].stop == len(encoded)
+    rocket = [t for t in tokens if t.text == "🚀"]
+    assert rocket and all((t.start, t.stop) == (7, 11) for t in rocket)  # "h"=1, "é"=2, "llo "=4 bytes
+    assert [t.id for t in validator.tokenize(text, add_special_tokens=False)] == encoding.ids[1:]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_input_tokens": 0, "max_total_tokens": 8}, "max_input_tokens must be >= 1"),
+        ({"max_input_tokens": 8, "max_total_tokens": 8}, "max_total_tokens (8) must be > max_input_tokens (8)"),
+        ({"max_input_tokens": 4, "max_total_tokens": 8, "max_best_of": 0}, "max_best_of must be >= 1"),
+        ({"max_input_tokens": 4, "max_total_tokens": 8, "max_top_n_tokens": -1}, "max_top_n_tokens must be >= 0"),
+        ({"max_input_tokens": 4, "max_total_tokens": 8, "max_position_embeddings": 0},
+         "max_position_embeddings must be >= 1"),
+    ],
+)
+def test_limits_are_checked(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        ValidationLimits(**kwargs)
+    assert message in str(info.value)
+
+
+def test_format_request_errors():
+    errors = [
+        {"loc": ("body", "parameters", "top_k"), "msg": "Input should be a valid integer"},
+        {"loc": ("body", "inputs"), "msg": "Field required"},
+    ]
+    assert format_request_errors(errors) == (
+        "`parameters.top_k`: Input should be a valid integer; `inputs`: Field required"
+    )
+    assert format_request_errors([]) == "invalid request body"
