@@ -25,13 +25,11 @@ sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto")]
 
 import torch  # noqa: E402
 
-from specula_server.testing.models import build_tiny_model  # noqa: E402
+from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
 from specula_server.testing.worker import (  # noqa: E402
     BlockPool, generate_alone, load_test_generator, make_spec, token_ids,
 )
 
-SHAPE_125M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                  num_key_value_heads=12, max_position_embeddings=2048, vocab_size=32000)
 
 
 def measure_bandwidth(device: torch.device, num_bytes: int = 1 << 30, repeats: int = 9) -> float:
@@ -101,7 +99,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model_dir or build_tiny_model(Path(tmp) / "model", "llama", init_std=0.02, **SHAPE_125M)
+        model_dir = args.model_dir or build_tiny_model(Path(tmp) / "model", "llama", **BENCHMARK_125M)
         dtype = getattr(torch, args.dtype)
         reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         num_blocks = -(-(args.prompt_tokens + args.new_tokens) // 16)

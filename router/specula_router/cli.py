@@ -176,12 +176,21 @@ def info_body(config: RouterConfig, info, limits: Limits, num_blocks: int) -> di
     }
 
 
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        import json
+
+        return json.dumps({"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+                           "message": record.getMessage()})
+
+
 def _setup_logging(level: str, json_output: bool) -> None:
+    handler = logging.StreamHandler(sys.stdout)
     if json_output:
-        fmt = '{"time": "%(asctime)s", "level": "%(levelname)s", "logger": "%(name)s", "message": %(message)r}'
+        handler.setFormatter(_JsonFormatter())
     else:
-        fmt = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=level.upper(), format=fmt, stream=sys.stdout)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
 @app.command()
@@ -191,7 +200,7 @@ def main(
                                               help="Unix socket of shard 0."),
     revision: Optional[str] = typer.Option(None, envvar="REVISION", help="Hub revision."),
     huggingface_hub_cache: Optional[Path] = typer.Option(None, envvar="HUGGINGFACE_HUB_CACHE", help="Hub cache."),
-    hostname: str = typer.Option("0.0.0.0", envvar="HOSTNAME", help="HTTP bind address."),
+    hostname: str = typer.Option("0.0.0.0", envvar="SPECULA_HOSTNAME", help="HTTP bind address."),
     port: int = typer.Option(3000, envvar="PORT", help="HTTP port."),
     speculative_tokens: int = typer.Option(0, envvar="SPECULATIVE_TOKENS", help="Max draft tokens per step."),
     speculator: Optional[str] = typer.Option(None, envvar="SPECULATOR", help="Speculator served for all requests."),

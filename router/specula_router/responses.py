@@ -70,6 +70,9 @@ async def collect(entry: Entry, is_disconnected: Callable[[], Awaitable[bool]]) 
         event = await next_event(entry, is_disconnected)
         if isinstance(event, TokensEvent):
             generation.add(event)
+            if event.final is not None:
+                generation.final = event.final
+                return generation
         elif isinstance(event, FinalEvent):
             generation.final = event
             return generation

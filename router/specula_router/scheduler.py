@@ -62,20 +62,24 @@ class TokenOut:
 
 
 @dataclass(frozen=True)
-class TokensEvent:
-    """Tokens of one step: one, or several under speculation (all but the first are 'skipped')."""
-
-    tokens: list[TokenOut]
-    top_tokens: list[list[TokenOut]]
-    prefill: list[TokenOut] | None = None
-
-
-@dataclass(frozen=True)
 class FinalEvent:
     generated_text: str
     finish_reason: str
     generated_tokens: int
     seed: int | None
+
+
+@dataclass(frozen=True)
+class TokensEvent:
+    """Tokens of one step: one, or several under speculation (all but the first are 'skipped').
+
+    `final` is set when the request finished in this step, so the last token and the end arrive together.
+    """
+
+    tokens: list[TokenOut]
+    top_tokens: list[list[TokenOut]]
+    prefill: list[TokenOut] | None = None
+    final: FinalEvent | None = None
 
 
 @dataclass(frozen=True)
@@ -296,6 +300,11 @@ class Scheduler:
             return
         now = time.monotonic()
         tokens = _tokens(generation.tokens)
+        final = None
+        if generation.HasField("generated_text"):
+            g = generation.generated_text
+            seed = g.seed if g.HasField("seed") else None
+            final = FinalEvent(g.text, _FINISH_REASONS[g.finish_reason], g.generated_tokens, seed)
         if tokens:
             if entry.first_token_at is None:
                 entry.first_token_at = now
@@ -309,13 +318,11 @@ class Scheduler:
             entry.num_skipped += len(tokens) - 1
             prefill = _tokens(generation.prefill_tokens) if generation.HasField("prefill_tokens") else None
             top = [_tokens(t) for t in generation.top_tokens]
-            entry.events.put_nowait(TokensEvent(tokens, top, prefill))
-        if generation.HasField("generated_text"):
-            g = generation.generated_text
-            seed = g.seed if g.HasField("seed") else None
-            self._finish(entry, FinalEvent(g.text, _FINISH_REASONS[g.finish_reason], g.generated_tokens, seed))
+            entry.events.put_nowait(TokensEvent(tokens, top, prefill, final))
+        if final is not None:
+            self._finish(entry, final, send=not tokens)
 
-    def _finish(self, entry: Entry, event: FinalEvent | ErrorEvent | None) -> None:
+    def _finish(self, entry: Entry, event: FinalEvent | ErrorEvent | None, send: bool = True) -> None:
         """Ends a running request: frees its blocks and sends its last event (None: its client left)."""
         if entry.state is EntryState.DONE:
             return
@@ -337,7 +344,7 @@ class Scheduler:
             m.request_failure.labels(event.error_type, adapter).inc()
         else:
             m.request_failure.labels("cancelled", adapter).inc()
-        if event is not None:
+        if event is not None and send:
             entry.events.put_nowait(event)
 
     async def _clear_quietly(self, batch_id: int) -> None:

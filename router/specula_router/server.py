@@ -27,7 +27,7 @@ from specula_router.requests import ValidGenerateRequest
 from specula_router.responses import (
     ClientGone, Generation, GenerationError, collect, generate_body, next_event, token_body, top_tokens_body,
 )
-from specula_router.scheduler import Entry, ErrorEvent, FinalEvent, Scheduler, TokensEvent
+from specula_router.scheduler import Entry, ErrorEvent, Scheduler, TokensEvent
 from specula_router.schemas import CompatGenerateRequest, GenerateRequest, TokenizeRequest
 from specula_router.validation import ValidationError, Validator, format_request_errors
 
@@ -58,7 +58,7 @@ class _Rejected(Exception):
 
 
 def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins: list[str] | None = None) -> FastAPI:
-    app = FastAPI(title="Specula", version=state.info.get("version", ""), docs_url="/docs",
+    app = FastAPI(title="Specula", version=state.info.get("version") or "0.1.0", docs_url="/docs",
                   openapi_url="/api-doc/openapi.json",
                   description="LLM inference server with exact speculative decoding (TGI/LoRAX compatible).")
     app.state.router = state
@@ -241,8 +241,7 @@ async def _events(state: RouterState, valid: ValidGenerateRequest, entry: Entry,
                 return
             if not isinstance(event, TokensEvent):
                 continue
-            # The worker reports the last token and the final text in one step; both events are queued together.
-            final = entry.events.get_nowait() if not entry.events.empty() else None
+            final = event.final
             for i, token in enumerate(event.tokens):
                 generated.append(token.text)
                 top = event.top_tokens[i] if i < len(event.top_tokens) else None
@@ -251,16 +250,13 @@ async def _events(state: RouterState, valid: ValidGenerateRequest, entry: Entry,
                 if top is not None:
                     payload["top_tokens"] = top_tokens_body(top)
                 last = i == len(event.tokens) - 1
-                if last and isinstance(final, FinalEvent):
+                if last and final is not None:
                     payload["generated_text"] = text_prefix + final.generated_text
                     if valid.details:
                         payload["details"] = {"finish_reason": final.finish_reason, "prompt_tokens": valid.input_length,
                                               "generated_tokens": final.generated_tokens, "seed": final.seed}
                 yield _sse(payload)
-            if isinstance(final, ErrorEvent):
-                yield _sse({"error": final.message, "error_type": final.error_type})
-                return
-            if isinstance(final, FinalEvent):
+            if final is not None:
                 state.metrics.request_duration.labels("").observe(time.monotonic() - arrived)
                 return
     except ClientGone:

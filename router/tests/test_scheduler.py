@@ -33,6 +33,9 @@ async def drain(entry) -> list:
     while True:
         event = await asyncio.wait_for(entry.events.get(), timeout=5)
         events.append(event)
+        if isinstance(event, TokensEvent) and event.final is not None:
+            events.append(event.final)  # the last tokens and the end of the request arrive together
+            return events
         if isinstance(event, (FinalEvent, ErrorEvent)):
             return events
 

@@ -42,6 +42,13 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# A ~125M-parameter Llama shape (134M with the 32000-token vocabulary) for benchmarks.
+BENCHMARK_125M: dict[str, Any] = dict(
+    hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=12,
+    max_position_embeddings=2048, vocab_size=32000, init_std=0.02,
+)
+
+
 def build_tiny_model(
     out_dir: Path,
     kind: str = "llama",

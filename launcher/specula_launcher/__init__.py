@@ -1,0 +1,1 @@
+"""Specula launcher: starts the model shards and the router and supervises them (`specula-launcher`)."""

@@ -1,0 +1,111 @@
+"""`specula-launcher`: one command that starts the model shards and the router and supervises them.
+
+    specula-launcher --model-id meta-llama/Llama-3.1-8B-Instruct --num-shard 2 --speculative-tokens 3
+
+Every flag also reads an environment variable (MODEL_ID, NUM_SHARD, PORT, ...), as in TGI and LoRAX. The
+flags are turned into one `LauncherConfig` (config.py), the children's command lines are built from it
+(commands.py), and the `Supervisor` (processes.py) runs them until SIGINT/SIGTERM or a child fails.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List, Optional, TextIO
+
+import typer
+
+from specula_launcher.commands import router_spec, shard_sockets, shard_specs
+from specula_launcher.config import LauncherConfig, build_config
+from specula_launcher.processes import LAUNCHER, LogSink, Supervisor, run_with_signal_handlers
+
+app = typer.Typer(add_completion=False, help="Start the Specula model shards and router, and supervise them.")
+
+# The router drains in-flight requests for up to --shutdown-timeout itself; this is its time to close after.
+ROUTER_CLOSE_GRACE_S = 5.0
+# Shards hold no client state: they stop at once on SIGTERM (the gRPC server's own grace is 5 s).
+SHARD_STOP_TIMEOUT_S = 10.0
+
+
+@app.command()
+def main(
+    model_id: Optional[str] = typer.Option(
+        None, envvar="MODEL_ID", help="Hub model id or local directory. Default: the bundled demo model."),
+    revision: Optional[str] = typer.Option(None, envvar="REVISION", help="Hub revision (branch, tag or commit)."),
+    num_shard: int = typer.Option(1, envvar="NUM_SHARD", help="Tensor-parallel shards (one process, one GPU each)."),
+    dtype: Optional[str] = typer.Option(
+        None, envvar="DTYPE", help="float32, bfloat16 or float16. Default: bfloat16 on cuda, float32 on cpu."),
+    device: Optional[str] = typer.Option(
+        None, envvar="DEVICE", help="cpu or cuda. Default: cuda when torch sees a GPU, else cpu."),
+    port: int = typer.Option(3000, envvar="PORT", help="HTTP port of the router."),
+    hostname: str = typer.Option("0.0.0.0", envvar="SPECULA_HOSTNAME", help="Address the router listens on."),
+    speculative_tokens: int = typer.Option(
+        0, envvar="SPECULATIVE_TOKENS", help="Draft tokens verified per request per step (0: off)."),
+    speculator: Optional[str] = typer.Option(
+        None, envvar="SPECULATOR", help="Speculator (Medusa, MLPSpeculator or draft model): path or Hub id."),
+    adapter_source: str = typer.Option("hub", envvar="ADAPTER_SOURCE", help="Default source of LoRA adapters."),
+    max_concurrent_requests: int = typer.Option(
+        128, envvar="MAX_CONCURRENT_REQUESTS", help="Requests in flight before new ones get 429."),
+    max_best_of: int = typer.Option(2, envvar="MAX_BEST_OF", help="Largest best_of a request may ask for."),
+    max_stop_sequences: int = typer.Option(4, envvar="MAX_STOP_SEQUENCES", help="Stop sequences per request."),
+    max_top_n_tokens: int = typer.Option(5, envvar="MAX_TOP_N_TOKENS", help="Largest top_n_tokens per request."),
+    max_input_tokens: Optional[int] = typer.Option(
+        None, "--max-input-tokens", "--max-input-length", envvar=["MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH"],
+        help="Longest prompt in tokens. Default: --max-total-tokens - 1."),
+    max_total_tokens: Optional[int] = typer.Option(
+        None, envvar="MAX_TOTAL_TOKENS",
+        help="Longest prompt + generation. Default: min(max_position_embeddings, 4096) for a local model."),
+    waiting_served_ratio: float = typer.Option(
+        1.2, envvar="WAITING_SERVED_RATIO", help="Waiting/running ratio above which new requests join early."),
+    max_batch_prefill_tokens: Optional[int] = typer.Option(
+        None, envvar="MAX_BATCH_PREFILL_TOKENS", help="Prompt tokens per prefill. Default: --max-input-tokens + 50."),
+    max_batch_total_tokens: Optional[int] = typer.Option(
+        None, envvar="MAX_BATCH_TOTAL_TOKENS", help="KV tokens across the batch. Default: measured at warmup."),
+    max_waiting_tokens: int = typer.Option(
+        20, envvar="MAX_WAITING_TOKENS", help="Decode steps before waiting requests are forced into the batch."),
+    max_batch_size: Optional[int] = typer.Option(None, envvar="MAX_BATCH_SIZE", help="Largest running batch."),
+    shard_uds_path: str = typer.Option(
+        "/tmp/specula-server", envvar="SHARD_UDS_PATH", help="Shard socket prefix; shard r listens on PATH-r."),
+    master_addr: str = typer.Option("localhost", envvar="MASTER_ADDR", help="torch.distributed address."),
+    master_port: int = typer.Option(29500, envvar="MASTER_PORT", help="torch.distributed port."),
+    huggingface_hub_cache: Optional[Path] = typer.Option(
+        None, envvar="HUGGINGFACE_HUB_CACHE", help="Hub cache directory."),
+    json_output: bool = typer.Option(
+        False, "--json-output", envvar="JSON_OUTPUT", help="Log JSON lines {\"process\", \"line\"}."),
+    payload_limit: int = typer.Option(2_000_000, envvar="PAYLOAD_LIMIT", help="Largest request body in bytes."),
+    cors_allow_origin: Optional[List[str]] = typer.Option(
+        None, envvar="CORS_ALLOW_ORIGIN", help="Allowed CORS origin (repeat the flag for several)."),
+    kv_cache_memory: Optional[str] = typer.Option(
+        None, envvar="KV_CACHE_MEMORY", help="KV cache size per shard, e.g. 2GiB. Default: the shard's."),
+    block_size: int = typer.Option(16, envvar="BLOCK_SIZE", help="Tokens per KV cache block."),
+    shutdown_timeout: int = typer.Option(
+        30, envvar="SHUTDOWN_TIMEOUT", help="Seconds the router may spend draining requests on shutdown."),
+    log_level: str = typer.Option("INFO", envvar="LOG_LEVEL", help="DEBUG, INFO, WARNING or ERROR."),
+) -> None:
+    """Start the model shards, wait until each is ready, start the router, and supervise them."""
+    settings = dict(locals())  # every parameter is the LauncherConfig field of the same name
+    settings["huggingface_hub_cache"] = str(huggingface_hub_cache) if huggingface_hub_cache else None
+    try:
+        config = build_config(**settings)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    raise typer.Exit(launch(config))
+
+
+def launch(config: LauncherConfig, stream: TextIO | None = None) -> int:
+    """Runs the shards and the router described by `config` until a signal (0) or a failure (1)."""
+    sink = LogSink(stream or sys.stdout, config.json_output)
+    sink.emit(LAUNCHER, f"{config.num_shard} shard(s) of {config.model_id} on {config.device} ({config.dtype}), "
+                        f"router on {config.hostname}:{config.port}")
+    sink.emit(LAUNCHER, f"max_input_tokens={config.max_input_tokens} max_total_tokens={config.max_total_tokens} "
+                        f"max_batch_prefill_tokens={config.max_batch_prefill_tokens} "
+                        f"speculative_tokens={config.speculative_tokens}")
+    supervisor = Supervisor(
+        shards=shard_specs(config), router=router_spec(config), shard_sockets=shard_sockets(config), sink=sink,
+        drain_timeout=config.shutdown_timeout + ROUTER_CLOSE_GRACE_S, stop_timeout=SHARD_STOP_TIMEOUT_S,
+    )
+    return run_with_signal_handlers(supervisor)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,98 @@
+"""The command lines and environments of the launcher's children, built from a `LauncherConfig`.
+
+Shards (one per rank, identical arguments, the rank in the environment as torch.distributed expects):
+
+    python -m specula_server.cli serve MODEL --uds-path /tmp/specula-server --dtype float32 --device cpu
+        --block-size 16 [--revision R] [--huggingface-hub-cache DIR] [--kv-cache-memory SIZE]
+    env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOG_LEVEL (+ the launcher's own environment)
+
+Router (connects to shard 0, which lists the others through ServiceDiscovery):
+
+    python -m specula_router.cli --model-id MODEL --master-shard-uds-path /tmp/specula-server-0
+        --hostname 0.0.0.0 --port 3000 ... every router flag under its launcher name (see `router_command`)
+
+Flags whose value is None are left out so the child applies its own default; boolean flags are bare.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from specula_launcher.config import LauncherConfig
+from specula_launcher.processes import ChildSpec
+
+# Router flags passed through under the same name, in this order, after the four fixed ones.
+ROUTER_FLAGS = (
+    "revision", "huggingface_hub_cache", "speculative_tokens", "speculator", "adapter_source",
+    "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_input_tokens",
+    "max_total_tokens", "waiting_served_ratio", "max_batch_prefill_tokens", "max_batch_total_tokens",
+    "max_waiting_tokens", "max_batch_size", "payload_limit", "cors_allow_origin", "json_output", "num_shard",
+    "shutdown_timeout", "log_level",
+)
+
+
+def shard_command(config: LauncherConfig) -> list[str]:
+    """The worker command line; the same for every rank."""
+    argv = [
+        sys.executable, "-m", "specula_server.cli", "serve", config.model_id,
+        "--uds-path", config.shard_uds_path, "--dtype", config.dtype, "--device", config.device,
+        "--block-size", str(config.block_size),
+    ]
+    for name in ("revision", "huggingface_hub_cache", "kv_cache_memory"):
+        argv += _flag(name, getattr(config, name))
+    return argv
+
+
+def shard_env(config: LauncherConfig, rank: int, base_env: Mapping[str, str]) -> dict[str, str]:
+    """The launcher's environment (HF_TOKEN, proxies, ...) plus this shard's place in the process group."""
+    return {
+        **base_env,
+        "RANK": str(rank), "WORLD_SIZE": str(config.num_shard), "MASTER_ADDR": config.master_addr,
+        "MASTER_PORT": str(config.master_port), "LOG_LEVEL": config.log_level,
+        "PYTHONUNBUFFERED": "1",  # lines reach the launcher as they are printed, not when a buffer fills
+    }
+
+
+def router_command(config: LauncherConfig) -> list[str]:
+    """The router command line: the fixed connection flags, then every router flag that has a value."""
+    argv = [
+        sys.executable, "-m", "specula_router.cli", "--model-id", config.model_id,
+        "--master-shard-uds-path", str(config.shard_socket(0)),
+        "--hostname", config.hostname, "--port", str(config.port),
+    ]
+    for name in ROUTER_FLAGS:
+        argv += _flag(name, getattr(config, name))
+    return argv
+
+
+def router_env(base_env: Mapping[str, str]) -> dict[str, str]:
+    return {**base_env, "PYTHONUNBUFFERED": "1"}
+
+
+def shard_specs(config: LauncherConfig, base_env: Mapping[str, str] | None = None) -> list[ChildSpec]:
+    env = os.environ if base_env is None else base_env
+    argv = tuple(shard_command(config))
+    return [ChildSpec(f"shard-{rank}", argv, shard_env(config, rank, env)) for rank in range(config.num_shard)]
+
+
+def router_spec(config: LauncherConfig, base_env: Mapping[str, str] | None = None) -> ChildSpec:
+    return ChildSpec("router", tuple(router_command(config)), router_env(os.environ if base_env is None else base_env))
+
+
+def shard_sockets(config: LauncherConfig) -> list[Path]:
+    return [config.shard_socket(rank) for rank in range(config.num_shard)]
+
+
+def _flag(name: str, value: object) -> list[str]:
+    """`max_batch_size=8` -> ["--max-batch-size", "8"]; None -> []; True -> ["--name"]; a tuple repeats."""
+    flag = "--" + name.replace("_", "-")
+    if value is None or value is False:
+        return []
+    if value is True:
+        return [flag]
+    if isinstance(value, (tuple, list)):
+        return [part for item in value for part in (flag, str(item))]
+    return [flag, str(value)]

@@ -1,0 +1,279 @@
+"""The launcher's configuration: one frozen `LauncherConfig`, built once from the command line and environment.
+
+`build_config` is the only place that fills in derived defaults (the bundled demo model, the device, the dtype
+and the token limits read from the model's `config.json`); `LauncherConfig.__post_init__` checks every value
+and every relation between values, so a config that exists is a valid one. Errors are `ValueError`s that name
+the command-line flag, e.g. "--max-input-tokens (4096) must be less than --max-total-tokens (4096)".
+
+Token limits follow TGI, except that speculation's lookahead is reserved inside the model's positions (a
+request may hold `max_total_tokens + speculative_tokens` positions while drafts are verified; LoRAX #474). For
+a local model with `max_position_embeddings = 2048`, `--speculative-tokens 3` and no limit given:
+
+    max_total_tokens         = min(2048 - 3, 4096)    = 2045
+    max_input_tokens         = max_total_tokens - 1    = 2044
+    max_batch_prefill_tokens = max_input_tokens + 50   = 2094
+
+For a Hub id the launcher does not download anything: limits not given stay None and the router derives them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+# The random-weight Llama model shipped inside the package (see demo_model/README.md).
+DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
+
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+ADAPTER_SOURCES = ("hub", "local", "s3", "pbase")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+# Like TGI: without explicit limits, sequences are capped at 4096 tokens even when the model allows more, so
+# that the default KV budget stays modest.
+DEFAULT_MAX_TOTAL_TOKENS_CAP = 4096
+# TGI's default prefill budget: one full prompt plus a little room for a second, short one.
+PREFILL_TOKENS_HEADROOM = 50
+# config.json keys that hold the position limit, in order of preference (Llama-family first).
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
+# sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
+MAX_UDS_PATH_BYTES = 107
+
+_SIZE = re.compile(r"^\s*\d+(?:\.\d+)?\s*(?:[KMGT]i?B|B)?\s*$", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """Every setting of one launcher run; field names are the flag names with `_` for `-`."""
+
+    model_id: str
+    dtype: str
+    device: str
+    revision: str | None = None
+    num_shard: int = 1
+    port: int = 3000
+    hostname: str = "0.0.0.0"
+    speculative_tokens: int = 0
+    speculator: str | None = None
+    adapter_source: str = "hub"
+    max_concurrent_requests: int = 128
+    max_best_of: int = 2
+    max_stop_sequences: int = 4
+    max_top_n_tokens: int = 5
+    max_input_tokens: int | None = None
+    max_total_tokens: int | None = None
+    waiting_served_ratio: float = 1.2
+    max_batch_prefill_tokens: int | None = None
+    max_batch_total_tokens: int | None = None
+    max_waiting_tokens: int = 20
+    max_batch_size: int | None = None
+    shard_uds_path: str = "/tmp/specula-server"
+    master_addr: str = "localhost"
+    master_port: int = 29500
+    huggingface_hub_cache: str | None = None
+    json_output: bool = False
+    payload_limit: int = 2_000_000
+    cors_allow_origin: tuple[str, ...] = ()
+    kv_cache_memory: str | None = None
+    block_size: int = 16
+    shutdown_timeout: int = 30
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _check_ranges(self)
+        _check_token_relations(self)
+
+    def shard_socket(self, rank: int) -> Path:
+        """The unix socket shard `rank` listens on once its model is loaded."""
+        return Path(f"{self.shard_uds_path}-{rank}")
+
+
+def _check_choices(c: LauncherConfig) -> None:
+    if not c.model_id:
+        raise ValueError("--model-id must not be empty")
+    if c.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {c.dtype!r}")
+    if c.device not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}; got {c.device!r}")
+    if c.adapter_source not in ADAPTER_SOURCES:
+        raise ValueError(f"--adapter-source must be one of {', '.join(ADAPTER_SOURCES)}; got {c.adapter_source!r}")
+    if c.log_level not in LOG_LEVELS:
+        raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {c.log_level!r}")
+    if c.kv_cache_memory is not None and not _SIZE.match(c.kv_cache_memory):
+        raise ValueError(f"--kv-cache-memory is not a size: {c.kv_cache_memory!r} (examples: 4GiB, 512MiB, 1000000)")
+    longest = len(str(c.shard_socket(c.num_shard - 1)).encode())
+    if longest > MAX_UDS_PATH_BYTES:
+        raise ValueError(f"--shard-uds-path is too long: {c.shard_socket(c.num_shard - 1)} is {longest} bytes, "
+                         f"unix sockets allow {MAX_UDS_PATH_BYTES}")
+
+
+def _check_ranges(c: LauncherConfig) -> None:
+    at_least = {
+        "--num-shard": (c.num_shard, 1), "--speculative-tokens": (c.speculative_tokens, 0),
+        "--max-concurrent-requests": (c.max_concurrent_requests, 1), "--max-best-of": (c.max_best_of, 1),
+        "--max-stop-sequences": (c.max_stop_sequences, 0), "--max-top-n-tokens": (c.max_top_n_tokens, 0),
+        "--max-input-tokens": (c.max_input_tokens, 1), "--max-total-tokens": (c.max_total_tokens, 2),
+        "--max-batch-prefill-tokens": (c.max_batch_prefill_tokens, 1),
+        "--max-batch-total-tokens": (c.max_batch_total_tokens, 2), "--max-waiting-tokens": (c.max_waiting_tokens, 0),
+        "--max-batch-size": (c.max_batch_size, 1), "--payload-limit": (c.payload_limit, 1),
+        "--block-size": (c.block_size, 1), "--shutdown-timeout": (c.shutdown_timeout, 0),
+    }
+    for flag, (value, low) in at_least.items():
+        if value is not None and value < low:
+            raise ValueError(f"{flag} must be at least {low}; got {value}")
+    if c.waiting_served_ratio < 0:
+        raise ValueError(f"--waiting-served-ratio must not be negative; got {c.waiting_served_ratio}")
+    for flag, port in (("--port", c.port), ("--master-port", c.master_port)):
+        if not 1 <= port <= 65535:
+            raise ValueError(f"{flag} must be between 1 and 65535; got {port}")
+    if c.port == c.master_port:
+        raise ValueError(f"--port and --master-port are both {c.port}; the router and torch.distributed "
+                         f"cannot share a port")
+
+
+def _check_token_relations(c: LauncherConfig) -> None:
+    """TGI's rules: a prompt must leave room for one new token, and fit in one prefill and in the batch."""
+    if c.max_input_tokens is not None and c.max_total_tokens is not None \
+            and c.max_input_tokens >= c.max_total_tokens:
+        raise ValueError(f"--max-input-tokens ({c.max_input_tokens}) must be less than --max-total-tokens "
+                         f"({c.max_total_tokens})")
+    if c.max_batch_prefill_tokens is not None and c.max_input_tokens is not None \
+            and c.max_batch_prefill_tokens < c.max_input_tokens:
+        raise ValueError(f"--max-batch-prefill-tokens ({c.max_batch_prefill_tokens}) must be at least "
+                         f"--max-input-tokens ({c.max_input_tokens}), or the longest prompt can never be prefilled")
+    if c.max_batch_total_tokens is not None:
+        if c.max_batch_prefill_tokens is not None and c.max_batch_prefill_tokens > c.max_batch_total_tokens:
+            raise ValueError(f"--max-batch-prefill-tokens ({c.max_batch_prefill_tokens}) must not exceed "
+                             f"--max-batch-total-tokens ({c.max_batch_total_tokens})")
+        if c.max_total_tokens is not None and c.max_total_tokens + c.speculative_tokens > c.max_batch_total_tokens:
+            raise ValueError(f"--max-total-tokens ({c.max_total_tokens}) + --speculative-tokens "
+                             f"({c.speculative_tokens}) must not exceed --max-batch-total-tokens "
+                             f"({c.max_batch_total_tokens}): one request must fit in the batch")
+
+
+def build_config(
+    *,
+    model_id: str | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+    max_input_tokens: int | None = None,
+    max_total_tokens: int | None = None,
+    max_batch_prefill_tokens: int | None = None,
+    max_batch_total_tokens: int | None = None,
+    num_shard: int = 1,
+    speculative_tokens: int = 0,
+    cors_allow_origin: list[str] | tuple[str, ...] | None = None,
+    log_level: str = "INFO",
+    count_cuda_devices: Callable[[], int] | None = None,
+    **settings: object,
+) -> LauncherConfig:
+    """Fills in the derived defaults and returns the validated config.
+
+    `settings` are the remaining `LauncherConfig` fields, passed through unchanged. `count_cuda_devices` is
+    only called when the device is not given or is "cuda" (it imports torch; tests pass a stub).
+    """
+    resolved_id, model_dir = resolve_model(model_id)
+    count = count_cuda_devices or _count_cuda_devices
+    if device is None:
+        device = "cuda" if count() > 0 else "cpu"
+    elif device == "cuda":
+        _check_cuda(count(), num_shard)
+    if dtype is None:
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    max_positions = read_max_positions(model_dir) if model_dir is not None else None
+    max_input_tokens, max_total_tokens, max_batch_prefill_tokens = derive_token_limits(
+        max_positions, max_input_tokens, max_total_tokens, max_batch_prefill_tokens, max_batch_total_tokens,
+        speculative_tokens)
+    return LauncherConfig(
+        model_id=resolved_id, dtype=dtype, device=device, num_shard=num_shard, max_input_tokens=max_input_tokens,
+        max_total_tokens=max_total_tokens, max_batch_prefill_tokens=max_batch_prefill_tokens,
+        max_batch_total_tokens=max_batch_total_tokens, speculative_tokens=speculative_tokens,
+        cors_allow_origin=tuple(cors_allow_origin or ()), log_level=log_level.upper(),
+        **settings,  # type: ignore[arg-type]
+    )
+
+
+def resolve_model(model_id: str | None) -> tuple[str, Path | None]:
+    """Returns the id to pass on and, for a local model, its directory; None means the bundled demo model."""
+    if model_id is None:
+        if not (DEMO_MODEL_DIR / "config.json").is_file():
+            raise ValueError(f"the bundled demo model is missing from {DEMO_MODEL_DIR}; rebuild it with "
+                             f"`python scripts/build_demo_model.py` or pass --model-id")
+        return str(DEMO_MODEL_DIR), DEMO_MODEL_DIR
+    path = Path(model_id).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--model-id {model_id}: the directory has no config.json")
+        return str(path), path
+    if path.exists():
+        raise ValueError(f"--model-id {model_id}: expected a model directory or a Hub id, found a file")
+    if model_id.startswith(("/", "./", "../", "~")):
+        raise ValueError(f"--model-id {model_id}: no such directory")
+    return model_id, None
+
+
+def read_max_positions(model_dir: Path) -> int | None:
+    """The model's position limit from its config.json, or None when it declares none."""
+    path = model_dir / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    for key in POSITION_KEYS:
+        if isinstance(raw.get(key), int):
+            return raw[key]
+    return None
+
+
+def derive_token_limits(
+    max_positions: int | None,
+    max_input_tokens: int | None,
+    max_total_tokens: int | None,
+    max_batch_prefill_tokens: int | None,
+    max_batch_total_tokens: int | None = None,
+    speculative_tokens: int = 0,
+) -> tuple[int | None, int | None, int | None]:
+    """Fills (max_input_tokens, max_total_tokens, max_batch_prefill_tokens) that were not given.
+
+    With a known position limit P both sequence limits are always set: total defaults to
+    min(P - speculative_tokens, 4096), raised to one more than an explicit input limit; input defaults to
+    total - 1; and total + speculative_tokens must fit in P. The prefill budget defaults to input + 50, capped
+    by an explicit batch budget. Example, P = 2048, only `--max-input-tokens 3000`: total becomes 3001, and the
+    error names the model's limit rather than a flag the user never set.
+    """
+    if max_positions is not None:
+        if speculative_tokens >= max_positions - 1:
+            raise ValueError(f"--speculative-tokens ({speculative_tokens}) leaves no room for a request in the "
+                             f"model's {max_positions} positions")
+        if max_total_tokens is None:
+            max_total_tokens = min(max_positions - speculative_tokens, DEFAULT_MAX_TOTAL_TOKENS_CAP)
+            if max_input_tokens is not None:
+                max_total_tokens = max(max_total_tokens, max_input_tokens + 1)
+        if max_input_tokens is None:
+            max_input_tokens = max_total_tokens - 1
+        if max_total_tokens + speculative_tokens > max_positions:
+            raise ValueError(f"--max-total-tokens ({max_total_tokens}) + --speculative-tokens ({speculative_tokens}) "
+                             f"exceeds the model's max_position_embeddings ({max_positions}); lower "
+                             f"--max-total-tokens or --max-input-tokens")
+    if max_batch_prefill_tokens is None and max_input_tokens is not None:
+        max_batch_prefill_tokens = max_input_tokens + PREFILL_TOKENS_HEADROOM
+        if max_batch_total_tokens is not None:
+            max_batch_prefill_tokens = min(max_batch_prefill_tokens, max_batch_total_tokens)
+    return max_input_tokens, max_total_tokens, max_batch_prefill_tokens
+
+
+def _check_cuda(num_devices: int, num_shard: int) -> None:
+    if num_devices == 0:
+        raise ValueError("--device cuda, but torch sees no CUDA device")
+    if num_shard > num_devices:
+        raise ValueError(f"--num-shard {num_shard} needs one GPU per shard; torch sees {num_devices}")
+
+
+def _count_cuda_devices() -> int:
+    import torch  # imported here: loading torch takes a second and most of the launcher never needs it
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

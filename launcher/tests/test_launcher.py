@@ -1,0 +1,479 @@
+"""Launcher tests: config defaults and checks, the children's command lines, and supervision of fake children.
+
+The supervision tests run small `python -c` programs in place of the shards and the router: they record what
+happens to them (start, SIGTERM, exit) in an events file, create their "socket" like a real shard, and crash
+or ignore SIGTERM on demand. Real shards and a real router are started by integration-tests/.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from specula_launcher import cli
+from specula_launcher.commands import router_command, router_spec, shard_command, shard_env, shard_specs
+from specula_launcher.config import DEMO_MODEL_DIR, LauncherConfig, build_config, derive_token_limits
+from specula_launcher.processes import ChildSpec, LogSink, Supervisor, describe_exit
+
+LAUNCHER_DIR = Path(__file__).resolve().parent.parent
+ENV_VARS = (
+    "MODEL_ID", "REVISION", "NUM_SHARD", "DTYPE", "DEVICE", "PORT", "SPECULA_HOSTNAME", "SPECULATIVE_TOKENS", "SPECULATOR",
+    "ADAPTER_SOURCE", "MAX_CONCURRENT_REQUESTS", "MAX_BEST_OF", "MAX_STOP_SEQUENCES", "MAX_TOP_N_TOKENS",
+    "MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH", "MAX_TOTAL_TOKENS", "WAITING_SERVED_RATIO", "MAX_BATCH_PREFILL_TOKENS",
+    "MAX_BATCH_TOTAL_TOKENS", "MAX_WAITING_TOKENS", "MAX_BATCH_SIZE", "SHARD_UDS_PATH", "MASTER_ADDR",
+    "MASTER_PORT", "HUGGINGFACE_HUB_CACHE", "JSON_OUTPUT", "PAYLOAD_LIMIT", "CORS_ALLOW_ORIGIN", "KV_CACHE_MEMORY",
+    "BLOCK_SIZE", "SHUTDOWN_TIMEOUT", "LOG_LEVEL",
+)
+NO_GPU = dict(count_cuda_devices=lambda: 0)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher reads these variables; the machine running the tests must not leak its own."""
+    for name in ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
+def make_model_dir(root: Path, max_positions: int = 8192) -> Path:
+    model = root / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings": max_positions}))
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------- config
+
+
+def test_defaults_serve_the_bundled_demo_model() -> None:
+    c = build_config(**NO_GPU)
+    assert c.model_id == str(DEMO_MODEL_DIR) and (DEMO_MODEL_DIR / "model.safetensors").is_file()
+    assert (c.device, c.dtype, c.num_shard, c.port, c.hostname) == ("cpu", "float32", 1, 3000, "0.0.0.0")
+    # The demo model has 2048 positions: total = min(2048, 4096), input = total - 1, prefill = input + 50.
+    assert (c.max_total_tokens, c.max_input_tokens, c.max_batch_prefill_tokens) == (2048, 2047, 2097)
+    assert (c.max_concurrent_requests, c.max_best_of, c.max_stop_sequences, c.max_top_n_tokens) == (128, 2, 4, 5)
+    assert (c.waiting_served_ratio, c.max_waiting_tokens, c.max_batch_size, c.max_batch_total_tokens) == (
+        1.2, 20, None, None)
+    assert (c.shard_uds_path, c.master_addr, c.master_port) == ("/tmp/specula-server", "localhost", 29500)
+    assert (c.speculative_tokens, c.speculator, c.adapter_source) == (0, None, "hub")
+    assert (c.payload_limit, c.block_size, c.shutdown_timeout, c.log_level) == (2_000_000, 16, 30, "INFO")
+    assert (c.json_output, c.cors_allow_origin, c.kv_cache_memory, c.revision) == (False, (), None, None)
+
+
+def test_device_and_dtype_follow_the_gpu() -> None:
+    c = build_config(count_cuda_devices=lambda: 2)
+    assert (c.device, c.dtype) == ("cuda", "bfloat16")
+    assert build_config(count_cuda_devices=lambda: 2, device="cpu").dtype == "float32"
+    assert build_config(count_cuda_devices=lambda: 2, dtype="float16").dtype == "float16"
+    with pytest.raises(ValueError, match="--num-shard 3 needs one GPU per shard; torch sees 2"):
+        build_config(count_cuda_devices=lambda: 2, device="cuda", num_shard=3)
+    with pytest.raises(ValueError, match="torch sees no CUDA device"):
+        build_config(count_cuda_devices=lambda: 0, device="cuda")
+
+
+def test_token_limits_come_from_the_model_config(tmp_path: Path) -> None:
+    model = str(make_model_dir(tmp_path, max_positions=8192))
+    c = build_config(model_id=model, **NO_GPU)
+    assert (c.max_input_tokens, c.max_total_tokens, c.max_batch_prefill_tokens) == (4095, 4096, 4145)
+    c = build_config(model_id=model, max_total_tokens=1000, **NO_GPU)
+    assert (c.max_input_tokens, c.max_total_tokens, c.max_batch_prefill_tokens) == (999, 1000, 1049)
+    c = build_config(model_id=model, max_input_tokens=5000, **NO_GPU)  # total rises above the 4096 cap
+    assert (c.max_input_tokens, c.max_total_tokens) == (5000, 5001)
+    c = build_config(model_id=model, max_batch_total_tokens=4100, **NO_GPU)  # prefill capped by the batch
+    assert c.max_batch_prefill_tokens == 4100
+
+
+def test_speculative_lookahead_is_reserved_in_the_positions() -> None:
+    assert derive_token_limits(2048, None, None, None, None, speculative_tokens=3) == (2044, 2045, 2094)
+    c = build_config(speculative_tokens=3, **NO_GPU)  # the 2048-position demo model
+    assert (c.max_total_tokens, c.speculative_tokens) == (2045, 3)
+    with pytest.raises(ValueError, match=r"--max-total-tokens \(2048\) \+ --speculative-tokens \(3\) exceeds"):
+        build_config(speculative_tokens=3, max_total_tokens=2048, **NO_GPU)
+
+
+def test_hub_models_leave_limits_to_the_router() -> None:
+    c = build_config(model_id="meta-llama/Llama-3.1-8B", **NO_GPU)
+    assert c.model_id == "meta-llama/Llama-3.1-8B"
+    assert (c.max_input_tokens, c.max_total_tokens, c.max_batch_prefill_tokens) == (None, None, None)
+    c = build_config(model_id="org/model", max_input_tokens=100, **NO_GPU)
+    assert (c.max_input_tokens, c.max_total_tokens, c.max_batch_prefill_tokens) == (100, None, 150)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    (dict(max_input_tokens=100, max_total_tokens=100), r"--max-input-tokens \(100\) must be less than "
+                                                       r"--max-total-tokens \(100\)"),
+    (dict(max_input_tokens=100, max_total_tokens=200, max_batch_prefill_tokens=50),
+     r"--max-batch-prefill-tokens \(50\) must be at least --max-input-tokens \(100\)"),
+    (dict(max_total_tokens=3000), r"--max-total-tokens \(3000\) \+ --speculative-tokens \(0\) exceeds the "
+                                  r"model's max_position_embeddings \(2048\)"),
+    (dict(max_total_tokens=1000, max_batch_total_tokens=999), r"must not exceed --max-batch-total-tokens \(999\)"),
+    (dict(max_batch_prefill_tokens=5000, max_batch_total_tokens=4096), r"--max-batch-prefill-tokens \(5000\) must "
+                                                                        r"not exceed --max-batch-total-tokens"),
+    (dict(dtype="fp8"), r"--dtype must be one of float32, bfloat16, float16; got 'fp8'"),
+    (dict(port=70000), r"--port must be between 1 and 65535; got 70000"),
+    (dict(port=29500), r"--port and --master-port are both 29500"),
+    (dict(num_shard=0), r"--num-shard must be at least 1; got 0"),
+    (dict(adapter_source="ftp"), r"--adapter-source must be one of hub, local, s3, pbase"),
+    (dict(kv_cache_memory="lots"), r"--kv-cache-memory is not a size: 'lots'"),
+    (dict(log_level="chatty"), r"--log-level must be one of"),
+    (dict(shard_uds_path="/tmp/" + "x" * 120), r"--shard-uds-path is too long"),
+    (dict(model_id="./no/such/dir"), r"--model-id ./no/such/dir: no such directory"),
+])
+def test_invalid_settings_are_named(settings: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        build_config(**settings, **NO_GPU)
+
+
+def test_model_directory_checks(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="the directory has no config.json"):
+        build_config(model_id=str(tmp_path / "empty"), **NO_GPU)
+    (tmp_path / "file.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="found a file"):
+        build_config(model_id=str(tmp_path / "file.bin"), **NO_GPU)
+
+
+def test_cli_reads_environment_variables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[LauncherConfig] = []
+    monkeypatch.setattr(cli, "launch", lambda config: seen.append(config) or 0)
+    model = make_model_dir(tmp_path)
+    env = {
+        "MODEL_ID": str(model), "NUM_SHARD": "2", "PORT": "8080", "DEVICE": "cpu", "MAX_INPUT_LENGTH": "100",
+        "MAX_TOTAL_TOKENS": "200", "CORS_ALLOW_ORIGIN": "http://a http://b", "JSON_OUTPUT": "true",
+        "SPECULATIVE_TOKENS": "3", "LOG_LEVEL": "debug", "HUGGINGFACE_HUB_CACHE": "/data", "SHUTDOWN_TIMEOUT": "7",
+        "KV_CACHE_MEMORY": "2GiB", "MAX_BATCH_SIZE": "8", "WAITING_SERVED_RATIO": "0.5",
+    }
+    result = CliRunner().invoke(cli.app, [], env=env)
+    assert result.exit_code == 0, result.output
+    c = seen[0]
+    assert (c.model_id, c.num_shard, c.port, c.device, c.dtype) == (str(model), 2, 8080, "cpu", "float32")
+    assert (c.max_input_tokens, c.max_total_tokens, c.max_batch_prefill_tokens) == (100, 200, 150)
+    assert (c.cors_allow_origin, c.json_output, c.speculative_tokens) == (("http://a", "http://b"), True, 3)
+    assert (c.log_level, c.huggingface_hub_cache, c.shutdown_timeout) == ("DEBUG", "/data", 7)
+    assert (c.kv_cache_memory, c.max_batch_size, c.waiting_served_ratio) == ("2GiB", 8, 0.5)
+    # A flag beats its environment variable.
+    result = CliRunner().invoke(cli.app, ["--port", "9000", "--max-input-tokens", "50"], env=env)
+    assert result.exit_code == 0, result.output
+    assert (seen[1].port, seen[1].max_input_tokens) == (9000, 50)
+
+
+def test_cli_max_input_length_alias_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[LauncherConfig] = []
+    monkeypatch.setattr(cli, "launch", lambda config: seen.append(config) or 0)
+    args = ["--device", "cpu", "--max-input-length", "300", "--max-total-tokens", "400",
+            "--cors-allow-origin", "https://x", "--cors-allow-origin", "https://y"]
+    result = CliRunner().invoke(cli.app, args)
+    assert result.exit_code == 0, result.output
+    assert (seen[0].max_input_tokens, seen[0].cors_allow_origin) == (300, ("https://x", "https://y"))
+    result = CliRunner().invoke(cli.app, ["--device", "cpu", "--max-input-length", "400", "--max-total-tokens", "400"])
+    assert result.exit_code == 2 and len(seen) == 1
+    assert "--max-input-tokens (400) must be less" in " ".join(result.output.split())
+
+
+# ---------------------------------------------------------------------------------------------------- commands
+
+
+def test_shard_command_and_environment(tmp_path: Path) -> None:
+    model = str(make_model_dir(tmp_path))
+    c = build_config(model_id=model, num_shard=2, master_port=29600, log_level="debug", **NO_GPU)
+    assert shard_command(c) == [sys.executable, "-m", "specula_server.cli", "serve", model,
+                                "--uds-path", "/tmp/specula-server", "--dtype", "float32", "--device", "cpu",
+                                "--block-size", "16"]
+    c = build_config(model_id="org/model", revision="v1", huggingface_hub_cache="/data", kv_cache_memory="4GiB",
+                     dtype="bfloat16", block_size=32, shard_uds_path="/run/s", **NO_GPU)
+    assert shard_command(c) == [sys.executable, "-m", "specula_server.cli", "serve", "org/model",
+                                "--uds-path", "/run/s", "--dtype", "bfloat16", "--device", "cpu", "--block-size", "32",
+                                "--revision", "v1", "--huggingface-hub-cache", "/data", "--kv-cache-memory", "4GiB"]
+    c = build_config(model_id=model, num_shard=2, master_port=29600, log_level="debug", **NO_GPU)
+    env = shard_env(c, 1, {"HF_TOKEN": "secret", "PATH": "/bin"})
+    assert env == {"HF_TOKEN": "secret", "PATH": "/bin", "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost",
+                   "MASTER_PORT": "29600", "LOG_LEVEL": "DEBUG", "PYTHONUNBUFFERED": "1"}
+    specs = shard_specs(c, {"HF_TOKEN": "secret"})
+    assert [s.name for s in specs] == ["shard-0", "shard-1"] and [s.env["RANK"] for s in specs] == ["0", "1"]
+
+
+def test_router_command_with_defaults() -> None:
+    c = build_config(**NO_GPU)
+    assert router_command(c) == [
+        sys.executable, "-m", "specula_router.cli", "--model-id", str(DEMO_MODEL_DIR),
+        "--master-shard-uds-path", "/tmp/specula-server-0", "--hostname", "0.0.0.0", "--port", "3000",
+        "--speculative-tokens", "0", "--adapter-source", "hub", "--max-concurrent-requests", "128",
+        "--max-best-of", "2", "--max-stop-sequences", "4", "--max-top-n-tokens", "5", "--max-input-tokens", "2047",
+        "--max-total-tokens", "2048", "--waiting-served-ratio", "1.2", "--max-batch-prefill-tokens", "2097",
+        "--max-waiting-tokens", "20", "--payload-limit", "2000000", "--num-shard", "1", "--shutdown-timeout", "30",
+        "--log-level", "INFO",
+    ]
+    assert router_spec(c, {"HF_TOKEN": "t"}).env == {"HF_TOKEN": "t", "PYTHONUNBUFFERED": "1"}
+
+
+def test_router_command_passes_every_flag() -> None:
+    c = build_config(
+        model_id="org/model", revision="main", huggingface_hub_cache="/data", speculative_tokens=3,
+        speculator="org/medusa", adapter_source="local", max_concurrent_requests=64, max_best_of=1,
+        max_stop_sequences=2, max_top_n_tokens=0, max_input_tokens=1000, max_total_tokens=2000,
+        waiting_served_ratio=0.5, max_batch_prefill_tokens=4000, max_batch_total_tokens=16000, max_waiting_tokens=5,
+        max_batch_size=8, payload_limit=100, cors_allow_origin=["https://a", "https://b"], json_output=True,
+        num_shard=2, shutdown_timeout=9, log_level="warning", hostname="127.0.0.1", port=8080,
+        shard_uds_path="/run/s", **NO_GPU,
+    )
+    assert router_command(c)[1:] == [
+        "-m", "specula_router.cli", "--model-id", "org/model", "--master-shard-uds-path", "/run/s-0",
+        "--hostname", "127.0.0.1", "--port", "8080", "--revision", "main", "--huggingface-hub-cache", "/data",
+        "--speculative-tokens", "3", "--speculator", "org/medusa", "--adapter-source", "local",
+        "--max-concurrent-requests", "64", "--max-best-of", "1", "--max-stop-sequences", "2",
+        "--max-top-n-tokens", "0", "--max-input-tokens", "1000", "--max-total-tokens", "2000",
+        "--waiting-served-ratio", "0.5", "--max-batch-prefill-tokens", "4000", "--max-batch-total-tokens", "16000",
+        "--max-waiting-tokens", "5", "--max-batch-size", "8", "--payload-limit", "100",
+        "--cors-allow-origin", "https://a", "--cors-allow-origin", "https://b", "--json-output", "--num-shard", "2",
+        "--shutdown-timeout", "9", "--log-level", "WARNING",
+    ]
+
+
+def test_command_lines_parse_with_the_children_clis() -> None:
+    """The contract: the router and worker CLIs accept exactly what the launcher passes."""
+    import typer
+
+    router_cli = pytest.importorskip("specula_router.cli")
+    from specula_server import cli as server_cli
+
+    c = build_config(model_id="org/model", revision="main", speculator="org/medusa", max_input_tokens=100,
+                     max_batch_size=4, cors_allow_origin=["https://a", "https://b"], json_output=True,
+                     kv_cache_memory="1GiB", huggingface_hub_cache="/data", **NO_GPU)
+    params = typer.main.get_command(router_cli.app).make_context("specula-router", router_command(c)[3:]).params
+    assert params["model_id"] == "org/model" and params["master_shard_uds_path"] == "/tmp/specula-server-0"
+    assert params["max_input_tokens"] == 100 and params["max_batch_size"] == 4 and params["json_output"] is True
+    assert tuple(params["cors_allow_origin"]) == ("https://a", "https://b") and params["speculator"] == "org/medusa"
+    serve = typer.main.get_command(server_cli.app).commands["serve"]  # type: ignore[attr-defined]
+    params = serve.make_context("serve", shard_command(c)[4:]).params
+    assert (params["model_id"], params["uds_path"], params["kv_cache_memory"]) == ("org/model", "/tmp/specula-server",
+                                                                                   "1GiB")
+    assert (params["revision"], str(params["huggingface_hub_cache"]), params["block_size"]) == ("main", "/data", 16)
+
+
+# ---------------------------------------------------------------------------------------------------- supervision
+
+# A stand-in for a shard or the router. argv: name, events file, behaviour, then for a shard: socket, delay.
+#   serve: run until SIGTERM; drain: on SIGTERM print, wait 0.3 s, then exit; stubborn: ignore SIGTERM;
+#   crash: print 30 lines and an error on stderr, exit 3.
+FAKE_CHILD = r"""
+import os, signal, socket, sys, time
+name, events, behaviour, rest = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+def event(what):
+    with open(events, "a") as f:
+        f.write(f"{name} {what}\n")
+def on_term(signum, frame):
+    event("sigterm")
+    if behaviour == "drain":
+        print(f"{name} draining", flush=True)
+        time.sleep(0.3)
+    event("exit")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, signal.SIG_IGN if behaviour == "stubborn" else on_term)
+event(f"start own_group={os.getpgid(0) == os.getpid()}" + (f" stale={os.path.exists(rest[0])}" if rest else ""))
+print(f"{name} starting", flush=True)
+if behaviour == "crash":
+    time.sleep(0.2)
+    for i in range(30):
+        print(f"line {i}", flush=True)
+    print("fatal: out of memory", file=sys.stderr, flush=True)
+    sys.exit(3)
+if rest:
+    time.sleep(float(rest[1]))
+    socket.socket(socket.AF_UNIX).bind(rest[0])
+    print(f"{name} ready", flush=True)
+while True:
+    time.sleep(0.02)
+"""
+
+
+class Harness:
+    """Builds a Supervisor over fake children in `tmp_path` and reads back what happened."""
+
+    def __init__(self, tmp_path: Path, json_output: bool = False) -> None:
+        self.events = tmp_path / "events"
+        self.events.touch()
+        self.sockets = [tmp_path / f"s-{rank}" for rank in range(2)]
+        self.out = io.StringIO()
+        self.sink = LogSink(self.out, json_output)
+
+    def spec(self, name: str, behaviour: str, *rest: object) -> ChildSpec:
+        argv = (sys.executable, "-c", FAKE_CHILD, name, str(self.events), behaviour, *map(str, rest))
+        return ChildSpec(name, argv, dict(os.environ))
+
+    def supervisor(self, shards: tuple[str, str] = ("serve", "serve"), router: str = "serve",
+                   shard_delay: float = 0.0, drain_timeout: float = 5.0, **kwargs: float) -> Supervisor:
+        specs = [self.spec(f"shard-{r}", b, self.sockets[r], shard_delay) for r, b in enumerate(shards)]
+        return Supervisor(specs, self.spec("router", router), self.sockets, self.sink, drain_timeout=drain_timeout,
+                          stop_timeout=5.0, poll_interval=0.02, **kwargs)
+
+    def event_lines(self) -> list[str]:
+        return self.events.read_text().splitlines()
+
+    def wait_for_event(self, text: str, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(text in line for line in self.event_lines()):
+            assert time.monotonic() < deadline, f"no {text!r} in {self.event_lines()}"
+            time.sleep(0.02)
+
+    def stop_when(self, sup: Supervisor, text: str) -> threading.Thread:
+        """Calls request_stop (as the signal handler would) once `text` shows up in the events."""
+        thread = threading.Thread(target=lambda: (self.wait_for_event(text), sup.request_stop("received SIGTERM")))
+        thread.start()
+        return thread
+
+    def output(self) -> list[str]:
+        return self.out.getvalue().splitlines()
+
+    def index(self, event: str) -> int:
+        return self.event_lines().index(event)
+
+
+def test_stop_drains_router_before_shards(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    sup = h.supervisor(router="drain")
+    stopper = h.stop_when(sup, "router start")
+    assert sup.run() == 0
+    stopper.join()
+    assert h.index("router exit") < h.index("shard-0 sigterm") and h.index("router exit") < h.index("shard-1 sigterm")
+    assert h.index("router sigterm") < h.index("router exit")
+    assert "shard-0 start own_group=True stale=False" in h.event_lines()  # own process group, stale socket gone
+    assert "router start own_group=True" in h.event_lines()
+    assert all(c.returncode == 0 for c in sup.children)
+    out = h.output()
+    assert out.index("[router] router draining") < out.index("[launcher] stopping shards")
+    assert out[-1] == "[launcher] all processes stopped" and not any(p.exists() for p in h.sockets)
+
+
+def test_output_is_prefixed_with_the_child_name(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    sup = h.supervisor()
+    stopper = h.stop_when(sup, "router start")
+    assert sup.run() == 0
+    stopper.join()
+    out = h.output()
+    for line in ("[shard-0] shard-0 starting", "[shard-1] shard-1 ready", "[router] router starting",
+                 "[launcher] shard 1 ready (" + str(h.sockets[1]) + ")", "[launcher] starting router",
+                 "[launcher] received SIGTERM: shutting down"):
+        assert line in out
+    assert out.index("[launcher] starting router") > max(out.index("[shard-0] shard-0 ready"),
+                                                         out.index("[shard-1] shard-1 ready"))
+
+
+def test_json_output_wraps_every_line(tmp_path: Path) -> None:
+    h = Harness(tmp_path, json_output=True)
+    sup = h.supervisor()
+    stopper = h.stop_when(sup, "router start")
+    assert sup.run() == 0
+    stopper.join()
+    records = [json.loads(line) for line in h.output()]
+    assert all(set(r) == {"process", "line"} for r in records)
+    assert {"process": "shard-1", "line": "shard-1 ready"} in records
+    assert {"process": "router", "line": "router starting"} in records
+    assert {"process": "launcher", "line": "starting router"} in records
+
+
+def test_a_dying_shard_stops_the_others_and_shows_its_output(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    sup = h.supervisor(shards=("serve", "crash"))
+    started = time.monotonic()
+    assert sup.run() == 1
+    assert time.monotonic() - started < 5
+    shard0, shard1, router = sup.children
+    assert shard1.returncode == 3 and shard0.returncode is not None and not router.is_started
+    assert not any(line.startswith("router") for line in h.event_lines())
+    out = h.output()
+    assert "[launcher] shard-1 exited unexpectedly (exit code 3); stopping the others" in out
+    report = out.index("[launcher] shard-1 failed: exit code 3; last 20 line(s) of its output:")
+    assert out[report + 1:] == [f"[launcher]   | line {i}" for i in range(11, 30)] + [
+        "[launcher]   | fatal: out of memory"]
+    assert "[shard-1] fatal: out of memory" in out  # stderr is streamed too
+
+
+def test_a_dying_router_stops_the_shards(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    sup = h.supervisor(router="crash")
+    assert sup.run() == 1
+    assert {"shard-0 sigterm", "shard-1 sigterm"} <= set(h.event_lines())
+    assert all(c.returncode is not None for c in sup.children)
+    out = h.output()
+    assert "[launcher] router failed: exit code 3; last 20 line(s) of its output:" in out
+    assert out[-1] == "[launcher]   | fatal: out of memory"
+
+
+def test_a_router_ignoring_sigterm_is_killed_after_the_drain_timeout(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    sup = h.supervisor(router="stubborn", drain_timeout=0.5)
+    stopper = h.stop_when(sup, "router start")
+    assert sup.run() == 0
+    stopper.join()
+    router = sup.children[-1]
+    assert router.returncode == -signal.SIGKILL
+    assert "[launcher] router still running, sending SIGKILL" in h.output()
+    assert h.index("shard-0 exit") > 0 and all(c.returncode is not None for c in sup.children)
+
+
+def test_waits_for_every_socket_and_removes_stale_ones(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    h.sockets[0].write_text("stale")  # left behind by a crashed run: must not count as ready
+    sup = h.supervisor(shard_delay=0.5, progress_interval=0.1)
+    stopper = h.stop_when(sup, "router start")
+    assert sup.run() == 0
+    stopper.join()
+    assert "shard-0 start own_group=True stale=False" in h.event_lines()
+    out = h.output()
+    assert "[launcher] waiting for shard 0 (0s)" in out
+    assert out.index("[launcher] starting router") > out.index("[shard-0] shard-0 ready")
+
+
+def test_stop_during_startup_never_starts_the_router(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    sup = h.supervisor(shard_delay=30.0)
+    stopper = h.stop_when(sup, "shard-1 start")
+    assert sup.run() == 0
+    stopper.join()
+    assert not sup.children[-1].is_started and all(c.returncode is not None for c in sup.children[:-1])
+
+
+DRIVER = r"""
+import sys
+from pathlib import Path
+from specula_launcher.processes import ChildSpec, LogSink, Supervisor, run_with_signal_handlers
+fake, events, tmp = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+def spec(name, behaviour, *rest):
+    return ChildSpec(name, (sys.executable, "-c", fake, name, events, behaviour, *rest), {})
+sockets = [tmp / "s-0"]
+sup = Supervisor([spec("shard-0", "serve", str(sockets[0]), "0")], spec("router", "drain"), sockets,
+                 LogSink(sys.stdout), drain_timeout=5, poll_interval=0.02)
+sys.exit(run_with_signal_handlers(sup))
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signals_shut_down_in_order_and_exit_zero(tmp_path: Path, sig: signal.Signals) -> None:
+    h = Harness(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(LAUNCHER_DIR)}
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, FAKE_CHILD, str(h.events), str(tmp_path)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        h.wait_for_event("router start")
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, out
+    assert f"[launcher] received {sig.name}: shutting down" in out.splitlines()
+    assert h.index("router exit") < h.index("shard-0 sigterm")
+
+
+def test_describe_exit() -> None:
+    assert describe_exit(3) == "exit code 3"
+    assert describe_exit(-9) == "killed by SIGKILL"
