@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Awaitable, Sequence
 
 import grpc
 
@@ -54,14 +54,25 @@ class ShardedClient:
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._channels))
 
-    async def _broadcast(self, method: str, request, timeout: float | None = None) -> list:
+    def _start(self, method: str, request, timeout: float | None = None) -> Awaitable[list]:
+        """Sends `request` to every shard now; the returned awaitable gathers the answers.
+
+        The calls are created before anything awaits, so a caller can start a step and then do other work
+        (wake HTTP handlers) while it is on the wire.
+        """
         calls = [getattr(stub, method)(request, timeout=timeout) for stub in self._stubs]
+        return self._gather(method, calls)
+
+    async def _gather(self, method: str, calls: list) -> list:
         try:
-            return await asyncio.gather(*calls)
+            return [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
         except grpc.aio.AioRpcError as e:
             for call in calls:  # the others would otherwise run on unobserved
                 call.cancel()
             raise ShardError(f"{method} failed: {e.details() or e.code().name}") from e
+
+    async def _broadcast(self, method: str, request, timeout: float | None = None) -> list:
+        return await self._start(method, request, timeout)
 
     async def info(self) -> pb.InfoResponse:
         return (await self._broadcast("Info", pb.InfoRequest()))[0]
@@ -80,15 +91,19 @@ class ShardedClient:
         responses = await self._broadcast("Warmup", request)
         return min(responses, key=lambda r: r.num_blocks)
 
-    async def prefill(self, batch: pb.Batch) -> StepResponse:
-        response = (await self._broadcast("Prefill", pb.PrefillRequest(batch=batch)))[0]
-        return StepResponse(list(response.generations), response.batch if response.HasField("batch") else None,
-                            response.timings)
+    def prefill(self, batch: pb.Batch) -> Awaitable[StepResponse]:
+        """Starts a Prefill on every shard (sent before this returns); await the result."""
+        return self._step(self._start("Prefill", pb.PrefillRequest(batch=batch)))
 
-    async def decode(self, batches: Sequence[pb.CachedBatch]) -> StepResponse:
-        response = (await self._broadcast("Decode", pb.DecodeRequest(batches=batches)))[0]
-        return StepResponse(list(response.generations), response.batch if response.HasField("batch") else None,
-                            response.timings)
+    def decode(self, batches: Sequence[pb.CachedBatch]) -> Awaitable[StepResponse]:
+        """Starts a Decode on every shard (sent before this returns); await the result."""
+        return self._step(self._start("Decode", pb.DecodeRequest(batches=batches)))
+
+    @staticmethod
+    async def _step(responses: Awaitable[list]) -> StepResponse:
+        response = (await responses)[0]
+        batch = response.batch if response.HasField("batch") else None
+        return StepResponse(list(response.generations), batch, response.timings)
 
     async def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> pb.CachedBatch:
         request = pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids)

@@ -24,7 +24,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Awaitable, Callable, Sequence
 
 from specula_proto import generate_pb2 as pb
 from specula_router.block_allocator import BlockAllocator
@@ -48,6 +48,7 @@ class SchedulerConfig:
     max_waiting_tokens: int = 20
     max_batch_size: int | None = None
     lookahead: int = 0  # KV positions reserved past max_new_tokens for speculative drafts
+    pipeline_depth: int = 2  # decode steps queued in the workers at once (1: wait for each result)
 
 
 # --- events sent to the HTTP handler ----------------------------------------------------------------------
@@ -151,6 +152,7 @@ class Scheduler:
         self._ids = itertools.count()
         self._batch_ids = itertools.count()
         self._wake = asyncio.Event()
+        self._outbox: list[tuple[Entry, object]] = []  # events held until the next step is on the wire
         self.last_step_ok: float | None = None  # monotonic time of the last successful worker step
 
     # --- called by the HTTP handlers ----------------------------------------------------------------------
@@ -180,17 +182,40 @@ class Scheduler:
             entries = self._next_batch(min_size=None, max_size=self.config.max_batch_size)
             if not entries:
                 continue
-            batches = await self._prefill(entries)
-            waiting_steps = 1
-            while batches:
-                new_batch = self._admit_more(waiting_steps)
-                if new_batch:
-                    batches += await self._prefill(new_batch)
-                    waiting_steps = 1
-                batches = await self._decode(batches)
-                waiting_steps += 1
+            live = await self._prefill(entries)
+            await self._decode_while_running(live)
+            self._flush()
             if self.queue:
                 self._wake.set()
+
+    async def _decode_while_running(self, live: list[int]) -> None:
+        """Decode steps until no request runs; `live` holds the ids of batches cached in the workers.
+
+        With `pipeline_depth` 2 the next Decode is sent before the current one's result is processed, so the
+        workers start step k+1 as soon as step k ends instead of waiting a router round trip. The workers
+        skip batches that ended in the step before (see `TextGenerator.decode`).
+        """
+        ahead: deque[tuple[Awaitable[StepResponse], tuple[int, ...], float]] = deque()
+        waiting_steps = 1
+        while live or ahead:
+            while live and len(ahead) < self.config.pipeline_depth:
+                ids = tuple(live)
+                self.metrics.batch_inference_count.labels("decode").inc()
+                ahead.append((self.client.decode([pb.CachedBatch(id=i) for i in ids]), ids, time.monotonic()))
+            self._flush()  # handlers stream the last step's tokens while the workers compute
+            pending, sent, sent_at = ahead.popleft()
+            response = await self._await_step("decode", pending, sent_at, list(self.running.values()))
+            if response is None:
+                await self._abandon(ahead)
+                return
+            survivor = response.batch.id if response.batch is not None else None
+            live = [i for i in live if i not in sent or i == survivor]
+            live = await self._drop_cancelled(live)
+            waiting_steps += 1
+            newcomers = self._admit_more(waiting_steps)
+            if newcomers:
+                live += await self._prefill(newcomers)
+                waiting_steps = 1
 
     def _admit_more(self, waiting_steps: int) -> list[Entry] | None:
         """Newcomers that may join the running batch now (TGI's waiting-served-ratio rule)."""
@@ -239,60 +264,76 @@ class Scheduler:
         self.metrics.batch_next_size.observe(len(batch))
         return batch
 
-    async def _prefill(self, entries: list[Entry]) -> list[pb.CachedBatch]:
+    async def _prefill(self, entries: list[Entry]) -> list[int]:
+        """Prefills new requests; returns the new batch id when some of them keep running."""
         batch = pb.Batch(id=next(self._batch_ids), requests=[e.to_pb() for e in entries])
-        response = await self._step("prefill", self.client.prefill(batch), [e.id for e in entries], [batch.id])
-        return [] if response is None else await self._after_step(response)
+        self.metrics.batch_inference_count.labels("prefill").inc()
+        pending = self.client.prefill(batch)
+        self._flush()
+        response = await self._await_step("prefill", pending, time.monotonic(), entries)
+        if response is None:
+            await self._clear_quietly(batch.id)
+            return []
+        return [] if response.batch is None else [batch.id]
 
-    async def _decode(self, batches: list[pb.CachedBatch]) -> list[pb.CachedBatch]:
-        ids = [i for b in batches for i in b.request_ids]
-        response = await self._step("decode", self.client.decode(batches), ids, [b.id for b in batches])
-        return [] if response is None else await self._after_step(response)
-
-    async def _step(self, method: str, call, request_ids: Sequence[int], batch_ids: Sequence[int]) -> StepResponse | None:
-        self.metrics.batch_inference_count.labels(method).inc()
-        start = time.monotonic()
+    async def _await_step(self, method: str, pending: Awaitable[StepResponse], sent_at: float,
+                          failing: list[Entry]) -> StepResponse | None:
+        """Waits for a step and delivers its tokens; on a worker failure fails `failing` and returns None."""
         try:
-            response = await call
+            response = await pending
         except ShardError as e:
             logger.error("%s failed: %s", method, e)
             self.metrics.batch_inference_failure.labels(method).inc()
-            for request_id in request_ids:
-                self._finish(self.running[request_id], ErrorEvent(str(e)))
-            for batch_id in batch_ids:
-                await self._clear_quietly(batch_id)
+            for entry in failing:
+                self._finish(entry, ErrorEvent(str(e)))
+            self._flush()
             return None
-        self.last_step_ok = time.monotonic()
+        now = time.monotonic()
         m = self.metrics
         m.batch_inference_success.labels(method).inc()
-        m.batch_inference_duration.labels(method).observe(self.last_step_ok - start)
+        # A pipelined step was queued behind the previous one: count from when the worker could start it.
+        m.batch_inference_duration.labels(method).observe(now - max(sent_at, self.last_step_ok or sent_at))
         m.batch_forward_duration.labels(method).observe(response.timings.forward_ns / 1e9)
         m.batch_decode_duration.labels(method).observe(response.timings.decode_ns / 1e9)
+        self.last_step_ok = now
         for generation in response.generations:
             self._deliver(generation)
+        m.batch_current_size.set(len(self.running))
+        m.batch_current_max_tokens.set(self.allocator.num_used_tokens)
         return response
 
-    async def _after_step(self, response: StepResponse) -> list[pb.CachedBatch]:
-        """Drops requests whose clients went away (within one step of it) and updates the gauges."""
-        batch = response.batch
-        if batch is not None:
-            cancelled = [i for i in batch.request_ids if self.running[i].cancelled]
-            if cancelled:
-                keep = [i for i in batch.request_ids if not self.running[i].cancelled]
-                try:
-                    batch = await self.client.filter_batch(batch.id, keep)
-                except ShardError as e:
-                    keep = []
-                    for i in batch.request_ids:
-                        self._finish(self.running[i], ErrorEvent(str(e)))
-                for i in cancelled:
-                    self._finish(self.running[i], None)
-                if not keep:
-                    await self._clear_quietly(batch.id)
-                    batch = None
-        self.metrics.batch_current_size.set(len(self.running))
-        self.metrics.batch_current_max_tokens.set(self.allocator.num_used_tokens)
-        return [] if batch is None else [batch]
+    async def _drop_cancelled(self, live: list[int]) -> list[int]:
+        """Removes requests whose clients went away from every live batch, then frees their blocks.
+
+        The blocks are freed only after FilterBatch answers: the workers run RPCs in order, so by then no
+        queued step can still write to them.
+        """
+        cancelled = [e for e in self.running.values() if e.cancelled]
+        if not cancelled:
+            return live
+        keep = [e.id for e in self.running.values() if not e.cancelled]
+        survivors = []
+        for batch_id in live:
+            try:
+                batch = await self.client.filter_batch(batch_id, keep)
+            except ShardError as e:
+                for entry in list(self.running.values()):
+                    self._finish(entry, ErrorEvent(str(e)))
+                return []
+            if batch.request_ids:
+                survivors.append(batch_id)
+        for entry in cancelled:
+            self._finish(entry, None)
+        return survivors
+
+    async def _abandon(self, ahead: deque) -> None:
+        """After a failed step: wait out the steps still queued and clear the workers' batches."""
+        for pending, _, _ in ahead:
+            try:
+                await pending
+            except ShardError:
+                pass
+        await self._clear_quietly(None)
 
     def _deliver(self, generation: pb.Generation) -> None:
         entry = self.running.get(generation.request_id)
@@ -318,7 +359,7 @@ class Scheduler:
             entry.num_skipped += len(tokens) - 1
             prefill = _tokens(generation.prefill_tokens) if generation.HasField("prefill_tokens") else None
             top = [_tokens(t) for t in generation.top_tokens]
-            entry.events.put_nowait(TokensEvent(tokens, top, prefill, final))
+            self._outbox.append((entry, TokensEvent(tokens, top, prefill, final)))
         if final is not None:
             self._finish(entry, final, send=not tokens)
 
@@ -345,9 +386,14 @@ class Scheduler:
         else:
             m.request_failure.labels("cancelled", adapter).inc()
         if event is not None and send:
-            entry.events.put_nowait(event)
+            self._outbox.append((entry, event))
 
-    async def _clear_quietly(self, batch_id: int) -> None:
+    def _flush(self) -> None:
+        for entry, event in self._outbox:
+            entry.events.put_nowait(event)
+        self._outbox.clear()
+
+    async def _clear_quietly(self, batch_id: int | None) -> None:
         try:
             await self.client.clear_cache(batch_id)
         except ShardError as e:

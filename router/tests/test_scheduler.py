@@ -67,7 +67,7 @@ def test_newcomers_join_the_running_batch_without_waiting_for_it():
         short = scheduler.submit(make_request(max_new=2))
         await drain(short)
         assert long.state.name == "RUNNING"  # the short one finished while the long one ran
-        decodes_with_both = [c for kind, c in client.calls if kind == "decode" and set(c) == {long.id, short.id}]
+        decodes_with_both = [c for kind, c in client.calls if kind == "decoded" and set(c) == {long.id, short.id}]
         assert decodes_with_both
         await drain(long)
         loop.cancel()
@@ -151,4 +151,36 @@ def test_worker_failure_fails_only_that_step_and_frees_blocks(method):
         assert isinstance((await drain(ok))[-1], FinalEvent)
         loop.cancel()
         assert scheduler.allocator.num_free_blocks == 64
+    run(body())
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_pipeline_depth_changes_no_output(depth):
+    async def body():
+        scheduler, client = make_scheduler(pipeline_depth=depth, step_delay=0.001)
+        loop = asyncio.create_task(scheduler.run())
+        entries = [scheduler.submit(make_request(max_new=n)) for n in (5, 2, 7)]
+        texts = [(await drain(e))[-1].generated_text for e in entries]
+        loop.cancel()
+        assert texts == ["".join(f"t{i} " for i in range(n)) for n in (5, 2, 7)]
+        assert scheduler.allocator.num_free_blocks == 64
+        return client.calls
+
+    calls = run(body())
+    kinds = [kind for kind, _ in calls]
+    first_result = kinds.index("decoded")
+    # With depth 2 the second Decode is on its way before the first one's result is processed.
+    assert kinds[:first_result].count("decode") == depth
+
+
+def test_pipelined_decode_of_a_batch_that_just_ended_is_harmless():
+    async def body():
+        scheduler, client = make_scheduler(pipeline_depth=2)
+        loop = asyncio.create_task(scheduler.run())
+        entry = scheduler.submit(make_request(max_new=2))  # ends in the first decode step
+        events = await drain(entry)
+        await asyncio.sleep(0.01)
+        loop.cancel()
+        assert events[-1].generated_tokens == 2 and not scheduler.running
+        assert ("decode", [0]) in client.calls and client.batches == {}
     run(body())

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -53,6 +54,7 @@ class StepResult:
 
 
 class TextGenerator:
+    MAX_RETIRED = 4096  # ended batch ids remembered, far more than the router can have in flight
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -73,6 +75,7 @@ class TextGenerator:
         self.sampler = Sampler()
         self.kv_cache: KVCache | None = None
         self.batches: dict[int, Batch] = {}
+        self._retired: OrderedDict[int, None] = OrderedDict()  # ids of batches that ended, oldest first
 
     # --- KV cache -----------------------------------------------------------------------------------------
 
@@ -81,7 +84,7 @@ class TextGenerator:
         return KVCache.bytes_per_block(cfg.num_layers, self.model.num_kv_heads, cfg.head_dim, self.block_size, self.dtype)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.batches.clear()
+        self.clear()
         self.kv_cache = None  # release the old cache before allocating the new one
         cfg = self.model.config
         self.kv_cache = KVCache.allocate(
@@ -133,26 +136,51 @@ class TextGenerator:
         return self._run(Batch(batch_id, requests), step, with_prefill_logprobs=True)
 
     def decode(self, batch_ids: Sequence[int]) -> StepResult:
-        missing = [b for b in batch_ids if b not in self.batches]
-        if missing or not batch_ids:
-            raise BatchNotFoundError(f"unknown batch ids {missing}" if missing else "no batch given")
-        batch = Batch.concatenate([self.batches.pop(b) for b in batch_ids])
+        """One step over the named batches, concatenated into the first that still exists.
+
+        Ids of batches that ended (all their requests finished, merged into another batch, or cleared) are
+        skipped: the router sends its next Decode before it has seen the previous step's result, so it may
+        name a batch that ended in that step. Ids never seen are an error.
+        """
+        if not batch_ids:
+            raise BatchNotFoundError("no batch given")
+        missing = [b for b in batch_ids if b not in self.batches and b not in self._retired]
+        if missing:
+            raise BatchNotFoundError(f"unknown batch ids {missing}")
+        live = [b for b in batch_ids if b in self.batches]
+        if not live:
+            return StepResult([], None, StepTimings())
+        for merged in live[1:]:
+            self._retire(merged)
+        batch = Batch.concatenate([self.batches.pop(b) for b in live])
         reqs = batch.requests
         step = build_step(reqs, [r.num_tokens - 1 for r in reqs], [1] * len(reqs), self.device)
         return self._run(batch, step, with_prefill_logprobs=False)
 
     def filter(self, batch_id: int, keep_ids: Sequence[int]) -> Batch:
+        """Keeps only the listed requests (ids of other batches may be listed too); an emptied batch ends."""
         batch = self.batches.get(batch_id)
         if batch is None:
+            if batch_id in self._retired:
+                return Batch(batch_id, [])
             raise BatchNotFoundError(f"unknown batch id {batch_id}")
         batch.filter(keep_ids)
+        if not batch.requests:
+            self.batches.pop(batch_id)
+            self._retire(batch_id)
         return batch
 
     def clear(self, batch_id: int | None = None) -> None:
         if batch_id is None:
             self.batches.clear()
-        else:
-            self.batches.pop(batch_id, None)
+            self._retired.clear()
+        elif self.batches.pop(batch_id, None) is not None:
+            self._retire(batch_id)
+
+    def _retire(self, batch_id: int) -> None:
+        self._retired[batch_id] = None
+        while len(self._retired) > self.MAX_RETIRED:
+            self._retired.popitem(last=False)
 
     @torch.inference_mode()
     def _run(self, batch: Batch, step: StepInputs, with_prefill_logprobs: bool) -> StepResult:
@@ -184,6 +212,8 @@ class TextGenerator:
         kept = batch if batch.requests else None
         if kept is not None:
             self.batches[batch.id] = kept
+        else:
+            self._retire(batch.id)
         timings = StepTimings(forward_done - start, time.perf_counter_ns() - forward_done)
         return StepResult(outputs, kept, timings)
 

@@ -81,3 +81,23 @@ def test_finished_requests_leave_the_batch(generator):
     assert result.batch.request_ids == [1]
     generator.clear()
     assert generator.batches == {}
+
+
+def test_decode_skips_batches_that_ended_but_rejects_unknown_ones(generator):
+    from specula_server.generator import BatchNotFoundError
+
+    pool = BlockPool(128, 16)
+    result = generator.prefill(20, [make_spec(0, [1, 5, 6], pool, max_new_tokens=2)])
+    assert result.batch is not None
+    result = generator.decode([20])  # the request finishes: batch 20 ends
+    assert result.batch is None
+    again = generator.decode([20])  # a pipelined Decode that named it is answered empty
+    assert again.outputs == [] and again.batch is None
+    with pytest.raises(BatchNotFoundError, match="unknown batch ids \\[999\\]"):
+        generator.decode([20, 999])
+    first = generator.prefill(21, [make_spec(1, [1, 7], pool, max_new_tokens=4)])
+    second = generator.prefill(22, [make_spec(2, [1, 8], pool, max_new_tokens=4)])
+    merged = generator.decode([21, 22])
+    assert merged.batch.id == 21 and sorted(merged.batch.request_ids) == [1, 2]
+    assert generator.decode([22, 21]).batch.id == 21  # 22 was merged into 21: skipped
+    generator.clear()
