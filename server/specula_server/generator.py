@@ -131,9 +131,10 @@ class TextGenerator:
             raise InvalidRequestError("a batch needs at least one request")
         if len({s.id for s in specs}) != len(specs):
             raise InvalidRequestError("request ids within a batch must be unique")
+        start = time.perf_counter_ns()
         requests = [self._admit(spec) for spec in specs]
         step = build_step(requests, [0] * len(requests), [r.prompt_len for r in requests], self.device)
-        return self._run(Batch(batch_id, requests), step, with_prefill_logprobs=True)
+        return self._run(Batch(batch_id, requests), step, start, with_prefill_logprobs=True)
 
     def decode(self, batch_ids: Sequence[int]) -> StepResult:
         """One step over the named batches, concatenated into the first that still exists.
@@ -150,12 +151,13 @@ class TextGenerator:
         live = [b for b in batch_ids if b in self.batches]
         if not live:
             return StepResult([], None, StepTimings())
+        start = time.perf_counter_ns()
         for merged in live[1:]:
             self._retire(merged)
         batch = Batch.concatenate([self.batches.pop(b) for b in live])
         reqs = batch.requests
         step = build_step(reqs, [r.num_tokens - 1 for r in reqs], [1] * len(reqs), self.device)
-        return self._run(batch, step, with_prefill_logprobs=False)
+        return self._run(batch, step, start, with_prefill_logprobs=False)
 
     def filter(self, batch_id: int, keep_ids: Sequence[int]) -> Batch:
         """Keeps only the listed requests (ids of other batches may be listed too); an emptied batch ends."""
@@ -183,9 +185,9 @@ class TextGenerator:
             self._retired.popitem(last=False)
 
     @torch.inference_mode()
-    def _run(self, batch: Batch, step: StepInputs, with_prefill_logprobs: bool) -> StepResult:
+    def _run(self, batch: Batch, step: StepInputs, start: int, with_prefill_logprobs: bool) -> StepResult:
+        """Forward, sample and commit one step; `start` is when the step began (its inputs' preparation)."""
         assert self.kv_cache is not None
-        start = time.perf_counter_ns()
         hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attn)
         logits = self.model.compute_logits(hidden[step.last_rows])  # [num_seqs, vocab]
         forward_done = time.perf_counter_ns()

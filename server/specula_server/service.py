@@ -1,8 +1,8 @@
 """The worker's gRPC service: protobuf in, `TextGenerator` calls, protobuf out.
 
 Protobuf objects stop here; everything behind this module works with the worker's own dataclasses.
-Steps run in a worker thread so the event loop keeps answering Health while a long forward pass runs,
-and a lock keeps steps strictly one at a time (the model and KV cache are not re-entrant).
+Steps run on one dedicated thread, strictly one at a time and in arrival order (the model and KV cache are
+not re-entrant), so the event loop keeps answering Health while a long forward pass runs.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -85,11 +86,12 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
     def __init__(self, generator: TextGenerator, info: WorkerInfo) -> None:
         self.generator = generator
         self.info = info
-        self._lock = asyncio.Lock()
+        # One thread runs every step, in arrival order: a Decode queued behind the running one starts the
+        # moment it ends, without a round trip through the event loop (which keeps answering Health).
+        self._steps = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specula-step")
 
     async def _in_thread(self, fn: Callable, *args):
-        async with self._lock:
-            return await asyncio.to_thread(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._steps, fn, *args)
 
     async def Info(self, request, context):
         cfg = self.generator.model.config
