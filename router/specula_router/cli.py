@@ -137,43 +137,34 @@ async def run(config: RouterConfig) -> int:
 
 
 def info_body(config: RouterConfig, info, limits: Limits, num_blocks: int) -> dict:
+    """The `/info` answer, built through its schema so the documented and served shapes cannot drift."""
     from importlib.metadata import PackageNotFoundError, version
+
+    from specula_router.schemas import Info, SpeculationInfo
 
     try:
         specula_version = version("specula")
     except PackageNotFoundError:
         specula_version = "0.0.0+source"
-    return {
-        "model_id": config.model_id,
-        "model_sha": info.model_sha or None,
-        "model_dtype": info.dtype,
-        "model_device_type": info.device_type,
-        "model_pipeline_tag": "text-generation",
-        "max_concurrent_requests": config.max_concurrent_requests,
-        "max_best_of": config.max_best_of,
-        "max_stop_sequences": config.max_stop_sequences,
-        "max_top_n_tokens": config.max_top_n_tokens,
-        "max_input_tokens": limits.max_input_tokens,
-        "max_input_length": limits.max_input_tokens,
-        "max_total_tokens": limits.max_total_tokens,
-        "max_batch_prefill_tokens": limits.max_batch_prefill_tokens,
-        "max_batch_total_tokens": num_blocks * info.block_size,
-        "max_batch_size": config.max_batch_size,
-        "waiting_served_ratio": config.waiting_served_ratio,
-        "max_waiting_tokens": config.max_waiting_tokens,
-        "validation_workers": 1,
-        "num_shard": info.world_size,
-        "block_size": info.block_size,
-        "max_position_embeddings": info.max_position_embeddings,
-        "speculation": {
-            "method": info.speculation.method if config.speculative_tokens else "none",
-            "max_speculative_tokens": config.speculative_tokens,
-            "speculator": config.speculator,
-        },
-        "version": specula_version,
-        "sha": None,
-        "docker_label": None,
-    }
+    speculation = SpeculationInfo(
+        method=info.speculation.method,
+        max_speculative_tokens=info.speculation.max_speculative_tokens,
+        mode="off" if info.speculation.max_speculative_tokens == 0 else "fixed",
+        reserved_lookahead_tokens=config.speculative_tokens,
+        speculator=config.speculator,
+    )
+    body = Info(
+        model_id=config.model_id, model_sha=info.model_sha or None, model_dtype=info.dtype,
+        model_device_type=info.device_type, max_concurrent_requests=config.max_concurrent_requests,
+        max_best_of=config.max_best_of, max_stop_sequences=config.max_stop_sequences,
+        max_top_n_tokens=config.max_top_n_tokens, max_input_tokens=limits.max_input_tokens,
+        max_total_tokens=limits.max_total_tokens, max_position_embeddings=info.max_position_embeddings,
+        waiting_served_ratio=config.waiting_served_ratio, max_batch_total_tokens=num_blocks * info.block_size,
+        max_batch_prefill_tokens=limits.max_batch_prefill_tokens, max_waiting_tokens=config.max_waiting_tokens,
+        max_batch_size=config.max_batch_size, validation_workers=1, num_shard=info.world_size,
+        block_size=info.block_size, speculation=speculation, version=specula_version,
+    )
+    return body.model_dump(mode="json")
 
 
 class _JsonFormatter(logging.Formatter):

@@ -317,6 +317,9 @@ class SpeculationInfo(BaseModel):
                                                          "(0: off).", examples=[4])
     mode: str = Field(..., description="off, fixed, or adaptive (draft length follows load and "
                                        "acceptance).", examples=["adaptive"])
+    reserved_lookahead_tokens: int = Field(0, description="KV positions the router reserves per request for "
+                                                          "drafts (`--speculative-tokens`).", examples=[4])
+    speculator: str | None = Field(None, description="Speculator served for every request, if any.")
 
 
 class Info(BaseModel):

@@ -28,7 +28,10 @@ from specula_router.responses import (
     ClientGone, Generation, GenerationError, collect, generate_body, next_event, token_body, top_tokens_body,
 )
 from specula_router.scheduler import Entry, ErrorEvent, Scheduler, TokensEvent
-from specula_router.schemas import CompatGenerateRequest, GenerateRequest, TokenizeRequest
+from specula_router.schemas import (
+    CompatGenerateRequest, ErrorResponse, GenerateRequest, GenerateResponse, Info, SimpleToken, StreamResponse,
+    TokenizeRequest,
+)
 from specula_router.validation import ValidationError, Validator, format_request_errors
 
 logger = logging.getLogger("specula.router.http")
@@ -73,17 +76,23 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
         state.metrics.request_failure.labels("validation", "").inc()
         return error(422, format_request_errors(exc.errors()), "validation")
 
-    @app.post("/generate", tags=["Text Generation Inference"])
+    errors = {code: {"model": ErrorResponse} for code in (413, 422, 424, 429)}
+    sse = {"text/event-stream": {"schema": StreamResponse.model_json_schema(ref_template="#/components/schemas/{model}")}}
+
+    @app.post("/generate", tags=["Text Generation Inference"],
+              responses={200: {"model": GenerateResponse}, **errors})
     async def generate(body: GenerateRequest, request: Request):
         """Generate tokens; answers once generation has finished."""
         return await _generate(state, body.inputs, body.parameters, request)
 
-    @app.post("/generate_stream", tags=["Text Generation Inference"])
+    @app.post("/generate_stream", tags=["Text Generation Inference"],
+              responses={200: {"content": sse, "description": "One event per token"}, **errors})
     async def generate_stream(body: GenerateRequest, request: Request):
         """Generate tokens as Server-Sent Events, one event per token."""
         return await _generate_stream(state, body.inputs, body.parameters, request)
 
-    @app.post("/", tags=["Text Generation Inference"])
+    @app.post("/", tags=["Text Generation Inference"],
+              responses={200: {"model": list[GenerateResponse], "content": sse}, **errors})
     async def compat_generate(body: CompatGenerateRequest, request: Request):
         """TGI/LoRAX compat route used by the published clients: SSE when `stream`, else a JSON array."""
         if body.stream:
@@ -93,7 +102,7 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
             return response
         return JSONResponse([json.loads(response.body)], headers=_copy_headers(response))
 
-    @app.post("/tokenize", tags=["Text Generation Inference"])
+    @app.post("/tokenize", tags=["Text Generation Inference"], responses={200: {"model": list[SimpleToken]}})
     async def tokenize(body: TokenizeRequest):
         """Tokenize the inputs with the model's tokenizer."""
         try:
@@ -102,7 +111,7 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
             return error(422, e.message, "validation")
         return JSONResponse([t if isinstance(t, dict) else t.model_dump() for t in tokens])
 
-    @app.get("/health", tags=["Text Generation Inference"])
+    @app.get("/health", tags=["Text Generation Inference"], responses={503: {"model": ErrorResponse}})
     async def health():
         """200 when the workers answer; 503 otherwise. Does not wait behind a running step."""
         last = state.scheduler.last_step_ok
@@ -115,7 +124,7 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
             return error(503, "unhealthy", "healthcheck")
         return Response(status_code=200)
 
-    @app.get("/info", tags=["Text Generation Inference"])
+    @app.get("/info", tags=["Text Generation Inference"], responses={200: {"model": Info}})
     async def info():
         """Model, limits and speculation configuration."""
         return JSONResponse(state.info)

@@ -301,7 +301,8 @@ def test_info_reports_speculation_and_legacy_input_length():
     )
     dumped = json.loads(info.model_dump_json())
     assert dumped["max_input_length"] == dumped["max_input_tokens"] == 1024
-    assert dumped["speculation"] == {"method": "ngram", "max_speculative_tokens": 4, "mode": "adaptive"}
+    assert dumped["speculation"] == {"method": "ngram", "max_speculative_tokens": 4, "mode": "adaptive",
+                                     "reserved_lookahead_tokens": 0, "speculator": None}
     assert dumped["model_sha"] is None and dumped["num_shard"] == 1
     assert Info.model_validate(dumped) == info  # the computed field is ignored on the way in
 
