@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -49,16 +50,32 @@ class Generation:
         return sum(t.logprob for t in self.tokens)
 
 
-async def next_event(entry: Entry, is_disconnected: Callable[[], Awaitable[bool]], poll_s: float = 0.25):
-    """The entry's next event; raises ClientGone when the client disconnects while waiting."""
+class DisconnectWatch:
+    """Asks the server whether the client is gone, at most every `every_s` seconds."""
+
+    def __init__(self, is_disconnected: Callable[[], Awaitable[bool]], every_s: float = 0.25) -> None:
+        self._is_disconnected = is_disconnected
+        self.every_s = every_s
+        self._last = time.monotonic()
+
+    async def gone(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.every_s:
+            return False
+        self._last = now
+        return await self._is_disconnected()
+
+
+async def next_event(entry: Entry, watch: DisconnectWatch):
+    """The entry's next event; raises ClientGone when the client disconnects, even while tokens flow."""
     get = asyncio.ensure_future(entry.events.get())
     try:
         while True:
-            done, _ = await asyncio.wait({get}, timeout=poll_s)
+            done, _ = await asyncio.wait({get}, timeout=watch.every_s)
+            if await watch.gone():
+                raise ClientGone
             if done:
                 return get.result()
-            if await is_disconnected():
-                raise ClientGone
     finally:
         if not get.done():
             get.cancel()  # a cancelled Queue.get takes nothing from the queue
@@ -66,8 +83,9 @@ async def next_event(entry: Entry, is_disconnected: Callable[[], Awaitable[bool]
 
 async def collect(entry: Entry, is_disconnected: Callable[[], Awaitable[bool]]) -> Generation:
     generation = Generation()
+    watch = DisconnectWatch(is_disconnected)
     while True:
-        event = await next_event(entry, is_disconnected)
+        event = await next_event(entry, watch)
         if isinstance(event, TokensEvent):
             generation.add(event)
             if event.final is not None:

@@ -170,6 +170,7 @@ class Scheduler:
             entry.state = EntryState.DONE
             self.queue.remove(entry)
             self.metrics.queue_size.set(len(self.queue))
+            self.metrics.request_failure.labels("cancelled", entry.adapter).inc()
         elif entry.state is EntryState.RUNNING:
             entry.cancelled = True
 

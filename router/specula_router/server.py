@@ -25,7 +25,8 @@ from specula_router.client import ShardedClient
 from specula_router.metrics import Metrics
 from specula_router.requests import ValidGenerateRequest
 from specula_router.responses import (
-    ClientGone, Generation, GenerationError, collect, generate_body, next_event, token_body, top_tokens_body,
+    ClientGone, DisconnectWatch, Generation, GenerationError, collect, generate_body, next_event, token_body,
+    top_tokens_body,
 )
 from specula_router.scheduler import Entry, ErrorEvent, Scheduler, TokensEvent
 from specula_router.schemas import (
@@ -241,10 +242,10 @@ async def _events(state: RouterState, valid: ValidGenerateRequest, entry: Entry,
                   arrived: float) -> AsyncIterator[str]:
     """One SSE event per token; the last carries the generated text and details (TGI's stream format)."""
     text_prefix = valid.inputs if valid.return_full_text else ""
-    generated: list[str] = []
+    watch = DisconnectWatch(request.is_disconnected)
     try:
         while True:
-            event = await next_event(entry, request.is_disconnected)
+            event = await next_event(entry, watch)
             if isinstance(event, ErrorEvent):
                 yield _sse({"error": event.message, "error_type": event.error_type})
                 return
@@ -252,7 +253,6 @@ async def _events(state: RouterState, valid: ValidGenerateRequest, entry: Entry,
                 continue
             final = event.final
             for i, token in enumerate(event.tokens):
-                generated.append(token.text)
                 top = event.top_tokens[i] if i < len(event.top_tokens) else None
                 payload = {"token": token_body(token, skipped=i > 0, alternatives=top),
                            "generated_text": None, "details": None}
@@ -276,7 +276,11 @@ async def _events(state: RouterState, valid: ValidGenerateRequest, entry: Entry,
 
 
 class PayloadLimitMiddleware:
-    """413 for request bodies over the limit, by Content-Length or by counting a chunked body."""
+    """413 for request bodies over the limit: at once by Content-Length, else by reading a chunked body first.
+
+    A chunked body is buffered (at most `limit` bytes) before the app sees it, so an oversized one is answered
+    413 rather than failing later inside the app's body parsing.
+    """
 
     def __init__(self, app, limit: int) -> None:
         self.app = app
@@ -286,23 +290,22 @@ class PayloadLimitMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limit:
-            return await self._reject(send)
-        received = 0
-
-        async def counting_receive():
-            nonlocal received
+        if length is not None:
+            if length.isdigit() and int(length) > self.limit:
+                return await self._reject(send)
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limit:
-                    raise _PayloadTooLarge
-            return message
-
-        try:
-            await self.app(scope, counting_receive, send)
-        except _PayloadTooLarge:
-            await self._reject(send)
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message], receive), send)
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                return await self._reject(send)
+            chunks.append(message)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(chunks, receive), send)
 
     async def _reject(self, send) -> None:
         body = json.dumps({"error": f"payload larger than {self.limit} bytes", "error_type": "payload_limit"}).encode()
@@ -311,5 +314,11 @@ class PayloadLimitMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
-class _PayloadTooLarge(Exception):
-    pass
+def _replay(messages: list, receive):
+    """An ASGI receive that first returns `messages`, then defers to the real one."""
+    pending = list(messages)
+
+    async def replay():
+        return pending.pop(0) if pending else await receive()
+
+    return replay

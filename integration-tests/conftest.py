@@ -1,0 +1,166 @@
+"""Fixtures of the end-to-end tier: a tiny model, the real launcher serving it, and the published clients.
+
+Servers are session-scoped and started on first use, so the whole tier pays for each configuration once:
+
+    server           1 shard, defaults but a small --payload-limit and --max-batch-size (so bursts queue)
+    overload_server  1 shard, --max-concurrent-requests 1 (429 tests)
+    tp_server        --num-shard 2 (tensor parallelism over gloo)
+
+Tests that end a launcher (a killed shard, SIGTERM while a request runs) start their own with `launch`.
+Every launcher is stopped with SIGTERM at teardown and must exit 0: a clean shutdown is part of the contract.
+
+`clients_python` is an interpreter with the published `text-generation` and `lorax-client` installed. They pin
+an older huggingface_hub than the server needs, so they live in their own virtualenv (`.venv-clients` at the
+repository root, created on first use, reused after; `SPECULA_CLIENTS_PYTHON` overrides it). Client tests run a
+small script with it and read the JSON it prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from stack import MAX_BATCH_SIZE, MAX_POSITIONS, PAYLOAD_LIMIT, REPO_ROOT, LauncherProcess
+from specula_server.testing.models import build_tiny_model
+
+CLIENTS_VENV = REPO_ROOT / ".venv-clients"
+CLIENTS_REQUIREMENTS = REPO_ROOT / "integration-tests" / "requirements-clients.txt"
+CLIENT_SCRIPT_TIMEOUT_S = 120
+PIP_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    """A random-weight Llama with a real byte-level BPE tokenizer, in Hugging Face layout."""
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "llama", "llama",
+                            max_position_embeddings=MAX_POSITIONS)
+
+
+def _start(model_dir: Path, work_dir: Path, args: list[str], name: str) -> LauncherProcess:
+    launcher = LauncherProcess(model_dir, work_dir, args, name).start()
+    try:
+        launcher.wait_healthy()
+    except BaseException:
+        launcher.close()
+        raise
+    return launcher
+
+
+def _stop(launcher: LauncherProcess) -> None:
+    try:
+        code = launcher.terminate()
+    finally:
+        launcher.close()
+    assert code == 0, f"{launcher.name} exited with {code} on SIGTERM:\n{launcher.output()}"
+
+
+@pytest.fixture(scope="session")
+def server(model_dir, tmp_path_factory) -> Iterator[LauncherProcess]:
+    args = ["--payload-limit", str(PAYLOAD_LIMIT), "--max-batch-size", str(MAX_BATCH_SIZE)]
+    launcher = _start(model_dir, tmp_path_factory.mktemp("server"), args, "server")
+    yield launcher
+    _stop(launcher)
+
+
+@pytest.fixture(scope="session")
+def base_url(server) -> str:
+    return server.url
+
+
+@pytest.fixture(scope="session")
+def overload_server(model_dir, tmp_path_factory) -> Iterator[LauncherProcess]:
+    launcher = _start(model_dir, tmp_path_factory.mktemp("overload"), ["--max-concurrent-requests", "1"],
+                      "overload-server")
+    yield launcher
+    _stop(launcher)
+
+
+@pytest.fixture(scope="session")
+def tp_server(model_dir, tmp_path_factory) -> Iterator[LauncherProcess]:
+    launcher = _start(model_dir, tmp_path_factory.mktemp("tp"), ["--num-shard", "2"], "tp-server")
+    yield launcher
+    _stop(launcher)
+
+
+@pytest.fixture
+def launch(model_dir, tmp_path) -> Iterator[Callable[..., LauncherProcess]]:
+    """Starts a launcher of the test's own; each still running at the end must stop cleanly on SIGTERM."""
+    started: list[LauncherProcess] = []
+
+    def start(*args: str) -> LauncherProcess:
+        launcher = _start(model_dir, tmp_path / f"launcher{len(started)}", list(args), f"launcher{len(started)}")
+        started.append(launcher)
+        return launcher
+
+    yield start
+    for launcher in started:
+        if launcher.returncode is None:
+            _stop(launcher)
+        launcher.close()
+
+
+# --- the published clients -----------------------------------------------------------------------------------
+
+
+def _clients_importable(python: str) -> bool:
+    check = "import text_generation, lorax; print('ok')"
+    r = subprocess.run([python, "-c", check], capture_output=True, text=True, timeout=60, env=_clients_env())
+    return r.returncode == 0 and r.stdout.strip() == "ok"
+
+
+def _clients_env() -> dict[str, str]:
+    """The environment without our PYTHONPATH: the clients must not see the server's packages."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+
+
+def _run_setup(argv: list[str]) -> None:
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, env=_clients_env())
+    if r.returncode != 0:
+        pytest.fail(f"setting up the clients' virtualenv failed: {' '.join(argv)}\n{r.stdout[-3000:]}\n"
+                    f"{r.stderr[-3000:]}\nSet SPECULA_CLIENTS_PYTHON to an interpreter that has "
+                    f"{CLIENTS_REQUIREMENTS.name} installed to skip this step.")
+
+
+@pytest.fixture(scope="session")
+def clients_python() -> str:
+    """An interpreter that imports the published `text_generation` and `lorax` clients."""
+    override = os.environ.get("SPECULA_CLIENTS_PYTHON")
+    if override:
+        assert _clients_importable(override), f"SPECULA_CLIENTS_PYTHON={override} cannot import the clients"
+        return override
+    python = CLIENTS_VENV / "bin" / "python"
+    if python.exists() and _clients_importable(str(python)):
+        return str(python)
+    if not python.exists():
+        _run_setup([sys.executable, "-m", "venv", str(CLIENTS_VENV)])
+    _run_setup([str(python), "-m", "pip", "install", "-q", "-r", str(CLIENTS_REQUIREMENTS)])
+    assert _clients_importable(str(python)), "the clients' virtualenv was set up but cannot import them"
+    return str(python)
+
+
+@pytest.fixture(scope="session")
+def run_client(clients_python, tmp_path_factory) -> Callable[..., object]:
+    """Runs `script` (Python source, dedented) with the clients' interpreter; returns the JSON it prints last.
+
+    The script gets its arguments as `ARGS` (a dict) and should end with `print(json.dumps(...))`.
+    """
+    scripts = tmp_path_factory.mktemp("client-scripts")
+
+    def run(script: str, **args: object) -> object:
+        path = scripts / f"script{len(list(scripts.iterdir()))}.py"
+        path.write_text("import json, sys\nARGS = json.loads(sys.argv[1])\n" + textwrap.dedent(script))
+        r = subprocess.run([clients_python, str(path), json.dumps(args)], capture_output=True, text=True,
+                           timeout=CLIENT_SCRIPT_TIMEOUT_S, env=_clients_env())
+        assert r.returncode == 0, f"client script failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        lines = r.stdout.strip().splitlines()
+        assert lines, f"client script printed nothing; stderr:\n{r.stderr[-3000:]}"
+        return json.loads(lines[-1])
+
+    return run

@@ -1,0 +1,120 @@
+"""The launcher end to end: tensor parallelism, a dying shard, and a graceful SIGTERM.
+
+Process model under test (TGI's): the launcher starts one shard per rank and the router; if any child dies it
+stops the others and exits non-zero naming the child; on SIGTERM it stops the router first, which finishes the
+requests in flight, then the shards, and exits 0.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+
+import httpx
+import pytest
+
+from wire import REQUEST_TIMEOUT_S, generate, metric, sse_events, wait_until
+
+PROMPTS = ["The quick brown fox", "héllo wörld, 漢字", "def main():\n    return"]
+
+
+def is_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, exited but not reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def details(base_url: str, inputs: str, **parameters) -> dict:
+    r = generate(base_url, inputs, details=True, **parameters)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("inputs", PROMPTS)
+def test_two_shards_generate_what_one_shard_generates(server, tp_server, inputs):
+    info = httpx.get(f"{tp_server.url}/info", timeout=REQUEST_TIMEOUT_S).json()
+    assert info["num_shard"] == 2
+    for parameters in ({"max_new_tokens": 40, "ignore_eos_token": True, "decoder_input_details": True},
+                       {"max_new_tokens": 40, "do_sample": True, "temperature": 1.3, "seed": 7}):
+        one, two = details(server.url, inputs, **parameters), details(tp_server.url, inputs, **parameters)
+        assert two["generated_text"] == one["generated_text"]
+        assert [t["id"] for t in two["details"]["tokens"]] == [t["id"] for t in one["details"]["tokens"]]
+        for a, b in zip(one["details"]["tokens"] + one["details"]["prefill"][1:],
+                        two["details"]["tokens"] + two["details"]["prefill"][1:]):
+            assert b["logprob"] == pytest.approx(a["logprob"], abs=1e-3)
+    stream = httpx.post(f"{tp_server.url}/generate_stream", timeout=REQUEST_TIMEOUT_S,
+                        json={"inputs": inputs, "parameters": {"max_new_tokens": 10, "ignore_eos_token": True}})
+    assert sse_events(stream.text)[-1]["generated_text"] == details(server.url, inputs, max_new_tokens=10,
+                                                                     ignore_eos_token=True)["generated_text"]
+
+
+def test_a_killed_shard_stops_the_launcher_with_an_error_naming_it(launch):
+    launcher = launch("--num-shard", "2")
+    children = launcher.children()
+    assert set(children) == {"shard-0", "shard-1", "router"}, children
+    sockets = [launcher.log_path.parent / f"shard-{rank}" for rank in range(2)]
+    assert all(s.exists() for s in sockets)
+
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+        with client.stream("POST", f"{launcher.url}/generate_stream", json={
+                "inputs": PROMPTS[0], "parameters": {"max_new_tokens": 1500, "ignore_eos_token": True}}) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data:")  # in flight when the shard dies
+            os.kill(children["shard-1"], signal.SIGKILL)
+            code = launcher.wait(timeout=60)
+            # The in-flight stream ends (an error event, or the connection closes) instead of hanging.
+            events = []
+            try:
+                events = [line for line in lines if line.startswith("data:")]
+            except httpx.HTTPError:
+                pass
+            assert not any('"generated_text": "' in e for e in events), "the stream finished normally"
+
+    output = launcher.output()
+    assert code == 1, output
+    assert "shard-1 exited unexpectedly (killed by SIGKILL)" in output, output
+    assert "shard-1 failed" in output  # followed by the tail of its output
+    wait_until(lambda: not any(is_alive(pid) for pid in children.values()), timeout=10,
+               what="every child to be gone")
+    assert not any(s.exists() for s in sockets), "stale shard sockets left behind"
+
+
+def test_sigterm_finishes_requests_in_flight_then_exits_0(launch):
+    launcher = launch()
+    children = launcher.children()
+    parameters = {"max_new_tokens": 300, "ignore_eos_token": True}
+
+    def streamed() -> list[dict]:
+        r = httpx.post(f"{launcher.url}/generate_stream", timeout=REQUEST_TIMEOUT_S,
+                       json={"inputs": PROMPTS[0], "parameters": {**parameters, "details": True}})
+        assert r.status_code == 200, r.text
+        return sse_events(r.text)
+
+    def plain() -> dict:
+        return details(launcher.url, PROMPTS[1], **parameters)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        stream_future, plain_future = pool.submit(streamed), pool.submit(plain)
+        running = wait_until(lambda: stream_future.done() or plain_future.done()
+                             or metric(launcher.url, "specula_batch_current_size") == 2,
+                             timeout=30, what="both requests to be running", interval=0.02)
+        assert running is True and not stream_future.done() and not plain_future.done(), (
+            stream_future.result(), plain_future.result())
+        os.kill(launcher.pid, signal.SIGTERM)
+        events = stream_future.result(timeout=REQUEST_TIMEOUT_S)
+        body = plain_future.result(timeout=REQUEST_TIMEOUT_S)
+
+    assert len(events) == 300 and events[-1]["details"]["generated_tokens"] == 300
+    assert events[-1]["details"]["finish_reason"] == "length"
+    assert body["details"]["generated_tokens"] == 300 and body["details"]["finish_reason"] == "length"
+    code = launcher.wait(timeout=60)
+    assert code == 0, launcher.output()
+    assert "received SIGTERM" in launcher.output()
+    wait_until(lambda: not any(is_alive(pid) for pid in children.values()), timeout=10,
+               what="every child to be gone")
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{launcher.url}/health", timeout=5)
