@@ -47,6 +47,7 @@ class RouterConfig:
     json_output: bool = False
     num_shard: int = 1
     shutdown_timeout: float = 30.0
+    pipeline_depth: int = 2
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ async def run(config: RouterConfig) -> int:
     scheduler = Scheduler(client, BlockAllocator(num_blocks, info.block_size), SchedulerConfig(
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens, waiting_served_ratio=config.waiting_served_ratio,
         max_waiting_tokens=config.max_waiting_tokens, max_batch_size=config.max_batch_size,
-        lookahead=lookahead), metrics)
+        lookahead=lookahead, pipeline_depth=config.pipeline_depth), metrics)
     state = RouterState(scheduler, validator, client, metrics, info_body(config, info, limits, num_blocks),
                         config.max_concurrent_requests, "gpu" if info.device_type == "cuda" else "cpu")
     app_ = create_app(state, config.payload_limit, list(config.cors_allow_origin))
@@ -221,6 +222,8 @@ def main(
     shutdown_timeout: float = typer.Option(30.0, envvar="SHUTDOWN_TIMEOUT",
                                            help="Seconds to drain in-flight requests on SIGTERM."),
     log_level: str = typer.Option("INFO", envvar="LOG_LEVEL", help="Python logging level."),
+    pipeline_depth: int = typer.Option(2, envvar="PIPELINE_DEPTH", min=1, max=4,
+                                       help="Decode steps queued in the workers at once (1: no pipelining)."),
 ) -> None:
     """Serve the HTTP API in front of running model shards."""
     _setup_logging(log_level, json_output)
@@ -234,7 +237,7 @@ def main(
         max_batch_prefill_tokens=max_batch_prefill_tokens, max_batch_total_tokens=max_batch_total_tokens,
         max_waiting_tokens=max_waiting_tokens, max_batch_size=max_batch_size, payload_limit=payload_limit,
         cors_allow_origin=tuple(cors_allow_origin), json_output=json_output, num_shard=num_shard,
-        shutdown_timeout=shutdown_timeout,
+        shutdown_timeout=shutdown_timeout, pipeline_depth=pipeline_depth,
     )
     try:
         code = asyncio.run(run(config))
