@@ -150,7 +150,7 @@ def info_body(config: RouterConfig, info, limits: Limits, num_blocks: int) -> di
     speculation = SpeculationInfo(
         method=info.speculation.method,
         max_speculative_tokens=info.speculation.max_speculative_tokens,
-        mode="off" if info.speculation.max_speculative_tokens == 0 else "fixed",
+        mode=info.speculation.mode or "off",
         reserved_lookahead_tokens=config.speculative_tokens,
         speculator=config.speculator,
     )

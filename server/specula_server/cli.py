@@ -52,6 +52,14 @@ def serve(
     world_size: int = typer.Option(1, envvar="WORLD_SIZE", help="Number of shards."),
     master_addr: str = typer.Option("localhost", envvar="MASTER_ADDR", help="torch.distributed address."),
     master_port: int = typer.Option(29500, envvar="MASTER_PORT", help="torch.distributed port."),
+    speculative_tokens: int = typer.Option(0, envvar="SPECULATIVE_TOKENS", min=0,
+                                           help="Most draft tokens verified per request per step (0: off)."),
+    speculation_mode: str = typer.Option("adaptive", envvar="SPECULATION_MODE",
+                                         help="adaptive (draft lengths follow acceptance and load) or fixed."),
+    ngram_min: int = typer.Option(1, envvar="NGRAM_MIN", min=1, help="Shortest n-gram prompt lookup matches."),
+    ngram_max: int = typer.Option(3, envvar="NGRAM_MAX", min=1, help="Longest n-gram prompt lookup matches."),
+    ngram_match: str = typer.Option("latest", envvar="NGRAM_MATCH",
+                                    help="Which earlier occurrence drafts: latest or earliest."),
     log_level: str = typer.Option("INFO", envvar="LOG_LEVEL", help="Python logging level."),
 ) -> None:
     """Load a model shard and serve it over gRPC on a unix socket."""
@@ -64,6 +72,8 @@ def serve(
             model_id=model_id, uds_path=uds_path, revision=revision, dtype=dtype, device=device,
             block_size=block_size, kv_cache_memory=memory, hub_cache=huggingface_hub_cache, rank=rank,
             world_size=world_size, master_addr=master_addr, master_port=master_port,
+            speculative_tokens=speculative_tokens, speculation_mode=speculation_mode, ngram_min=ngram_min,
+            ngram_max=ngram_max, ngram_match=ngram_match,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e

@@ -28,8 +28,26 @@ from specula_server.models.llama import LlamaForCausalLM
 from specula_server.params import SamplingParams, StoppingParams
 from specula_server.request import RequestSpec, RequestState, StepOutput, TokenInfo
 from specula_server.sampling import Sampler, SamplingRow
+from specula_server.speculation.controller import (
+    StepCostModel, choose_draft_lengths, update_acceptance,
+)
+from specula_server.speculation.drafters import Drafter
+from specula_server.speculation.verify import verify
 
 logger = logging.getLogger("specula.generator")
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """Speculative decoding of the worker: up to `max_tokens` drafts per request per step."""
+
+    drafter: Drafter
+    max_tokens: int
+    mode: str = "adaptive"  # "adaptive" (draft lengths follow acceptance and load) or "fixed"
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0 or self.mode not in ("adaptive", "fixed"):
+            raise ValueError(f"invalid speculation settings: {self.max_tokens} tokens, mode {self.mode!r}")
 
 
 class InvalidRequestError(ValueError):
@@ -62,8 +80,11 @@ class TextGenerator:
         eos_token_ids: frozenset[int],
         block_size: int,
         device: torch.device,
+        speculation: SpeculationConfig | None = None,
     ) -> None:
         self.model = model
+        self.speculation = speculation if speculation is not None and speculation.max_tokens > 0 else None
+        self.step_cost = StepCostModel()
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.special_ids = frozenset(
@@ -156,6 +177,8 @@ class TextGenerator:
             self._retire(merged)
         batch = Batch.concatenate([self.batches.pop(b) for b in live])
         reqs = batch.requests
+        if self.speculation is not None:
+            return self._speculative_step(batch, start)
         step = build_step(reqs, [r.num_tokens - 1 for r in reqs], [1] * len(reqs), self.device)
         return self._run(batch, step, start, with_prefill_logprobs=False)
 
@@ -210,7 +233,11 @@ class TextGenerator:
                 out.generated_text = r.generated_text()
             outputs.append(out)
 
-        batch.requests = [r for r in requests if not r.is_finished]
+        return self._end_step(batch, outputs, start, forward_done)
+
+    def _end_step(self, batch: Batch, outputs: list[StepOutput], start: int, forward_done: int) -> StepResult:
+        """Drops finished requests from the batch (it ends when none is left) and reports the step."""
+        batch.requests = [r for r in batch.requests if not r.is_finished]
         kept = batch if batch.requests else None
         if kept is not None:
             self.batches[batch.id] = kept
@@ -218,6 +245,67 @@ class TextGenerator:
             self._retire(batch.id)
         timings = StepTimings(forward_done - start, time.perf_counter_ns() - forward_done)
         return StepResult(outputs, kept, timings)
+
+    # --- speculative decoding -------------------------------------------------------------------------------
+
+    def _draft_cap(self, r: RequestState) -> int:
+        """Most drafts `r` may verify: its own cap, what it may still emit, and the positions it owns."""
+        assert self.speculation is not None
+        cap = self.speculation.max_tokens
+        if r.spec.speculative_tokens is not None:
+            cap = min(cap, r.spec.speculative_tokens)
+        remaining = r.spec.stopping.max_new_tokens - r.num_generated - 1  # the target adds one token itself
+        room = min(r.capacity, self.model.config.max_position_embeddings) - r.num_tokens
+        return max(0, min(cap, remaining, room))
+
+    @torch.inference_mode()
+    def _speculative_step(self, batch: Batch, start: int) -> StepResult:
+        """propose → verify (one forward over `[last, d1..dk]` per request) → accept → commit."""
+        assert self.speculation is not None and self.kv_cache is not None
+        reqs = batch.requests
+        proposals = self.speculation.drafter.propose(reqs, [self._draft_cap(r) for r in reqs])
+        lengths = choose_draft_lengths([len(p) for p in proposals], [r.draft_acceptance for r in reqs],
+                                       self.step_cost, self.speculation.mode)
+        drafts = [p[:k].tolist() for p, k in zip(proposals, lengths)]
+        for r, d in zip(reqs, drafts):  # the buffer tail past num_tokens is free: drafts go there
+            r.token_ids[r.num_tokens : r.num_tokens + len(d)] = torch.tensor(d, dtype=torch.long)
+        counts = [len(d) + 1 for d in drafts]
+        step = build_step(reqs, [r.num_tokens - 1 for r in reqs], counts, self.device)
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attn)
+        logits = self.model.compute_logits(hidden)  # [sum(counts), vocab]
+        forward_done = time.perf_counter_ns()
+        self.step_cost.observe(sum(counts), (forward_done - start) / 1e9)
+
+        verdicts, processed = verify(logits, reqs, drafts, step.row_starts, self.sampler)
+        outputs = []
+        for r, v in zip(reqs, verdicts):
+            tokens = []
+            for token_id, logprob in zip(v.token_ids, v.logprobs):
+                tokens.append(r.append(token_id, logprob))
+                if r.is_finished:
+                    break  # nothing after a stop is emitted or counted
+            r.draft_acceptance = update_acceptance(r.draft_acceptance, v.num_drafted, v.num_accepted)
+            tops = self._row_top_tokens(processed if processed is not None else logits, v.rows[: len(tokens)],
+                                        r.spec.top_n_tokens, normalized=processed is not None)
+            out = StepOutput(r.id, tokens, tops, num_drafted=v.num_drafted,
+                             num_accepted=min(v.num_accepted, len(tokens)))
+            if r.is_finished:
+                out.generated_text = r.generated_text()
+            outputs.append(out)
+        return self._end_step(batch, outputs, start, forward_done)
+
+    def _row_top_tokens(self, scores: torch.Tensor, rows: list[int], n: int, normalized: bool) -> list[list[TokenInfo]]:
+        if n == 0:
+            return []
+        selected = scores[rows].float()
+        if not normalized:
+            selected = torch.log_softmax(selected, dim=-1)
+        top = selected.topk(n, dim=-1)
+        return [
+            [TokenInfo(t, lp, self.tokenizer.decode([t], skip_special_tokens=False), t in self.special_ids)
+             for t, lp in zip(ids, lps)]
+            for ids, lps in zip(top.indices.tolist(), top.values.tolist())
+        ]
 
     def _prefill_tokens(self, r: RequestState, hidden: torch.Tensor, row_start: int) -> list[TokenInfo]:
         """Log-probability of every prompt token given the ones before it (the first has none)."""
@@ -251,7 +339,9 @@ class TextGenerator:
         On CPU the cache gets `kv_cache_memory` bytes. On CUDA, when no budget is given, it gets 90% of the
         device memory left free after the warmup forward pass.
         """
-        per_request = -(-min(max_input_tokens + 1, max_total_tokens) // self.block_size)
+        # Warmup requests prefill up to max_input_tokens and decode once (2 new tokens), within the total limit.
+        max_input_tokens = max(1, min(max_input_tokens, max_total_tokens - 2))
+        per_request = -(-(max_input_tokens + 2) // self.block_size)
         num_requests = -(-max_prefill_tokens // max_input_tokens)
         min_blocks = -(-max_total_tokens // self.block_size)
         warmup_blocks = max(per_request * num_requests, min_blocks)
@@ -281,9 +371,16 @@ class TextGenerator:
         while remaining > 0:
             length = min(max_input_tokens, remaining)
             blocks = tuple(range(next_block, next_block + blocks_per_request))
-            specs.append(RequestSpec(len(specs), (0,) * length, SamplingParams(), StoppingParams(1, (), True), blocks))
+            specs.append(RequestSpec(len(specs), (0,) * length, SamplingParams(), StoppingParams(2, (), True), blocks))
             next_block += blocks_per_request
             remaining -= length
         batch_id = -1
+        started = time.perf_counter()
         self.prefill(batch_id, specs)
+        prefilled = time.perf_counter()
+        self.decode([batch_id])
+        decoded = time.perf_counter()
+        # The two ends of the step cost model: a big forward and a one-token-per-request forward.
+        self.step_cost.observe(sum(len(s.input_ids) for s in specs), prefilled - started)
+        self.step_cost.observe(len(specs), decoded - prefilled)
         self.clear(batch_id)

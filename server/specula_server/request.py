@@ -13,6 +13,7 @@ import tokenizers
 import torch
 
 from specula_server.params import FinishReason, SamplingParams, StoppingParams
+from specula_server.speculation.controller import PRIOR_ACCEPTANCE
 from specula_server.tokens import IncrementalDetokenizer, StopChecker
 
 
@@ -43,6 +44,8 @@ class StepOutput:
     top_tokens: list[list[TokenInfo]]  # per entry of `tokens`, its `top_n_tokens` alternatives
     prefill_tokens: list[TokenInfo] | None = None
     generated_text: GeneratedText | None = None
+    num_drafted: int = 0  # draft tokens verified this step
+    num_accepted: int = 0  # of which accepted and emitted
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class RequestSpec:
     blocks: tuple[int, ...]
     prefill_logprobs: bool = False
     top_n_tokens: int = 0
+    speculative_tokens: int | None = None  # per-request cap on draft tokens (None: the server's)
 
 
 @dataclass(eq=False)
@@ -68,6 +72,7 @@ class RequestState:
     generator: torch.Generator | None
     num_tokens: int  # prompt + generated tokens so far
     finish_reason: FinishReason | None = None
+    draft_acceptance: float = PRIOR_ACCEPTANCE  # running estimate of the chance a draft token is accepted
 
     @classmethod
     def create(
@@ -98,6 +103,11 @@ class RequestState:
     @property
     def id(self) -> int:
         return self.spec.id
+
+    @property
+    def capacity(self) -> int:
+        """Positions the request's KV blocks cover."""
+        return self.slots.numel()
 
     @property
     def prompt_len(self) -> int:

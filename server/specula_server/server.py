@@ -19,10 +19,11 @@ import torch
 
 from specula_proto import generate_pb2_grpc
 from specula_server.distributed import ShardGroup, init_distributed
-from specula_server.generator import TextGenerator
+from specula_server.generator import SpeculationConfig, TextGenerator
 from specula_server.hub import resolve_model_dir, weight_files
 from specula_server.models import build_model
 from specula_server.models.config import ModelConfig
+from specula_server.speculation.drafters import PromptLookupDrafter
 from specula_server.service import ExceptionInterceptor, TextGenerationService, WorkerInfo
 from specula_server.tokens import eos_token_ids, load_tokenizer
 from specula_server.weights import Weights
@@ -48,6 +49,11 @@ class ServerConfig:
     world_size: int = 1
     master_addr: str = "localhost"
     master_port: int = 29500
+    speculative_tokens: int = 0
+    speculation_mode: str = "adaptive"
+    ngram_min: int = 1
+    ngram_max: int = 3
+    ngram_match: str = "latest"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -58,6 +64,12 @@ class ServerConfig:
             raise ValueError("block_size must be positive")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+        if self.speculation_mode not in ("adaptive", "fixed"):
+            raise ValueError(f"speculation mode must be 'adaptive' or 'fixed', got {self.speculation_mode!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min ({self.ngram_min}) <= ngram_max ({self.ngram_max})")
+        if self.ngram_match not in ("latest", "earliest"):
+            raise ValueError(f"ngram match must be 'latest' or 'earliest', got {self.ngram_match!r}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -82,7 +94,12 @@ def load_generator(config: ServerConfig, group: ShardGroup) -> tuple[TextGenerat
     model = build_model(model_config, weights, group)
     tokenizer = load_tokenizer(model_dir)
     raw_config = {"eos_token_id": list(model_config.eos_token_ids)}
-    generator = TextGenerator(model, tokenizer, eos_token_ids(model_dir, raw_config), config.block_size, device)
+    speculation = None
+    if config.speculative_tokens > 0:
+        drafter = PromptLookupDrafter(config.ngram_min, config.ngram_max, config.ngram_match)
+        speculation = SpeculationConfig(drafter, config.speculative_tokens, config.speculation_mode)
+    generator = TextGenerator(model, tokenizer, eos_token_ids(model_dir, raw_config), config.block_size, device,
+                              speculation)
     sha = model_dir.name if "snapshots" in model_dir.parts else ""
     return generator, sha
 

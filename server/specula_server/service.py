@@ -105,7 +105,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             vocab_size=cfg.vocab_size,
             world_size=self.info.world_size,
             eos_token_ids=sorted(self.generator.eos_token_ids),
-            speculation=pb.SpeculationInfo(max_speculative_tokens=0, method="none"),
+            speculation=_speculation_info(self.generator),
         )
 
     async def Health(self, request, context):
@@ -153,6 +153,13 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
 # --- conversions -------------------------------------------------------------------------------------------
 
 
+def _speculation_info(generator: TextGenerator) -> pb.SpeculationInfo:
+    spec = generator.speculation
+    if spec is None:
+        return pb.SpeculationInfo(max_speculative_tokens=0, method="none", mode="off")
+    return pb.SpeculationInfo(max_speculative_tokens=spec.max_tokens, method=spec.drafter.name, mode=spec.mode)
+
+
 def request_from_pb(r: pb.Request, generator: TextGenerator) -> RequestSpec:
     p, s = r.parameters, r.stopping_parameters
     input_ids = tuple(r.input_ids)
@@ -186,6 +193,7 @@ def request_from_pb(r: pb.Request, generator: TextGenerator) -> RequestSpec:
         blocks=tuple(r.blocks),
         prefill_logprobs=r.prefill_logprobs,
         top_n_tokens=r.top_n_tokens,
+        speculative_tokens=r.speculative_tokens if r.HasField("speculative_tokens") else None,
     )
 
 
@@ -203,6 +211,8 @@ def generation_to_pb(out: StepOutput) -> pb.Generation:
         request_id=out.request_id,
         tokens=tokens_to_pb(out.tokens),
         top_tokens=[tokens_to_pb(t) for t in out.top_tokens],
+        drafted_tokens=out.num_drafted,
+        accepted_tokens=out.num_accepted,
     )
     if out.prefill_tokens is not None:
         gen.prefill_tokens.CopyFrom(tokens_to_pb(out.prefill_tokens))

@@ -14,10 +14,12 @@ from specula_server.server import ServerConfig, load_generator
 
 def load_test_generator(
     model_dir: Path, num_blocks: int = 256, block_size: int = 16, dtype: str = "float32",
-    group: ShardGroup | None = None,
+    group: ShardGroup | None = None, **settings,
 ) -> TextGenerator:
+    """A generator with its KV cache; `settings` are further `ServerConfig` fields (e.g. speculative_tokens)."""
     config = ServerConfig(model_id=str(model_dir), uds_path="/tmp/unused", dtype=dtype, block_size=block_size,
-                          rank=(group or ShardGroup()).rank, world_size=(group or ShardGroup()).world_size)
+                          rank=(group or ShardGroup()).rank, world_size=(group or ShardGroup()).world_size,
+                          **settings)
     generator, _ = load_generator(config, group or ShardGroup())
     generator.allocate_kv_cache(num_blocks)
     return generator

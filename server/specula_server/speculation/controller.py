@@ -1,0 +1,92 @@
+"""How many draft tokens each request verifies in a step.
+
+`fixed` verifies every available draft token up to the maximum. `adaptive` (the default) maximises expected
+emitted tokens per second of forward time, using two measured quantities:
+
+- per request, the probability `a` that a draft token is accepted (an exponential moving average of what
+  verification observed; a prior of 0.5 for a new request). With k drafts a request emits on average
+  `E(k) = 1 + a + a^2 + ... + a^k` tokens (the last one being the target's own token);
+- the cost of a forward over N tokens, `T(N) = t0 + t1 * N`, fitted online from the worker's own steps.
+  Decode on a memory-bound device has t1 << t0 (extra tokens are nearly free); at large batch t1 grows.
+
+Starting from k = 0 for everyone, draft tokens are granted one at a time to the request with the largest
+marginal gain `a^(k+1)` while that gain per unit of extra cost beats the current goodput
+`sum E / T(N)`. With nothing to copy (no drafts or low acceptance) this grants nothing, so speculation can
+never cost more than the drafting itself; under load the bar rises with `T(N)` and drafts are trimmed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Sequence
+
+PRIOR_ACCEPTANCE = 0.5
+ACCEPTANCE_DECAY = 0.8  # weight of the past in the per-request acceptance average
+
+
+@dataclass
+class StepCostModel:
+    """T(N) = t0 + t1 * N seconds for a forward over N tokens: a least-squares fit over recent steps.
+
+    Observations are weighted by recency (`decay` per step). Until the steps seen differ enough in size to fit
+    a slope, an extra token is assumed to cost `prior_ratio` of a step's fixed cost (decode is memory-bound).
+    """
+
+    decay: float = 0.95
+    prior_ratio: float = 1 / 16
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, N, T, N*N, N*T
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        n, t = float(num_tokens), seconds
+        self._sums = [self.decay * s + x for s, x in zip(self._sums, (1.0, n, t, n * n, n * t))]
+
+    def coefficients(self) -> tuple[float, float]:
+        weight, sum_n, sum_t, sum_nn, sum_nt = self._sums
+        if weight == 0:
+            return 0.02, 0.02 * self.prior_ratio
+        mean_n, mean_t = sum_n / weight, sum_t / weight
+        variance = sum_nn / weight - mean_n**2
+        if variance > 0.25:
+            t1 = max((sum_nt / weight - mean_n * mean_t) / variance, 1e-7)
+            return max(mean_t - t1 * mean_n, 1e-6), t1
+        t0 = mean_t / (1 + self.prior_ratio * mean_n)
+        return t0, t0 * self.prior_ratio
+
+    def predict(self, num_tokens: int) -> float:
+        t0, t1 = self.coefficients()
+        return t0 + t1 * num_tokens
+
+
+def update_acceptance(previous: float, drafted: int, accepted: int) -> float:
+    """New per-token acceptance estimate after `accepted` of `drafted` drafts were accepted."""
+    if drafted == 0:
+        return previous
+    # Accepting a of k drafts is evidence of a per-token rate (a + 1) / (k + 1) smoothed toward the past.
+    observed = accepted / drafted
+    return ACCEPTANCE_DECAY * previous + (1 - ACCEPTANCE_DECAY) * observed
+
+
+def choose_draft_lengths(
+    available: Sequence[int], acceptance: Sequence[float], cost: StepCostModel, mode: str
+) -> list[int]:
+    """Draft tokens each request verifies; `available[i]` is how many its drafter proposed (already capped)."""
+    if mode == "fixed":
+        return list(available)
+    lengths = [0] * len(available)
+    num_tokens = len(available)
+    expected = float(len(available))  # every request emits at least its own token
+    heap = [(-acceptance[i], i) for i in range(len(available)) if available[i] > 0 and acceptance[i] > 0]
+    heapq.heapify(heap)
+    while heap:
+        neg_gain, i = heapq.heappop(heap)
+        gain = -neg_gain
+        # Grant one more draft token when expected tokens per second improve.
+        if (expected + gain) / cost.predict(num_tokens + 1) <= expected / cost.predict(num_tokens):
+            break
+        lengths[i] += 1
+        expected += gain
+        num_tokens += 1
+        if lengths[i] < available[i]:
+            heapq.heappush(heap, (-gain * acceptance[i], i))
+    return lengths

@@ -1,0 +1,255 @@
+"""Speculative decoding in the worker: exact for greedy and for sampling, and stopping inside a draft block."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from specula_server.params import FinishReason, SamplingParams
+from specula_server.speculation.controller import StepCostModel, choose_draft_lengths, update_acceptance
+from specula_server.speculation.drafters import PromptLookupDrafter
+from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
+
+# Prompts with repetition, so prompt lookup finds drafts; the random model also tends to loop, which it copies.
+PROMPTS = [
+    [1] + [50, 60, 70, 80, 90] * 4,
+    [1, 7, 8, 9, 7, 8, 9, 7, 8],
+    [1] + list(range(100, 140)) + list(range(100, 120)),
+    [1, 300, 301, 302, 303],
+]
+
+
+@pytest.fixture(scope="module")
+def plain(llama_dir):
+    return load_test_generator(llama_dir)
+
+
+@pytest.fixture(scope="module", params=["fixed", "adaptive"])
+def speculative(llama_dir, request):
+    return load_test_generator(llama_dir, speculative_tokens=4, speculation_mode=request.param)
+
+
+def run(generator, prompt, request_id=0, batch_id=0, **kwargs):
+    spec = make_spec(request_id, prompt, BlockPool(256, 16), **kwargs)
+    return generate_alone(generator, spec, batch_id=batch_id)
+
+
+def test_drafter_finds_the_longest_latest_match():
+    drafter = PromptLookupDrafter(min_n=1, max_n=3)
+    history = torch.tensor([1, 2, 3, 9, 1, 2, 3, 8, 7, 1, 2, 3])
+    assert drafter.lookup(history, 2).tolist() == [8, 7]  # latest "1 2 3" was followed by 8 7
+    assert PromptLookupDrafter(match="earliest").lookup(history, 2).tolist() == [9, 1]
+    assert drafter.lookup(torch.tensor([4, 5, 6]), 3).tolist() == []  # nothing repeats
+    assert drafter.lookup(history, 0).tolist() == []
+
+
+def test_greedy_output_is_identical_with_speculation(plain, speculative):
+    drafted = 0
+    for i, prompt in enumerate(PROMPTS):
+        expected = run(plain, prompt, max_new_tokens=40)
+        got = run(speculative, prompt, max_new_tokens=40)
+        assert token_ids(got) == token_ids(expected)
+        assert [t.logprob for o in got for t in o.tokens] == pytest.approx(
+            [t.logprob for o in expected for t in o.tokens], abs=1e-4)
+        assert got[-1].generated_text.text == expected[-1].generated_text.text
+        drafted += sum(o.num_drafted for o in got)
+    assert drafted > 0  # speculation really ran
+
+
+def test_several_tokens_per_step_are_accepted(speculative):
+    outputs = run(speculative, PROMPTS[0], max_new_tokens=40)
+    assert sum(o.num_accepted for o in outputs) > 0
+    assert len(outputs) < 40  # fewer steps than tokens
+    assert all(len(o.tokens) == o.num_accepted + 1 for o in outputs[:-1])
+
+
+def test_mixed_batch_with_speculation_matches_alone(plain, speculative):
+    expected = {i: token_ids(run(plain, p, request_id=i, max_new_tokens=24)) for i, p in enumerate(PROMPTS)}
+    pool = BlockPool(256, 16)
+    specs = [make_spec(i, p, pool, max_new_tokens=24) for i, p in enumerate(PROMPTS)]
+    got = {i: [] for i in range(len(PROMPTS))}
+    result = speculative.prefill(7, specs[:2])
+    for out in result.outputs:
+        got[out.request_id] += [t.id for t in out.tokens]
+    joined = speculative.prefill(8, specs[2:])
+    for out in joined.outputs:
+        got[out.request_id] += [t.id for t in out.tokens]
+    batches = [7, 8]
+    while True:
+        result = speculative.decode(batches)
+        for out in result.outputs:
+            got[out.request_id] += [t.id for t in out.tokens]
+        if result.batch is None:
+            break
+        batches = [result.batch.id]
+    assert got == expected
+
+
+def test_max_new_tokens_is_never_overshot(speculative):
+    for n in (1, 2, 3, 5, 9):
+        outputs = run(speculative, PROMPTS[0], max_new_tokens=n)
+        assert len(token_ids(outputs)) == n
+        assert outputs[-1].generated_text.finish_reason is FinishReason.LENGTH
+
+
+def test_stop_sequence_inside_an_accepted_block(plain, speculative):
+    full = run(plain, PROMPTS[0], max_new_tokens=40)[-1].generated_text.text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    expected = run(plain, PROMPTS[0], max_new_tokens=40, stop_sequences=[stop])
+    got = run(speculative, PROMPTS[0], max_new_tokens=40, stop_sequences=[stop])
+    assert token_ids(got) == token_ids(expected)
+    assert got[-1].generated_text.finish_reason is FinishReason.STOP_SEQUENCE
+    assert got[-1].generated_text.text == expected[-1].generated_text.text
+
+
+def test_eos_inside_an_accepted_block(plain, speculative):
+    tokens = token_ids(run(plain, PROMPTS[0], max_new_tokens=30))
+    eos = tokens[12]
+    for generator in (plain, speculative):
+        generator.eos_token_ids = frozenset({eos})
+    try:
+        expected = run(plain, PROMPTS[0], max_new_tokens=30, ignore_eos_token=False)
+        got = run(speculative, PROMPTS[0], max_new_tokens=30, ignore_eos_token=False)
+    finally:
+        for generator in (plain, speculative):
+            generator.eos_token_ids = frozenset({2})
+    assert token_ids(got) == token_ids(expected) == tokens[: tokens.index(eos) + 1]
+    assert got[-1].generated_text.finish_reason is FinishReason.EOS_TOKEN
+
+
+def test_request_at_the_position_limit(llama_dir):
+    """Drafts never reach past the request's KV blocks or the model's positions."""
+    spec_gen = load_test_generator(llama_dir, speculative_tokens=6, speculation_mode="fixed")
+    plain_gen = load_test_generator(llama_dir)
+    limit = spec_gen.model.config.max_position_embeddings
+    prompt = ([1] + [50, 60, 70, 80] * 200)[: limit - 10]
+    for gen in (spec_gen, plain_gen):
+        gen.allocate_kv_cache(64)
+    pool = BlockPool(64, 16)
+    expected = token_ids(generate_alone(plain_gen, make_spec(0, prompt, pool, max_new_tokens=10)))
+    pool = BlockPool(64, 16)
+    got = token_ids(generate_alone(spec_gen, make_spec(0, prompt, pool, max_new_tokens=10)))
+    assert got == expected and len(got) == 10
+
+
+def test_penalties_see_the_draft_prefix(plain, speculative):
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.3, presence_penalty=0.2)
+    for prompt in PROMPTS[:2]:
+        expected = run(plain, prompt, max_new_tokens=30, sampling=params)
+        got = run(speculative, prompt, max_new_tokens=30, sampling=params)
+        assert token_ids(got) == token_ids(expected)
+
+
+def test_seeded_sampling_is_reproducible_and_independent_of_speculation(plain, speculative):
+    params = SamplingParams(do_sample=True, temperature=0.7, seed=1234)
+    expected = token_ids(run(plain, PROMPTS[0], max_new_tokens=30, sampling=params))
+    assert token_ids(run(speculative, PROMPTS[0], max_new_tokens=30, sampling=params)) == expected
+    assert token_ids(run(speculative, PROMPTS[0], max_new_tokens=30, sampling=params)) == expected
+
+
+def test_per_request_override_turns_speculation_off(speculative):
+    outputs = run(speculative, PROMPTS[0], max_new_tokens=20, speculative_tokens=0)
+    assert sum(o.num_drafted for o in outputs) == 0 and len(outputs) == 20
+
+
+def chi_square_p_value(observed: Counter, expected: Counter, n: int) -> float:
+    """Pearson chi-square test of two samples of equal size (homogeneity), via the regularised gamma."""
+    keys = set(observed) | set(expected)
+    stat = sum((observed[k] - expected[k]) ** 2 / (observed[k] + expected[k]) for k in keys
+               if observed[k] + expected[k] > 0)
+    dof = max(len(keys) - 1, 1)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+@pytest.fixture(scope="module")
+def copy_prompt(plain) -> list[int]:
+    """The model's own continuation appended to a prompt: tokens it samples next often occur earlier, so
+    prompt lookup has drafts, some of which the model accepts."""
+    base = PROMPTS[3]
+    return base + token_ids(run(plain, base, max_new_tokens=12))
+
+
+def sample_prefixes(generator, prompt, n: int, length: int, params_for) -> Counter:
+    pool = BlockPool(256, 16)
+    counts = Counter()
+    for seed in range(n):
+        # Generate past `length`, so the draft cap (what may still be emitted) does not shorten the drafts.
+        spec = make_spec(0, prompt, pool, max_new_tokens=length + 3, sampling=params_for(seed))
+        counts[tuple(token_ids(generate_alone(generator, spec, batch_id=seed))[:length])] += 1
+        pool.give(spec.blocks)
+    return counts
+
+
+def test_sampling_distribution_is_preserved(llama_dir, copy_prompt):
+    """Speculation on vs off: the distribution of the first 3 sampled tokens is the same (chi-square).
+
+    Both sides draw with different seeds so the samples are independent; under exact acceptance the two
+    samples come from one distribution and the test passes; an inexact rule (see below) fails it.
+    """
+    plain = load_test_generator(llama_dir)
+    spec = load_test_generator(llama_dir, speculative_tokens=3, speculation_mode="fixed")
+    params = lambda offset: lambda seed: SamplingParams(do_sample=True, temperature=1.5, top_k=4,  # noqa: E731
+                                                        seed=seed + offset)
+    n = 1500
+    baseline = sample_prefixes(plain, copy_prompt, n, 3, params(0))
+    speculated = sample_prefixes(spec, copy_prompt, n, 3, params(10**6))
+    assert chi_square_p_value(speculated, baseline, n) > 1e-3
+    probe = run(spec, copy_prompt, max_new_tokens=8, sampling=params(0)(1))
+    assert sum(o.num_drafted for o in probe) > 0
+
+
+def test_the_distribution_test_detects_inexact_acceptance(llama_dir, copy_prompt, monkeypatch):
+    """Accepting every draft regardless of the target (an inexact rule) must fail the same test."""
+    import specula_server.speculation.verify as verify_module
+
+    def accept_all(logits, requests, drafts, row_starts, sampler):
+        verdicts, processed = original(logits, requests, drafts, row_starts, sampler)
+        for v, d, start in zip(verdicts, drafts, row_starts):
+            if d:  # emit the drafts as they are, whatever the target says
+                v.token_ids, v.logprobs, v.rows = list(d), [0.0] * len(d), list(range(start, start + len(d)))
+        return verdicts, processed
+
+    original = verify_module.verify
+    import specula_server.generator as generator_module
+    monkeypatch.setattr(generator_module, "verify", accept_all)
+    plain = load_test_generator(llama_dir)
+    spec = load_test_generator(llama_dir, speculative_tokens=3, speculation_mode="fixed")
+    params = lambda offset: lambda seed: SamplingParams(do_sample=True, temperature=1.5, top_k=4,  # noqa: E731
+                                                        seed=seed + offset)
+    baseline = sample_prefixes(plain, copy_prompt, 1500, 3, params(0))
+    broken = sample_prefixes(spec, copy_prompt, 1500, 3, params(10**6))
+    assert chi_square_p_value(broken, baseline, 1500) < 1e-3
+
+
+def fitted(t0: float, t1: float) -> StepCostModel:
+    cost = StepCostModel()
+    for n in (1, 2, 4, 8) * 10:
+        cost.observe(n, t0 + t1 * n)
+    return cost
+
+
+def test_adaptive_controller_grants_drafts_only_when_they_pay():
+    cost = fitted(0.020, 0.002)
+    assert choose_draft_lengths([4, 4], [0.9, 0.05], cost, "adaptive") == [4, 0]
+    assert choose_draft_lengths([4, 4], [0.9, 0.05], cost, "fixed") == [4, 4]
+    assert choose_draft_lengths([0, 0], [0.9, 0.9], cost, "adaptive") == [0, 0]
+    # An extra token costs half a step: worth it at 60% acceptance (1.6 tokens for 1.5x the time), not at 40%.
+    expensive = fitted(0.020, 0.020)
+    assert choose_draft_lengths([4], [0.6], expensive, "adaptive")[0] >= 1
+    assert choose_draft_lengths([4], [0.4], expensive, "adaptive") == [0]
+    assert update_acceptance(0.5, 4, 4) > 0.5 > update_acceptance(0.5, 4, 0)
+    assert update_acceptance(0.5, 0, 0) == 0.5
+
+
+def test_cost_model_fits_the_slope_and_falls_back_to_a_prior():
+    t0, t1 = fitted(0.020, 0.001).coefficients()
+    assert math.isclose(t1, 0.001, rel_tol=1e-6) and math.isclose(t0, 0.020, rel_tol=1e-6)
+    same_size = StepCostModel()
+    for _ in range(10):
+        same_size.observe(1, 0.017)
+    t0, t1 = same_size.coefficients()
+    assert math.isclose(t0 + t1, 0.017) and math.isclose(t1, t0 * same_size.prior_ratio)
