@@ -41,6 +41,13 @@ def main(
     hostname: str = typer.Option("0.0.0.0", envvar="SPECULA_HOSTNAME", help="Address the router listens on."),
     speculative_tokens: int = typer.Option(
         0, envvar="SPECULATIVE_TOKENS", help="Draft tokens verified per request per step (0: off)."),
+    speculation_mode: str = typer.Option(
+        "adaptive", envvar="SPECULATION_MODE",
+        help="adaptive (each request's draft length follows its acceptance and the load) or fixed."),
+    ngram_min: int = typer.Option(1, envvar="NGRAM_MIN", help="Shortest n-gram prompt lookup matches."),
+    ngram_max: int = typer.Option(3, envvar="NGRAM_MAX", help="Longest n-gram prompt lookup matches."),
+    ngram_match: str = typer.Option(
+        "latest", envvar="NGRAM_MATCH", help="Which earlier occurrence prompt lookup copies: latest or earliest."),
     speculator: Optional[str] = typer.Option(
         None, envvar="SPECULATOR", help="Speculator (Medusa, MLPSpeculator or draft model): path or Hub id."),
     adapter_source: str = typer.Option("hub", envvar="ADAPTER_SOURCE", help="Default source of LoRA adapters."),

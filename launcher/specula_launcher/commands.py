@@ -4,6 +4,7 @@ Shards (one per rank, identical arguments, the rank in the environment as torch.
 
     python -m specula_server.cli serve MODEL --uds-path /tmp/specula-server --dtype float32 --device cpu
         --block-size 16 [--revision R] [--huggingface-hub-cache DIR] [--kv-cache-memory SIZE]
+        [--speculative-tokens N --speculation-mode M --ngram-min A --ngram-max B --ngram-match W]
     env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOG_LEVEL (+ the launcher's own environment)
 
 Router (connects to shard 0, which lists the others through ServiceDiscovery):
@@ -43,6 +44,9 @@ def shard_command(config: LauncherConfig) -> list[str]:
     ]
     for name in ("revision", "huggingface_hub_cache", "kv_cache_memory"):
         argv += _flag(name, getattr(config, name))
+    if config.speculative_tokens > 0:
+        for name in ("speculative_tokens", "speculation_mode", "ngram_min", "ngram_max", "ngram_match"):
+            argv += _flag(name, getattr(config, name))
     return argv
 
 

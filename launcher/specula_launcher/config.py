@@ -57,6 +57,10 @@ class LauncherConfig:
     port: int = 3000
     hostname: str = "0.0.0.0"
     speculative_tokens: int = 0
+    speculation_mode: str = "adaptive"
+    ngram_min: int = 1
+    ngram_max: int = 3
+    ngram_match: str = "latest"
     speculator: str | None = None
     adapter_source: str = "hub"
     max_concurrent_requests: int = 128
@@ -103,6 +107,12 @@ def _check_choices(c: LauncherConfig) -> None:
         raise ValueError(f"--adapter-source must be one of {', '.join(ADAPTER_SOURCES)}; got {c.adapter_source!r}")
     if c.log_level not in LOG_LEVELS:
         raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {c.log_level!r}")
+    if c.speculation_mode not in ("adaptive", "fixed"):
+        raise ValueError(f"--speculation-mode must be adaptive or fixed; got {c.speculation_mode!r}")
+    if c.ngram_match not in ("latest", "earliest"):
+        raise ValueError(f"--ngram-match must be latest or earliest; got {c.ngram_match!r}")
+    if not 1 <= c.ngram_min <= c.ngram_max:
+        raise ValueError(f"need 1 <= --ngram-min ({c.ngram_min}) <= --ngram-max ({c.ngram_max})")
     if c.kv_cache_memory is not None and not _SIZE.match(c.kv_cache_memory):
         raise ValueError(f"--kv-cache-memory is not a size: {c.kv_cache_memory!r} (examples: 4GiB, 512MiB, 1000000)")
     longest = len(str(c.shard_socket(c.num_shard - 1)).encode())

@@ -193,6 +193,11 @@ def test_shard_command_and_environment(tmp_path: Path) -> None:
     assert shard_command(c) == [sys.executable, "-m", "specula_server.cli", "serve", "org/model",
                                 "--uds-path", "/run/s", "--dtype", "bfloat16", "--device", "cpu", "--block-size", "32",
                                 "--revision", "v1", "--huggingface-hub-cache", "/data", "--kv-cache-memory", "4GiB"]
+    c = build_config(model_id=model, speculative_tokens=4, speculation_mode="fixed", ngram_max=4, **NO_GPU)
+    assert shard_command(c)[-10:] == ["--speculative-tokens", "4", "--speculation-mode", "fixed", "--ngram-min", "1",
+                                      "--ngram-max", "4", "--ngram-match", "latest"]
+    with pytest.raises(ValueError, match="--speculation-mode"):
+        build_config(model_id=model, speculation_mode="sometimes", **NO_GPU)
     c = build_config(model_id=model, num_shard=2, master_port=29600, log_level="debug", **NO_GPU)
     env = shard_env(c, 1, {"HF_TOKEN": "secret", "PATH": "/bin"})
     assert env == {"HF_TOKEN": "secret", "PATH": "/bin", "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost",

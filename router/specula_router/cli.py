@@ -114,7 +114,8 @@ async def run(config: RouterConfig) -> int:
     scheduler = Scheduler(client, BlockAllocator(num_blocks, info.block_size), SchedulerConfig(
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens, waiting_served_ratio=config.waiting_served_ratio,
         max_waiting_tokens=config.max_waiting_tokens, max_batch_size=config.max_batch_size,
-        lookahead=lookahead, pipeline_depth=config.pipeline_depth), metrics)
+        lookahead=lookahead, pipeline_depth=config.pipeline_depth,
+        speculation_method=info.speculation.method or "none"), metrics)
     state = RouterState(scheduler, validator, client, metrics, info_body(config, info, limits, num_blocks),
                         config.max_concurrent_requests, "gpu" if info.device_type == "cuda" else "cpu")
     app_ = create_app(state, config.payload_limit, list(config.cors_allow_origin))

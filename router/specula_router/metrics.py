@@ -62,6 +62,19 @@ class Metrics:
         self.batch_decode_duration = histogram(
             "batch_decode_duration", "Sampling and detokenisation time of a step (s)", _SECONDS, ["method"])
         self.batch_next_size = histogram("batch_next_size", "Requests in a new prefill batch", _BATCH)
+        # Speculative decoding. Acceptance rate = accepted / draft tokens; mean tokens per step for a request
+        # that drafted = 1 + accepted tokens / drafts.
+        spec = ["method", "adapter"]
+        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Request steps that verified drafts", spec)
+        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified", spec)
+        self.spec_decode_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted and emitted", spec)
+        self.spec_decode_accepted_tokens_per_pos = counter(
+            "spec_decode_accepted_tokens_per_pos", "Accepted draft tokens by position in the draft (1-based)",
+            spec + ["position"])
+        self.spec_decode_draft_length = histogram(
+            "spec_decode_draft_length", "Draft tokens verified per request step", (0, 1, 2, 3, 4, 5, 6, 8, 10, 16),
+            spec)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

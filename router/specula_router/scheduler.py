@@ -49,6 +49,7 @@ class SchedulerConfig:
     max_batch_size: int | None = None
     lookahead: int = 0  # KV positions reserved past max_new_tokens for speculative drafts
     pipeline_depth: int = 2  # decode steps queued in the workers at once (1: wait for each result)
+    speculation_method: str = "none"  # label of the speculation metrics
 
 
 # --- events sent to the HTTP handler ----------------------------------------------------------------------
@@ -132,6 +133,7 @@ class Entry:
             top_n_tokens=r.top_n_tokens,
             blocks=self.blocks,
             adapter_id=r.adapter_id or "",
+            speculative_tokens=r.speculative_tokens,
         )
 
 
@@ -358,11 +360,26 @@ class Scheduler:
             entry.last_token_at = now
             entry.num_generated += len(tokens)
             entry.num_skipped += len(tokens) - 1
+            self._count_speculation(entry, generation.drafted_tokens, generation.accepted_tokens)
             prefill = _tokens(generation.prefill_tokens) if generation.HasField("prefill_tokens") else None
             top = [_tokens(t) for t in generation.top_tokens]
             self._outbox.append((entry, TokensEvent(tokens, top, prefill, final)))
         if final is not None:
             self._finish(entry, final, send=not tokens)
+
+    def _count_speculation(self, entry: Entry, drafted: int, accepted: int) -> None:
+        if self.config.speculation_method == "none":
+            return
+        labels = (self.config.speculation_method, entry.adapter)
+        m = self.metrics
+        m.spec_decode_draft_length.labels(*labels).observe(drafted)
+        if drafted == 0:
+            return
+        m.spec_decode_num_drafts.labels(*labels).inc()
+        m.spec_decode_num_draft_tokens.labels(*labels).inc(drafted)
+        m.spec_decode_num_accepted_tokens.labels(*labels).inc(accepted)
+        for position in range(1, accepted + 1):
+            m.spec_decode_accepted_tokens_per_pos.labels(*labels, str(position)).inc()
 
     def _finish(self, entry: Entry, event: FinalEvent | ErrorEvent | None, send: bool = True) -> None:
         """Ends a running request: frees its blocks and sends its last event (None: its client left)."""
