@@ -212,7 +212,7 @@ def main() -> None:
                 results.append(result)
                 print(json.dumps(result), flush=True)
         finally:
-            if proc is not None:
+            if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(timeout=60)
     single = results[0]["throughput_tok_s"] if results[0]["concurrency"] == 1 else None

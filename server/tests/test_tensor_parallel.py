@@ -11,12 +11,12 @@ import torch.multiprocessing as mp
 from specula_server.params import SamplingParams
 from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
 
-PROMPTS = [[1, 50, 60, 70, 80, 90, 100], [1, 7], [1] + list(range(100, 140))]
+PROMPTS = [[1, 50, 60, 70, 80, 90, 100], [1, 7, 8, 7, 8, 7], [1] + list(range(100, 140))]
 SAMPLED = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=99)
 
 
-def run_requests(model_dir, group=None) -> list[list[int]]:
-    generator = load_test_generator(model_dir, group=group)
+def run_requests(model_dir, group=None, **settings) -> list[list[int]]:
+    generator = load_test_generator(model_dir, group=group, **settings)
     results = []
     for i, prompt in enumerate(PROMPTS):
         for j, sampling in enumerate([SamplingParams(), SAMPLED]):
@@ -25,13 +25,13 @@ def run_requests(model_dir, group=None) -> list[list[int]]:
     return results
 
 
-def _rank_main(rank: int, world_size: int, port: int, model_dir, queue) -> None:
+def _rank_main(rank: int, world_size: int, port: int, model_dir, queue, settings) -> None:
     from specula_server.distributed import init_distributed
 
     torch.set_num_threads(1)
     group = init_distributed(rank, world_size, "127.0.0.1", port, torch.device("cpu"))
     try:
-        queue.put((rank, run_requests(model_dir, group)))
+        queue.put((rank, run_requests(model_dir, group, **settings)))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -42,13 +42,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_two_ranks_match_one_rank(model_dirs, kind):
+@pytest.mark.parametrize("kind,settings", [
+    ("llama", {}),
+    ("qwen2", {}),
+    ("llama", {"speculative_tokens": 3, "speculation_mode": "fixed"}),  # ranks accept the same drafts
+])
+def test_two_ranks_match_one_rank(model_dirs, kind, settings):
     expected = run_requests(model_dirs[kind])
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, model_dirs[kind], queue)) for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, model_dirs[kind], queue, settings)) for r in range(2)]
     for p in procs:
         p.start()
     results = dict(queue.get(timeout=120) for _ in procs)
