@@ -29,7 +29,7 @@ from specula_server.params import SamplingParams, StoppingParams
 from specula_server.request import RequestSpec, RequestState, StepOutput, TokenInfo
 from specula_server.sampling import Sampler, SamplingRow
 from specula_server.speculation.controller import (
-    StepCostModel, choose_draft_lengths, update_acceptance,
+    StepCostModel, choose_draft_lengths, update_acceptance, worth_drafting,
 )
 from specula_server.speculation.drafters import Drafter
 from specula_server.speculation.verify import verify
@@ -214,6 +214,7 @@ class TextGenerator:
         hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attn)
         logits = self.model.compute_logits(hidden[step.last_rows])  # [num_seqs, vocab]
         forward_done = time.perf_counter_ns()
+        self.step_cost.observe(step.input_ids.numel(), (forward_done - start) / 1e9)
 
         requests = batch.requests
         rows = [SamplingRow(r.spec.sampling, r.history, r.generator) for r in requests]
@@ -263,9 +264,17 @@ class TextGenerator:
         """propose → verify (one forward over `[last, d1..dk]` per request) → accept → commit."""
         assert self.speculation is not None and self.kv_cache is not None
         reqs = batch.requests
-        proposals = self.speculation.drafter.propose(reqs, [self._draft_cap(r) for r in reqs])
+        adaptive = self.speculation.mode == "adaptive"
+        caps = [self._draft_cap(r) if not adaptive or worth_drafting(r.draft_acceptance, len(reqs), self.step_cost)
+                else 0 for r in reqs]
+        proposals = self.speculation.drafter.propose(reqs, caps)
         lengths = choose_draft_lengths([len(p) for p in proposals], [r.draft_acceptance for r in reqs],
                                        self.step_cost, self.speculation.mode)
+        if not any(lengths):  # nothing worth verifying: a plain step, at a plain step's cost
+            for r in reqs:
+                r.draft_acceptance = update_acceptance(r.draft_acceptance, 0, 0)
+            step = build_step(reqs, [r.num_tokens - 1 for r in reqs], [1] * len(reqs), self.device)
+            return self._run(batch, step, start, with_prefill_logprobs=False)
         drafts = [p[:k].tolist() for p, k in zip(proposals, lengths)]
         for r, d in zip(reqs, drafts):  # the buffer tail past num_tokens is free: drafts go there
             r.token_ids[r.num_tokens : r.num_tokens + len(d)] = torch.tensor(d, dtype=torch.long)
@@ -375,12 +384,7 @@ class TextGenerator:
             next_block += blocks_per_request
             remaining -= length
         batch_id = -1
-        started = time.perf_counter()
+        # A big forward and a one-token-per-request forward: both ends of the step cost model get a measurement.
         self.prefill(batch_id, specs)
-        prefilled = time.perf_counter()
         self.decode([batch_id])
-        decoded = time.perf_counter()
-        # The two ends of the step cost model: a big forward and a one-token-per-request forward.
-        self.step_cost.observe(sum(len(s.input_ids) for s in specs), prefilled - started)
-        self.step_cost.observe(len(specs), decoded - prefilled)
         self.clear(batch_id)

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from specula_server.params import FinishReason, SamplingParams
-from specula_server.speculation.controller import StepCostModel, choose_draft_lengths, update_acceptance
+from specula_server.speculation.controller import (
+    StepCostModel, choose_draft_lengths, update_acceptance, worth_drafting,
+)
 from specula_server.speculation.drafters import PromptLookupDrafter
 from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
 
@@ -44,6 +46,8 @@ def test_drafter_finds_the_longest_latest_match():
     assert PromptLookupDrafter(match="earliest").lookup(history, 2).tolist() == [9, 1]
     assert drafter.lookup(torch.tensor([4, 5, 6]), 3).tolist() == []  # nothing repeats
     assert drafter.lookup(history, 0).tolist() == []
+    # In a run, the very latest match has one token after it; the latest one with a full draft wins.
+    assert drafter.lookup(torch.tensor([4] + [5] * 8), 3).tolist() == [5, 5, 5]
 
 
 def test_greedy_output_is_identical_with_speculation(plain, speculative):
@@ -234,6 +238,8 @@ def fitted(t0: float, t1: float) -> StepCostModel:
 
 def test_adaptive_controller_grants_drafts_only_when_they_pay():
     cost = fitted(0.020, 0.002)
+    assert worth_drafting(0.5, 1, cost) and not worth_drafting(0.05, 1, cost)
+    assert not worth_drafting(0.5, 64, fitted(0.020, 0.002))  # at batch 64 a token costs 0.128 / 0.148 of a step
     assert choose_draft_lengths([4, 4], [0.9, 0.05], cost, "adaptive") == [4, 0]
     assert choose_draft_lengths([4, 4], [0.9, 0.05], cost, "fixed") == [4, 4]
     assert choose_draft_lengths([0, 0], [0.9, 0.9], cost, "adaptive") == [0, 0]
@@ -242,7 +248,7 @@ def test_adaptive_controller_grants_drafts_only_when_they_pay():
     assert choose_draft_lengths([4], [0.6], expensive, "adaptive")[0] >= 1
     assert choose_draft_lengths([4], [0.4], expensive, "adaptive") == [0]
     assert update_acceptance(0.5, 4, 4) > 0.5 > update_acceptance(0.5, 4, 0)
-    assert update_acceptance(0.5, 0, 0) == 0.5
+    assert update_acceptance(0.5, 0, 0) == 0.5 and 0.1 < update_acceptance(0.1, 0, 0) < 0.5  # drifts back
 
 
 def test_cost_model_fits_the_slope_and_falls_back_to_a_prior():

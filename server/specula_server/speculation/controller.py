@@ -23,6 +23,7 @@ from typing import Sequence
 
 PRIOR_ACCEPTANCE = 0.5
 ACCEPTANCE_DECAY = 0.8  # weight of the past in the per-request acceptance average
+RETRY_DRIFT = 0.02  # per step without drafts, the fraction of the way back to the prior
 
 
 @dataclass
@@ -58,10 +59,19 @@ class StepCostModel:
         return t0 + t1 * num_tokens
 
 
+def worth_drafting(acceptance: float, batch_size: int, cost: StepCostModel) -> bool:
+    """Whether even one draft token could raise goodput: gain `a` must beat `B * t1 / T(B)`.
+
+    Requests below the bar skip drafting altogether (their estimate drifts back toward the prior, so they
+    try again later)."""
+    t0, t1 = cost.coefficients()
+    return acceptance > batch_size * t1 / (t0 + t1 * batch_size)
+
+
 def update_acceptance(previous: float, drafted: int, accepted: int) -> float:
     """New per-token acceptance estimate after `accepted` of `drafted` drafts were accepted."""
-    if drafted == 0:
-        return previous
+    if drafted == 0:  # no evidence: drift back toward the prior so a request that stopped drafting retries
+        return previous + RETRY_DRIFT * (PRIOR_ACCEPTANCE - previous)
     # Accepting a of k drafts is evidence of a per-token rate (a + 1) / (k + 1) smoothed toward the past.
     observed = accepted / drafted
     return ACCEPTANCE_DECAY * previous + (1 - ACCEPTANCE_DECAY) * observed

@@ -29,7 +29,9 @@ class PromptLookupDrafter:
 
     For n from `max_n` down to `min_n`, the last n tokens of prompt + generated text are searched for earlier in
     the same text; the tokens that followed the match are the draft. Which match wins when there are several:
-    `latest` (the most recent occurrence) or `earliest` (the first, as transformers and vLLM do).
+    `latest` (the most recent occurrence that still has `max_tokens` tokens after it, else the earliest, which
+    has the longest continuation; in a run like "a a a a" the very latest match has one token after it) or
+    `earliest` (the first, as transformers and vLLM do).
 
     >>> drafter = PromptLookupDrafter(min_n=1, max_n=3)
     >>> history = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7])    # "... 5 6 7" seen before, followed by 8 9
@@ -58,8 +60,12 @@ class PromptLookupDrafter:
             suffix = history[length - n :]
             # Windows starting at 0 .. length-n-1: each has at least one token after it.
             windows = history[: length - 1].unfold(0, n, 1)  # [length - n, n]
-            hits = (windows == suffix).all(dim=1).nonzero()
+            hits = (windows == suffix).all(dim=1).nonzero().flatten()
             if hits.numel():
-                start = int(hits[-1 if self.match == "latest" else 0]) + n
+                start = int(hits[0]) + n
+                if self.match == "latest":
+                    full = hits[hits + n + max_tokens <= length]
+                    if full.numel():
+                        start = int(full[-1]) + n
                 return history[start : start + max_tokens]
         return history[:0]
