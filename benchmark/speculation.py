@@ -95,6 +95,8 @@ def main() -> None:
         model_dir = args.model_dir or build_tiny_model(Path(tmp) / "model", "llama", **BENCHMARK_125M)
         blocks = max(args.concurrency) * -(-(args.prompt_tokens + args.new_tokens + 8) // 16)
         generators = {name: load_test_generator(model_dir, num_blocks=blocks, **s) for name, s in SETTINGS.items()}
+        for g in generators.values():
+            g.calibrate_step_cost()  # what the server's warmup does
         results = []
         for workload in args.workload:
             for c in args.concurrency:

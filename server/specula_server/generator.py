@@ -371,9 +371,25 @@ class TextGenerator:
                 f"fewer than max_total_tokens={max_total_tokens}; raise the budget or lower the limits"
             )
         self.allocate_kv_cache(num_blocks)
+        if self.speculation is not None and num_blocks * self.block_size > 64:
+            self.calibrate_step_cost()
         logger.info("KV cache: %d blocks of %d tokens (%d bytes)", num_blocks, self.block_size,
                     num_blocks * self.bytes_per_block())
         return num_blocks
+
+    def calibrate_step_cost(self, sizes: Sequence[int] = (1, 4, 16, 64), repeats: int = 2) -> None:
+        """Times forwards over N tokens for several N (one dummy sequence each, blocks 0..) as the cost anchors
+        of adaptive speculation. Needs a KV cache holding max(sizes) tokens."""
+        assert self.kv_cache is not None
+        blocks = tuple(range(-(-(max(sizes) + 1) // self.block_size)))
+        for size in sizes:
+            spec = RequestSpec(-2, (0,) * size, SamplingParams(), StoppingParams(1, (), True), blocks)
+            for _ in range(repeats + 1):  # the first run of a size warms caches up; not counted
+                start = time.perf_counter()
+                self.prefill(-2, [spec])
+                seconds = time.perf_counter() - start
+                self.clear(-2)
+            self.step_cost.anchor(size, seconds)
 
     def _warmup_prefill(self, max_input_tokens: int, max_prefill_tokens: int, blocks_per_request: int) -> None:
         specs, remaining, next_block = [], max_prefill_tokens, 0

@@ -251,6 +251,22 @@ def test_adaptive_controller_grants_drafts_only_when_they_pay():
     assert update_acceptance(0.5, 0, 0) == 0.5 and 0.1 < update_acceptance(0.1, 0, 0) < 0.5  # drifts back
 
 
+def test_anchors_give_the_slope_that_decode_steps_cannot():
+    cost = StepCostModel()
+    for n in (1, 4, 16, 64):
+        cost.anchor(n, 0.010 + 0.002 * n)
+    for _ in range(200):  # many recent steps, all of one size, on a machine 20% slower now
+        cost.observe(32, 1.2 * (0.010 + 0.002 * 32))
+    t0, t1 = cost.coefficients()
+    assert 0.0015 < t1 < 0.003 and cost.predict(32) > 0.074
+
+
+def test_calibration_anchors_the_cost_model(speculative):
+    speculative.calibrate_step_cost(sizes=(1, 8, 32), repeats=1)
+    t0, t1 = speculative.step_cost.coefficients()
+    assert t0 > 0 and t1 > 0
+
+
 def test_cost_model_fits_the_slope_and_falls_back_to_a_prior():
     t0, t1 = fitted(0.020, 0.001).coefficients()
     assert math.isclose(t1, 0.001, rel_tol=1e-6) and math.isclose(t0, 0.020, rel_tol=1e-6)

@@ -28,22 +28,32 @@ RETRY_DRIFT = 0.02  # per step without drafts, the fraction of the way back to t
 
 @dataclass
 class StepCostModel:
-    """T(N) = t0 + t1 * N seconds for a forward over N tokens: a least-squares fit over recent steps.
+    """T(N) = t0 + t1 * N seconds for a forward over N tokens: a least-squares fit.
 
-    Observations are weighted by recency (`decay` per step). Until the steps seen differ enough in size to fit
-    a slope, an extra token is assumed to cost `prior_ratio` of a step's fixed cost (decode is memory-bound).
+    Two kinds of points: anchors, measured once at calibration over a range of N and never forgotten, and the
+    steps actually run, weighted by recency (`decay` per step) so the fit follows the machine's current speed.
+    Decode steps alone all have about the same N and cannot tell the slope; the anchors can. Without anchors
+    or spread, an extra token is assumed to cost `prior_ratio` of a step's fixed cost.
     """
 
     decay: float = 0.95
     prior_ratio: float = 1 / 16
-    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, N, T, N*N, N*T
+    _anchors: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, N, T, N*N, N*T
+    _recent: list[float] = field(default_factory=lambda: [0.0] * 5)
+
+    @staticmethod
+    def _point(num_tokens: int, seconds: float) -> tuple[float, ...]:
+        n = float(num_tokens)
+        return 1.0, n, seconds, n * n, n * seconds
+
+    def anchor(self, num_tokens: int, seconds: float) -> None:
+        self._anchors = [s + x for s, x in zip(self._anchors, self._point(num_tokens, seconds))]
 
     def observe(self, num_tokens: int, seconds: float) -> None:
-        n, t = float(num_tokens), seconds
-        self._sums = [self.decay * s + x for s, x in zip(self._sums, (1.0, n, t, n * n, n * t))]
+        self._recent = [self.decay * s + x for s, x in zip(self._recent, self._point(num_tokens, seconds))]
 
     def coefficients(self) -> tuple[float, float]:
-        weight, sum_n, sum_t, sum_nn, sum_nt = self._sums
+        weight, sum_n, sum_t, sum_nn, sum_nt = (a + r for a, r in zip(self._anchors, self._recent))
         if weight == 0:
             return 0.02, 0.02 * self.prior_ratio
         mean_n, mean_t = sum_n / weight, sum_t / weight
