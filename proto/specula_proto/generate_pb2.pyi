@@ -201,12 +201,14 @@ class Generation(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class FilterBatchRequest(_message.Message):
-    __slots__ = ("batch_id", "request_ids")
+    __slots__ = ("batch_id", "request_ids", "sequence")
     BATCH_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     batch_id: int
     request_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, batch_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    sequence: int
+    def __init__(self, batch_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class FilterBatchResponse(_message.Message):
     __slots__ = ("batch",)
@@ -243,10 +245,12 @@ class Timings(_message.Message):
     def __init__(self, forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("batch",)
+    __slots__ = ("batch", "sequence")
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     batch: Batch
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ...) -> None: ...
+    sequence: int
+    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("generations", "batch", "timings")
@@ -259,10 +263,12 @@ class PrefillResponse(_message.Message):
     def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("batches",)
+    __slots__ = ("batches", "sequence")
     BATCHES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
-    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ...) -> None: ...
+    sequence: int
+    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., sequence: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("generations", "batch", "timings")

@@ -101,7 +101,7 @@ class TextGenerationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ClearCache(self, request, context):
-        """Drops one cached batch, or every cached batch when no id is given.
+        """Drops one cached batch, or every cached batch (and restarts step sequences at 1) when no id is given.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -35,6 +35,11 @@ class ShardedClient:
     def __init__(self, channels: Sequence[grpc.aio.Channel]) -> None:
         self._channels = list(channels)
         self._stubs = [generate_pb2_grpc.TextGenerationServiceStub(c) for c in channels]
+        self._sequence = 0  # steps numbered in the order they are sent; the workers run them in that order
+
+    def _next_sequence(self) -> int:
+        self._sequence += 1
+        return self._sequence
 
     @classmethod
     async def connect(cls, master_url: str, timeout: float = 30.0) -> ShardedClient:
@@ -83,6 +88,8 @@ class ShardedClient:
     async def clear_cache(self, batch_id: int | None = None) -> None:
         request = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)
         await self._broadcast("ClearCache", request)
+        if batch_id is None:
+            self._sequence = 0  # the workers restart their count too
 
     async def warmup(self, max_input_tokens: int, max_prefill_tokens: int, max_total_tokens: int) -> pb.WarmupResponse:
         request = pb.WarmupRequest(
@@ -93,11 +100,12 @@ class ShardedClient:
 
     def prefill(self, batch: pb.Batch) -> Awaitable[StepResponse]:
         """Starts a Prefill on every shard (sent before this returns); await the result."""
-        return self._step(self._start("Prefill", pb.PrefillRequest(batch=batch)))
+        return self._step(self._start("Prefill", pb.PrefillRequest(batch=batch, sequence=self._next_sequence())))
 
     def decode(self, batches: Sequence[pb.CachedBatch]) -> Awaitable[StepResponse]:
         """Starts a Decode on every shard (sent before this returns); await the result."""
-        return self._step(self._start("Decode", pb.DecodeRequest(batches=batches)))
+        request = pb.DecodeRequest(batches=batches, sequence=self._next_sequence())
+        return self._step(self._start("Decode", request))
 
     @staticmethod
     async def _step(responses: Awaitable[list]) -> StepResponse:
@@ -106,5 +114,5 @@ class ShardedClient:
         return StepResponse(list(response.generations), batch, response.timings)
 
     async def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> pb.CachedBatch:
-        request = pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids)
+        request = pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids, sequence=self._next_sequence())
         return (await self._broadcast("FilterBatch", request))[0].batch

@@ -26,6 +26,8 @@ from specula_server.request import RequestSpec, StepOutput, TokenInfo
 
 logger = logging.getLogger("specula.service")
 
+SEQUENCE_WAIT_S = 60.0  # how long a step waits for an earlier one before failing
+
 _FINISH_REASONS = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.EOS_TOKEN: pb.FINISH_REASON_EOS_TOKEN,
@@ -89,9 +91,28 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         # One thread runs every step, in arrival order: a Decode queued behind the running one starts the
         # moment it ends, without a round trip through the event loop (which keeps answering Health).
         self._steps = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specula-step")
+        # gRPC may dispatch two RPCs that arrive together in either order; sequenced steps wait their turn.
+        self._next_sequence = 1
+        self._turn = asyncio.Condition()
 
-    async def _in_thread(self, fn: Callable, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._steps, fn, *args)
+    async def _in_thread(self, fn: Callable, *args, sequence: int = 0):
+        """Runs `fn` on the step thread; a sequenced call is queued only after every earlier sequence."""
+        loop = asyncio.get_running_loop()
+        if not sequence:
+            return await loop.run_in_executor(self._steps, fn, *args)
+        async with self._turn:
+            try:
+                await asyncio.wait_for(self._turn.wait_for(lambda: self._next_sequence >= sequence),
+                                       timeout=SEQUENCE_WAIT_S)
+            except asyncio.TimeoutError:
+                raise InvalidRequestError(
+                    f"step {sequence} waited {SEQUENCE_WAIT_S:.0f}s for step {self._next_sequence}") from None
+            if self._next_sequence != sequence:
+                raise InvalidRequestError(f"step {sequence} arrived after step {self._next_sequence - 1}")
+            future = loop.run_in_executor(self._steps, fn, *args)
+            self._next_sequence += 1
+            self._turn.notify_all()
+        return await future
 
     async def Info(self, request, context):
         cfg = self.generator.model.config
@@ -118,10 +139,15 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
 
     async def ClearCache(self, request, context):
         await self._in_thread(self.generator.clear, request.id if request.HasField("id") else None)
+        if not request.HasField("id"):
+            async with self._turn:
+                self._next_sequence = 1
+                self._turn.notify_all()
         return pb.ClearCacheResponse()
 
     async def FilterBatch(self, request, context):
-        batch = await self._in_thread(self.generator.filter, request.batch_id, list(request.request_ids))
+        batch = await self._in_thread(self.generator.filter, request.batch_id, list(request.request_ids),
+                                      sequence=request.sequence)
         return pb.FilterBatchResponse(batch=cached_batch_to_pb(batch))
 
     async def Warmup(self, request, context):
@@ -140,13 +166,18 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
 
     async def Prefill(self, request, context):
         start = time.perf_counter_ns()
-        specs = [request_from_pb(r, self.generator) for r in request.batch.requests]
-        result = await self._in_thread(self.generator.prefill, request.batch.id, specs)
+        result = await self._in_thread(self._prefill, request.batch, sequence=request.sequence)
         return pb.PrefillResponse(**step_result_to_pb(result, start))
+
+    def _prefill(self, batch: pb.Batch) -> StepResult:
+        # Converted on the step thread, so a request rejected here still takes its place in the step order.
+        specs = [request_from_pb(r, self.generator) for r in batch.requests]
+        return self.generator.prefill(batch.id, specs)
 
     async def Decode(self, request, context):
         start = time.perf_counter_ns()
-        result = await self._in_thread(self.generator.decode, [b.id for b in request.batches])
+        result = await self._in_thread(self.generator.decode, [b.id for b in request.batches],
+                                       sequence=request.sequence)
         return pb.DecodeResponse(**step_result_to_pb(result, start))
 
 

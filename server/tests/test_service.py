@@ -177,3 +177,27 @@ def test_unexpected_worker_fault_is_internal_and_fatal(llama_dir, tmp_path):
 
     asyncio.run(run())
     assert len(fatal) == 1 and isinstance(fatal[0], RuntimeError)
+
+
+def test_sequenced_steps_run_in_order_whatever_order_they_arrive(stub_factory):
+    async def body(stub):
+        await stub.ClearCache(pb.ClearCacheRequest())
+        await stub.Warmup(pb.WarmupRequest(max_input_tokens=32, max_prefill_tokens=32, max_total_tokens=64))
+        await stub.ClearCache(pb.ClearCacheRequest())  # sequences restart at 1
+        first = pb.PrefillRequest(batch=pb.Batch(id=1, requests=[request(1, [1, 5, 6], [0, 1], max_new=8)]),
+                                  sequence=1)
+        # Step 3 and 2 are sent before step 1; each must wait for its turn.
+        third = asyncio.ensure_future(stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=1)], sequence=3)))
+        second = asyncio.ensure_future(stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=1)], sequence=2)))
+        await asyncio.sleep(0.2)
+        assert not third.done() and not second.done()
+        prefill = await stub.Prefill(first)
+        r2, r3 = await second, await third
+        tokens = [prefill.generations[0].tokens.ids[0], r2.generations[0].tokens.ids[0], r3.generations[0].tokens.ids[0]]
+        assert r2.timings.total_ns > 0 and len(tokens) == 3
+        # A stale sequence number is refused, not run.
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=1)], sequence=2))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "arrived after" in err.value.details()
+
+    stub_factory(body)
