@@ -39,6 +39,18 @@ class PagedAttentionInputs:
         return self.context_slots.shape[0]
 
 
+@dataclass
+class GroupedAttentionInputs:
+    """Sequences split into groups attended separately, so no group pads its queries to another's length.
+
+    A decode step that verifies drafts for some requests has one-token sequences next to (k+1)-token ones;
+    padding all of them to k+1 queries would make attention several times costlier than it needs to be.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] long, as in PagedAttentionInputs
+    groups: list[tuple[torch.Tensor, PagedAttentionInputs]]  # (rows of the flat token list, inputs over them)
+
+
 def write_kv_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -57,13 +69,25 @@ def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-    inputs: PagedAttentionInputs,
+    inputs: PagedAttentionInputs | GroupedAttentionInputs,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Scaled dot-product attention of each sequence's new tokens over its cached context.
 
     The new tokens' keys and values must already be in the cache (`write_kv_cache`).
     """
+    if isinstance(inputs, GroupedAttentionInputs):
+        out = torch.empty_like(query)
+        for rows, group in inputs.groups:
+            out[rows] = _attend(query[rows], key_cache, value_cache, group, scale)
+        return out
+    return _attend(query, key_cache, value_cache, inputs, scale)
+
+
+def _attend(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, inputs: PagedAttentionInputs,
+    scale: float,
+) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads (GQA)"

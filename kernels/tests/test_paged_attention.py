@@ -78,3 +78,24 @@ def test_single_decoding_sequence_needs_no_mask():
                                   torch.ones(1, 1, dtype=torch.bool), None)
     out = paged_attention(q, k_cache, v_cache, inputs, scale=8**-0.5)
     torch.testing.assert_close(out, dense_reference(q, k_cache[slots], v_cache[slots], start=5))
+
+
+def test_grouped_inputs_equal_one_padded_group():
+    """Attending one-token and multi-token sequences in separate groups gives the padded result."""
+    from specula_kernels.paged_attention import GroupedAttentionInputs
+
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, head_dim, block_size = 4, 2, 8, 4
+    k_cache = torch.randn(64, kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(64, kv_heads, head_dim, generator=gen)
+    spans = [(6, 1), (3, 4), (9, 1)]  # decode, verify 3 drafts, decode
+    tables = [torch.arange(0, 12), torch.arange(20, 32), torch.arange(40, 52)]
+    q = torch.randn(6, heads, head_dim, generator=gen)
+    padded = paged_attention(q, k_cache, v_cache, build_inputs(spans, tables), scale=0.3)
+    singles, multi = [0, 2], [1]
+    rows_singles, rows_multi = torch.tensor([0, 5]), torch.tensor([1, 2, 3, 4])
+    grouped = GroupedAttentionInputs(torch.zeros(6, dtype=torch.long), [
+        (rows_singles, build_inputs([spans[i] for i in singles], [tables[i] for i in singles])),
+        (rows_multi, build_inputs([spans[i] for i in multi], [tables[i] for i in multi])),
+    ])
+    torch.testing.assert_close(paged_attention(q, k_cache, v_cache, grouped, scale=0.3), padded)

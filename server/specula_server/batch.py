@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from specula_kernels.paged_attention import PagedAttentionInputs
+from specula_kernels.paged_attention import GroupedAttentionInputs, PagedAttentionInputs
 from specula_server.request import RequestState
 
 
@@ -46,7 +46,7 @@ class Batch:
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] long
     positions: torch.Tensor  # [num_tokens] long
-    attn: PagedAttentionInputs
+    attn: PagedAttentionInputs | GroupedAttentionInputs
     last_rows: torch.Tensor  # [num_seqs] long: row of each request's last new token in the flat list
     row_starts: list[int]  # first flat row of each request
 
@@ -54,19 +54,39 @@ class StepInputs:
 def build_step(
     requests: Sequence[RequestState], starts: Sequence[int], counts: Sequence[int], device: torch.device
 ) -> StepInputs:
-    """Builds one forward step: request i feeds positions `[starts[i], starts[i] + counts[i])`."""
+    """Builds one forward step: request i feeds positions `[starts[i], starts[i] + counts[i])`.
+
+    When one-token sequences (plain decodes) sit next to longer ones (drafts being verified), attention runs
+    in two groups so the one-token sequences are not padded to the longest draft.
+    """
     spans = [(r, s, s + c) for r, s, c in zip(requests, starts, counts)]
     input_ids = torch.cat([r.token_ids[s:e] for r, s, e in spans]).to(device)
     positions = torch.cat([torch.arange(s, e) for _, s, e in spans]).to(device)
     slot_mapping = torch.cat([r.slots[s:e] for r, s, e in spans])
     row_ends = torch.tensor(counts).cumsum(0)
     row_starts = (row_ends - torch.tensor(counts)).tolist()
+    singles = [i for i, c in enumerate(counts) if c == 1]
+    if 0 < len(singles) < len(spans):
+        groups = []
+        for members in (singles, [i for i, c in enumerate(counts) if c > 1]):
+            rows = torch.cat([torch.arange(row_starts[i], row_starts[i] + counts[i]) for i in members]).to(device)
+            groups.append((rows, _attention_inputs([spans[i] for i in members], slot_mapping, device)))
+        attn = GroupedAttentionInputs(slot_mapping, groups)
+    else:
+        attn = _attention_inputs(spans, slot_mapping, device)
+    return StepInputs(input_ids, positions, attn, (row_ends - 1).to(device), row_starts)
 
+
+def _attention_inputs(spans, slot_mapping: torch.Tensor, device: torch.device) -> PagedAttentionInputs:
+    """Attention metadata for `(request, start, end)` spans whose tokens are laid out one after another."""
+    starts = [s for _, s, _ in spans]
+    counts = [e - s for _, s, e in spans]
     if len(spans) == 1:
         r, s, e = spans[0]
         context_slots = r.slots[:e].unsqueeze(0)
         query_index = torch.arange(e - s, device=device).unsqueeze(0)
     else:
+        row_starts = (torch.tensor(counts).cumsum(0) - torch.tensor(counts)).tolist()
         context_slots = pad_sequence([r.slots[:e] for r, _, e in spans], batch_first=True)
         query_index = pad_sequence(
             [torch.arange(b, b + c, device=device) for b, c in zip(row_starts, counts)], batch_first=True
@@ -75,8 +95,7 @@ def build_step(
     counts_t = torch.tensor(counts, device=device)
     query_valid = torch.arange(max_query, device=device).unsqueeze(0) < counts_t.unsqueeze(1)
     mask = _causal_mask(starts, counts, context_slots.shape[1], device)
-    attn = PagedAttentionInputs(slot_mapping, context_slots, query_index, query_valid, mask)
-    return StepInputs(input_ids, positions, attn, (row_ends - 1).to(device), row_starts)
+    return PagedAttentionInputs(slot_mapping, context_slots, query_index, query_valid, mask)
 
 
 def _causal_mask(

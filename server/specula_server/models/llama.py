@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specula_kernels.paged_attention import PagedAttentionInputs, paged_attention, write_kv_cache
+from specula_kernels.paged_attention import (
+    GroupedAttentionInputs, PagedAttentionInputs, paged_attention, write_kv_cache,
+)
 from specula_server.distributed import ShardGroup
 from specula_server.layers.rotary import RotaryEmbedding, apply_rotary
 from specula_server.layers.tensor_parallel import (
@@ -24,6 +26,7 @@ from specula_server.layers.tensor_parallel import (
 from specula_server.models.config import ModelConfig
 from specula_server.weights import Weights
 
+AttentionInputs = PagedAttentionInputs | GroupedAttentionInputs
 KVCache = tuple[torch.Tensor, torch.Tensor]  # ([num_slots, kv_heads, head_dim], same) for one layer
 
 
@@ -63,7 +66,7 @@ class Attention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: KVCache,
-        attn: PagedAttentionInputs,
+        attn: AttentionInputs,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -98,7 +101,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
         self.mlp = MLP(weights, f"{prefix}.mlp", group)
 
-    def forward(self, hidden, cos, sin, kv_cache: KVCache, attn: PagedAttentionInputs) -> torch.Tensor:
+    def forward(self, hidden, cos, sin, kv_cache: KVCache, attn: AttentionInputs) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -136,7 +139,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [num_tokens]
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[KVCache],
-        attn: PagedAttentionInputs,
+        attn: AttentionInputs,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions)
