@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from specula_server.params import SamplingParams  # noqa: E402
 from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
 from specula_server.testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
+from specula_server.warmup import calibrate_step_cost  # noqa: E402
 
 SETTINGS = {"off": {}, "fixed": {"speculative_tokens": 4, "speculation_mode": "fixed"},
             "adaptive": {"speculative_tokens": 4, "speculation_mode": "adaptive"}}
@@ -96,7 +97,7 @@ def main() -> None:
         blocks = max(args.concurrency) * -(-(args.prompt_tokens + args.new_tokens + 8) // 16)
         generators = {name: load_test_generator(model_dir, num_blocks=blocks, **s) for name, s in SETTINGS.items()}
         for g in generators.values():
-            g.calibrate_step_cost()  # what the server's warmup does
+            calibrate_step_cost(g)  # what the server's warmup does
         results = []
         for workload in args.workload:
             for c in args.concurrency:

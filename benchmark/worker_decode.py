@@ -134,7 +134,7 @@ def main() -> None:
 
     print(f"model {result['params_m']}M params, {args.dtype}, {args.device}, {args.threads} threads, "
           f"{args.prompt_tokens} prompt + {args.new_tokens} new tokens, median of {args.rounds} alternating rounds")
-    print(f"| implementation | tokens/s | of bandwidth floor |\n|---|---|---|")
+    print("| implementation | tokens/s | of bandwidth floor |\n|---|---|---|")
     for name, key in (("transformers generate()", "transformers_tok_s"), ("specula worker", "worker_tok_s")):
         print(f"| {name} | {result[key]:.1f} | {result[key] / floor:.0%} |")
     print(f"speedup {result['speedup']:.2f}x; floor {floor:.1f} tok/s = {result['bandwidth_gb_s']:.1f} GB/s read "

@@ -85,7 +85,7 @@ def test_grouped_inputs_equal_one_padded_group():
     from specula_kernels.paged_attention import GroupedAttentionInputs
 
     gen = torch.Generator().manual_seed(2)
-    heads, kv_heads, head_dim, block_size = 4, 2, 8, 4
+    heads, kv_heads, head_dim = 4, 2, 8
     k_cache = torch.randn(64, kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(64, kv_heads, head_dim, generator=gen)
     spans = [(6, 1), (3, 4), (9, 1)]  # decode, verify 3 drafts, decode

@@ -24,7 +24,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable
 
 from specula_proto import generate_pb2 as pb
 from specula_router.block_allocator import BlockAllocator

@@ -25,7 +25,6 @@ import torch
 from specula_server.batch import Batch, StepInputs, build_step
 from specula_server.kv_cache import KVCache, slots_for_blocks
 from specula_server.models.llama import LlamaForCausalLM
-from specula_server.params import SamplingParams, StoppingParams
 from specula_server.request import RequestSpec, RequestState, StepOutput, TokenInfo
 from specula_server.sampling import Sampler, SamplingRow
 from specula_server.speculation.controller import (
@@ -337,70 +336,3 @@ class TextGenerator:
             TokenInfo(t, lp, self.tokenizer.decode([t], skip_special_tokens=False), t in self.special_ids)
             for t, lp in zip(ids, lps)
         ]
-
-    # --- warmup -------------------------------------------------------------------------------------------
-
-    def warmup(
-        self, max_input_tokens: int, max_prefill_tokens: int, max_total_tokens: int, kv_cache_memory: int | None
-    ) -> int:
-        """Runs the largest prefill the router may send, then sizes the KV cache; returns its block count.
-
-        On CPU the cache gets `kv_cache_memory` bytes. On CUDA, when no budget is given, it gets 90% of the
-        device memory left free after the warmup forward pass.
-        """
-        # Warmup requests prefill up to max_input_tokens and decode once (2 new tokens), within the total limit.
-        max_input_tokens = max(1, min(max_input_tokens, max_total_tokens - 2))
-        per_request = -(-(max_input_tokens + 2) // self.block_size)
-        num_requests = -(-max_prefill_tokens // max_input_tokens)
-        min_blocks = -(-max_total_tokens // self.block_size)
-        warmup_blocks = max(per_request * num_requests, min_blocks)
-        self.allocate_kv_cache(warmup_blocks)
-        self._warmup_prefill(max_input_tokens, max_prefill_tokens, per_request)
-        if kv_cache_memory is None:
-            if self.device.type != "cuda":
-                raise InvalidRequestError("a KV cache memory budget is required on CPU")
-            torch.cuda.synchronize(self.device)
-            self.kv_cache = None
-            torch.cuda.empty_cache()
-            free, _ = torch.cuda.mem_get_info(self.device)
-            kv_cache_memory = int(free * 0.9)
-        num_blocks = kv_cache_memory // self.bytes_per_block()
-        if num_blocks < min_blocks:
-            raise InvalidRequestError(
-                f"the KV cache budget of {kv_cache_memory} bytes holds {num_blocks * self.block_size} tokens, "
-                f"fewer than max_total_tokens={max_total_tokens}; raise the budget or lower the limits"
-            )
-        self.allocate_kv_cache(num_blocks)
-        if self.speculation is not None and num_blocks * self.block_size > 64:
-            self.calibrate_step_cost()
-        logger.info("KV cache: %d blocks of %d tokens (%d bytes)", num_blocks, self.block_size,
-                    num_blocks * self.bytes_per_block())
-        return num_blocks
-
-    def calibrate_step_cost(self, sizes: Sequence[int] = (1, 4, 16, 64), repeats: int = 2) -> None:
-        """Times forwards over N tokens for several N (one dummy sequence each, blocks 0..) as the cost anchors
-        of adaptive speculation. Needs a KV cache holding max(sizes) tokens."""
-        assert self.kv_cache is not None
-        blocks = tuple(range(-(-(max(sizes) + 1) // self.block_size)))
-        for size in sizes:
-            spec = RequestSpec(-2, (0,) * size, SamplingParams(), StoppingParams(1, (), True), blocks)
-            for _ in range(repeats + 1):  # the first run of a size warms caches up; not counted
-                start = time.perf_counter()
-                self.prefill(-2, [spec])
-                seconds = time.perf_counter() - start
-                self.clear(-2)
-            self.step_cost.anchor(size, seconds)
-
-    def _warmup_prefill(self, max_input_tokens: int, max_prefill_tokens: int, blocks_per_request: int) -> None:
-        specs, remaining, next_block = [], max_prefill_tokens, 0
-        while remaining > 0:
-            length = min(max_input_tokens, remaining)
-            blocks = tuple(range(next_block, next_block + blocks_per_request))
-            specs.append(RequestSpec(len(specs), (0,) * length, SamplingParams(), StoppingParams(2, (), True), blocks))
-            next_block += blocks_per_request
-            remaining -= length
-        batch_id = -1
-        # A big forward and a one-token-per-request forward: both ends of the step cost model get a measurement.
-        self.prefill(batch_id, specs)
-        self.decode([batch_id])
-        self.clear(batch_id)

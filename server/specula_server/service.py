@@ -12,7 +12,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from typing import Callable
 
 import grpc
 import torch
@@ -23,6 +23,7 @@ from specula_server.batch import Batch
 from specula_server.generator import BatchNotFoundError, InvalidRequestError, StepResult, TextGenerator
 from specula_server.params import FinishReason, SamplingParams, StoppingParams
 from specula_server.request import RequestSpec, StepOutput, TokenInfo
+from specula_server.warmup import warmup
 
 logger = logging.getLogger("specula.service")
 
@@ -154,7 +155,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         if request.max_total_tokens < 1 or request.max_prefill_tokens < 1 or request.max_input_tokens < 1:
             raise InvalidRequestError("warmup limits must all be positive")
         num_blocks = await self._in_thread(
-            self.generator.warmup,
+            warmup, self.generator,
             request.max_input_tokens,
             request.max_prefill_tokens,
             request.max_total_tokens,

@@ -95,8 +95,8 @@ def test_decode_skips_batches_that_ended_but_rejects_unknown_ones(generator):
     assert again.outputs == [] and again.batch is None
     with pytest.raises(BatchNotFoundError, match="unknown batch ids \\[999\\]"):
         generator.decode([20, 999])
-    first = generator.prefill(21, [make_spec(1, [1, 7], pool, max_new_tokens=4)])
-    second = generator.prefill(22, [make_spec(2, [1, 8], pool, max_new_tokens=4)])
+    assert generator.prefill(21, [make_spec(1, [1, 7], pool, max_new_tokens=4)]).batch.id == 21
+    assert generator.prefill(22, [make_spec(2, [1, 8], pool, max_new_tokens=4)]).batch.id == 22
     merged = generator.decode([21, 22])
     assert merged.batch.id == 21 and sorted(merged.batch.request_ids) == [1, 2]
     assert generator.decode([22, 21]).batch.id == 21  # 22 was merged into 21: skipped

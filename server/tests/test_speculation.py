@@ -262,7 +262,9 @@ def test_anchors_give_the_slope_that_decode_steps_cannot():
 
 
 def test_calibration_anchors_the_cost_model(speculative):
-    speculative.calibrate_step_cost(sizes=(1, 8, 32), repeats=1)
+    from specula_server.warmup import calibrate_step_cost
+
+    calibrate_step_cost(speculative, sizes=(1, 8, 32), repeats=1)
     t0, t1 = speculative.step_cost.coefficients()
     assert t0 > 0 and t1 > 0
 

@@ -1,0 +1,89 @@
+"""Warmup of a worker: size the KV cache, and calibrate the step cost model of adaptive speculation.
+
+Called once by the Warmup RPC, before the router sends any request: it runs the largest prefill the router may
+send (so an out-of-memory shows now, not under load), then gives the KV cache the memory that is left.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+import torch
+
+from specula_server.generator import InvalidRequestError, TextGenerator
+from specula_server.params import SamplingParams, StoppingParams
+from specula_server.request import RequestSpec
+
+logger = logging.getLogger("specula.warmup")
+
+
+def warmup(
+    generator: TextGenerator,
+    max_input_tokens: int,
+    max_prefill_tokens: int,
+    max_total_tokens: int,
+    kv_cache_memory: int | None,
+) -> int:
+    """Runs the largest prefill the router may send, then sizes the KV cache; returns its block count.
+
+    On CPU the cache gets `kv_cache_memory` bytes. On CUDA, when no budget is given, it gets 90% of the
+    device memory left free after the warmup forward pass.
+    """
+    # Warmup requests prefill up to max_input_tokens and decode once (2 new tokens), within the total limit.
+    max_input_tokens = max(1, min(max_input_tokens, max_total_tokens - 2))
+    per_request = -(-(max_input_tokens + 2) // generator.block_size)
+    num_requests = -(-max_prefill_tokens // max_input_tokens)
+    min_blocks = -(-max_total_tokens // generator.block_size)
+    warmup_blocks = max(per_request * num_requests, min_blocks)
+    generator.allocate_kv_cache(warmup_blocks)
+    _warmup_prefill(generator, max_input_tokens, max_prefill_tokens, per_request)
+    if kv_cache_memory is None:
+        if generator.device.type != "cuda":
+            raise InvalidRequestError("a KV cache memory budget is required on CPU")
+        torch.cuda.synchronize(generator.device)
+        generator.kv_cache = None
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(generator.device)
+        kv_cache_memory = int(free * 0.9)
+    num_blocks = kv_cache_memory // generator.bytes_per_block()
+    if num_blocks < min_blocks:
+        raise InvalidRequestError(
+            f"the KV cache budget of {kv_cache_memory} bytes holds {num_blocks * generator.block_size} tokens, "
+            f"fewer than max_total_tokens={max_total_tokens}; raise the budget or lower the limits"
+        )
+    generator.allocate_kv_cache(num_blocks)
+    if generator.speculation is not None and num_blocks * generator.block_size > 64:
+        calibrate_step_cost(generator)
+    logger.info("KV cache: %d blocks of %d tokens (%d bytes)", num_blocks, generator.block_size,
+                num_blocks * generator.bytes_per_block())
+    return num_blocks
+
+def calibrate_step_cost(generator: TextGenerator, sizes: Sequence[int] = (1, 4, 16, 64), repeats: int = 2) -> None:
+    """Times forwards over N tokens for several N (one dummy sequence each, blocks 0..) as the cost anchors
+    of adaptive speculation. Needs a KV cache holding max(sizes) tokens."""
+    assert generator.kv_cache is not None
+    blocks = tuple(range(-(-(max(sizes) + 1) // generator.block_size)))
+    for size in sizes:
+        spec = RequestSpec(-2, (0,) * size, SamplingParams(), StoppingParams(1, (), True), blocks)
+        for _ in range(repeats + 1):  # the first run of a size warms caches up; not counted
+            start = time.perf_counter()
+            generator.prefill(-2, [spec])
+            seconds = time.perf_counter() - start
+            generator.clear(-2)
+        generator.step_cost.anchor(size, seconds)
+
+def _warmup_prefill(generator: TextGenerator, max_input_tokens: int, max_prefill_tokens: int, blocks_per_request: int) -> None:
+    specs, remaining, next_block = [], max_prefill_tokens, 0
+    while remaining > 0:
+        length = min(max_input_tokens, remaining)
+        blocks = tuple(range(next_block, next_block + blocks_per_request))
+        specs.append(RequestSpec(len(specs), (0,) * length, SamplingParams(), StoppingParams(2, (), True), blocks))
+        next_block += blocks_per_request
+        remaining -= length
+    batch_id = -1
+    # A big forward and a one-token-per-request forward: both ends of the step cost model get a measurement.
+    generator.prefill(batch_id, specs)
+    generator.decode([batch_id])
+    generator.clear(batch_id)
