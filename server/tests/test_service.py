@@ -43,18 +43,23 @@ def stub_factory(llama_dir, tmp_path):
     fatal: list[BaseException] = []
 
     async def run(body):
-        server = grpc.aio.server(interceptors=[ExceptionInterceptor(fatal.append)])
-        generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(TextGenerationService(generator, info), server)
-        server.add_insecure_port(config.uds_url(0))
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(config.uds_url(0)) as channel:
-                await body(generate_pb2_grpc.TextGenerationServiceStub(channel))
-        finally:
-            await server.stop(None)
+        await serve_in_process(generator, info, fatal, body)
         assert not fatal, f"a request error was treated as fatal: {fatal}"
 
     return lambda body: asyncio.run(run(body))
+
+
+async def serve_in_process(generator, info: WorkerInfo, fatal: list, body) -> None:
+    """Serves the worker on its unix socket for the duration of `body(stub)`."""
+    server = grpc.aio.server(interceptors=[ExceptionInterceptor(fatal.append)])
+    generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(TextGenerationService(generator, info), server)
+    server.add_insecure_port(info.uds_urls[0])
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(info.uds_urls[0]) as channel:
+            await body(generate_pb2_grpc.TextGenerationServiceStub(channel))
+    finally:
+        await server.stop(None)
 
 
 def test_contract_round_trip(stub_factory):
@@ -160,22 +165,13 @@ def test_unexpected_worker_fault_is_internal_and_fatal(llama_dir, tmp_path):
 
     generator.decode = broken
 
-    async def run():
-        server = grpc.aio.server(interceptors=[ExceptionInterceptor(fatal.append)])
-        generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(TextGenerationService(generator, info), server)
-        server.add_insecure_port(config.uds_url(0))
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(config.uds_url(0)) as channel:
-                stub = generate_pb2_grpc.TextGenerationServiceStub(channel)
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=1)]))
-                assert err.value.code() == grpc.StatusCode.INTERNAL
-                assert "device fell over" in err.value.details()
-        finally:
-            await server.stop(None)
+    async def body(stub):
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=1)]))
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "device fell over" in err.value.details()
 
-    asyncio.run(run())
+    asyncio.run(serve_in_process(generator, info, fatal, body))
     assert len(fatal) == 1 and isinstance(fatal[0], RuntimeError)
 
 
