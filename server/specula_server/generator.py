@@ -282,7 +282,7 @@ class TextGenerator:
         hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attn)
         logits = self.model.compute_logits(hidden)  # [sum(counts), vocab]
         forward_done = time.perf_counter_ns()
-        self.step_cost.observe(sum(counts), (forward_done - start) / 1e9)
+        self.step_cost.observe_speculative(sum(counts), (forward_done - start) / 1e9)
 
         verdicts, processed = verify(logits, reqs, drafts, step.row_starts, self.sampler)
         outputs = []

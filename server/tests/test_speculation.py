@@ -251,6 +251,17 @@ def test_adaptive_controller_grants_drafts_only_when_they_pay():
     assert update_acceptance(0.5, 0, 0) == 0.5 and 0.1 < update_acceptance(0.1, 0, 0) < 0.5  # drifts back
 
 
+def test_a_fixed_verification_overhead_turns_marginal_drafts_off():
+    cost = fitted(0.020, 0.002)
+    assert choose_draft_lengths([2, 2], [0.5, 0.5], cost, "adaptive") != [0, 0]
+    cost.observe_speculative(6, cost.predict(6) + 0.05)  # verifying costs 50 ms more than a plain forward
+    for _ in range(30):
+        cost.observe_speculative(6, cost.predict(6) + 0.05)
+    assert cost.overhead > 0.04
+    assert choose_draft_lengths([2, 2], [0.5, 0.5], cost, "adaptive") == [0, 0]
+    assert choose_draft_lengths([4], [0.99], cost, "adaptive") == [4]  # near-certain drafts still pay
+
+
 def test_anchors_give_the_slope_that_decode_steps_cannot():
     cost = StepCostModel()
     for n in (1, 4, 16, 64):

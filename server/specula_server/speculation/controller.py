@@ -11,7 +11,8 @@ emitted tokens per second of forward time, using two measured quantities:
 
 Starting from k = 0 for everyone, draft tokens are granted one at a time to the request with the largest
 marginal gain `a^(k+1)` while that gain per unit of extra cost beats the current goodput
-`sum E / T(N)`. With nothing to copy (no drafts or low acceptance) this grants nothing, so speculation can
+`sum E / T(N)`. A step that verifies any draft also pays a measured fixed overhead (the verification path's
+own bookkeeping); if the chosen drafts do not beat a plain step after it, none are verified. With nothing to copy (no drafts or low acceptance) this grants nothing, so speculation can
 never cost more than the drafting itself; under load the bar rises with `T(N)` and drafts are trimmed.
 """
 
@@ -38,6 +39,7 @@ class StepCostModel:
 
     decay: float = 0.95
     prior_ratio: float = 1 / 16
+    overhead: float = 0.0  # extra seconds a step spends because it verifies drafts at all (bookkeeping, masks)
     _anchors: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, N, T, N*N, N*T
     _recent: list[float] = field(default_factory=lambda: [0.0] * 5)
 
@@ -51,6 +53,11 @@ class StepCostModel:
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         self._recent = [self.decay * s + x for s, x in zip(self._recent, self._point(num_tokens, seconds))]
+
+    def observe_speculative(self, num_tokens: int, seconds: float) -> None:
+        """A step that verified drafts: what it cost beyond a plain forward over as many tokens."""
+        residual = max(seconds - self.predict(num_tokens), 0.0)
+        self.overhead = 0.9 * self.overhead + 0.1 * residual
 
     def coefficients(self) -> tuple[float, float]:
         weight, sum_n, sum_t, sum_nn, sum_nt = (a + r for a, r in zip(self._anchors, self._recent))
@@ -109,4 +116,8 @@ def choose_draft_lengths(
         num_tokens += 1
         if lengths[i] < available[i]:
             heapq.heappush(heap, (-gain * acceptance[i], i))
+    # Verifying anything at all has a fixed cost: draft only when the whole step still beats a plain one.
+    plain = len(available) / cost.predict(len(available))
+    if any(lengths) and expected / (cost.predict(num_tokens) + cost.overhead) <= plain:
+        return [0] * len(available)
     return lengths
