@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import sysconfig
 from pathlib import Path
+from typing import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
@@ -53,18 +54,23 @@ def training_corpus() -> list[str]:
     return texts
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int = 512, kind: str = "bytelevel") -> int:
+def build_tokenizer(
+    out_dir: Path, vocab_size: int = 512, kind: str = "bytelevel", corpus: Sequence[str] | None = None
+) -> int:
     """Train a `kind` tokenizer with about `vocab_size` entries, write it to `out_dir`, return its vocab size.
+
+    `corpus` replaces the default training texts (`training_corpus()`).
 
     The returned size counts every id the tokenizer can produce (special tokens included), so a model config
     can use it as `vocab_size` directly. It may be slightly below the request if the corpus runs out of merges.
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    texts = list(corpus) if corpus is not None else training_corpus()
     if kind == "bytelevel":
-        tokenizer = _train_bytelevel(vocab_size)
+        tokenizer = _train_bytelevel(vocab_size, texts)
     else:
-        tokenizer = _train_metaspace(vocab_size)
+        tokenizer = _train_metaspace(vocab_size, texts)
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
     )
@@ -72,7 +78,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 512, kind: str = "bytelevel
     return tokenizer.get_vocab_size(with_added_tokens=True)
 
 
-def _train_bytelevel(vocab_size: int) -> Tokenizer:
+def _train_bytelevel(vocab_size: int, texts: list[str]) -> Tokenizer:
     """GPT-2 / Llama-3 style: text is mapped to bytes first, so every string is representable."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -83,11 +89,11 @@ def _train_bytelevel(vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(training_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer
 
 
-def _train_metaspace(vocab_size: int) -> Tokenizer:
+def _train_metaspace(vocab_size: int, texts: list[str]) -> Tokenizer:
     """Llama-2 style: spaces become "▁", characters outside the vocab fall back to `<0xNN>` byte tokens.
 
     The trainer cannot place byte tokens the way SentencePiece does (right after the special tokens, as
@@ -105,7 +111,7 @@ def _train_metaspace(vocab_size: int) -> Tokenizer:
     metaspace = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
     draft = Tokenizer(models.BPE(unk_token="<unk>"))
     draft.pre_tokenizer = metaspace
-    draft.train_from_iterator(training_corpus(), trainer=trainer)
+    draft.train_from_iterator(texts, trainer=trainer)
     trained = json.loads(draft.to_str())["model"]
 
     learned = sorted(trained["vocab"].items(), key=lambda item: item[1])
