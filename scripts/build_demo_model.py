@@ -1,70 +1,260 @@
 #!/usr/bin/env python
-"""Builds the demo model that `specula-launcher` serves when no --model-id is given.
+"""Trains the demo model that `specula-launcher` serves when no --model-id is given.
 
-A small Llama-architecture model with random (seeded) weights and a byte-level BPE tokenizer, written in the
-Hugging Face layout by transformers itself, so the bundled model exercises the same loading path as a real
-checkpoint. It is about 3 MB and loads in well under a second on a CPU; its output is meaningless text.
+A small Llama-architecture model trained from scratch on the Python standard library's own source code (so it
+needs no download) and on code-editing tasks made from it (a block of code, "# after: rename X to Y", the
+block again with the rename applied; see `specula_server.testing.code_corpus`). It learns to write
+Python-looking code and, above all, to copy and edit code it was given, which is what prompt lookup and the
+other drafters speed up. Files are split by a hash of their path; one in 16 is held out for benchmarks.
 
-    python scripts/build_demo_model.py            # rewrites launcher/specula_launcher/demo_model/
+Steps: train a byte-level BPE tokenizer on the training files, build the token streams, train with AdamW and a
+cosine schedule (bfloat16 autocast on CUDA), measure held-out loss and how often the model's greedy token is
+right inside held-out edit answers, and write everything in the Hugging Face layout with transformers'
+`save_pretrained` (weights in bfloat16).
 
-Needs the dev dependencies (`pip install -e ".[dev]"`: transformers).
+    python scripts/build_demo_model.py                           # CUDA when present; rewrites the demo model
+    python scripts/build_demo_model.py --steps 50 --out /tmp/m   # a quick CPU try
+
+The bundled model was trained on one NVIDIA H100 (see the README the script writes next to it). On a CPU the
+default step count takes hours; pass fewer `--steps`. Needs the dev dependencies (`pip install -e ".[dev]"`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import shutil
 import sys
+import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "server"))  # runnable from a checkout without installing
 
-from specula_server.testing.models import build_tiny_model  # noqa: E402
+import torch  # noqa: E402
+
+from specula_server.testing import code_corpus  # noqa: E402
+from specula_server.testing.tokenizer import BOS_ID, EOS_ID, MULTILINGUAL_TEXT, build_tokenizer  # noqa: E402
 
 DEFAULT_OUT = ROOT / "launcher" / "specula_launcher" / "demo_model"
-# ~0.72M parameters in float32: hidden 128, 4 layers, 4 query / 2 key-value heads (GQA), 2048 positions.
-SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=2048)
-MAX_BYTES = 3_200_000
-
-README = """# Specula demo model
-
-The model `specula-launcher` serves when it is started without `--model-id`: a Llama-architecture model
-(hidden size 128, 4 layers, 4 attention heads with 2 key-value heads, 2048 positions, float32) with a byte-level
-BPE tokenizer of {vocab_size} tokens, in the Hugging Face layout (`config.json`, `model.safetensors`,
-`tokenizer.json`, ...).
-
-**Its weights are random** (seeded), so it generates meaningless text. It exists so that the launcher, the
-router and the workers can be started and tried anywhere in seconds, without a download. A small trained demo
-model family will replace it.
-
-Rebuild it (needs the dev dependencies, e.g. `pip install -e ".[dev]"`) from the repository root with:
-
-```
-python scripts/build_demo_model.py
-```
-"""
+MAX_BYTES = 12_000_000  # the model part of the bundled family (all of it must stay under 20 MB)
 
 
-def build(out_dir: Path) -> int:
-    """Writes the model and its README to `out_dir` (replacing what is there); returns its size in bytes."""
+@dataclass(frozen=True)
+class Recipe:
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_hidden_layers: int = 6
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    max_position_embeddings: int = 2048
+    seq_len: int = 1024
+    batch_size: int = 32
+    steps: int = 6000
+    lr: float = 2e-3
+    warmup: int = 200
+    weight_decay: float = 0.1
+    edit_fraction: float = 0.5  # share of training windows drawn from the edit stream
+    num_edits: int = 60_000
+    seed: int = 0
+
+
+def token_stream(tokenizer, docs: list[str]) -> torch.Tensor:
+    """`<s> doc </s>` for every doc, concatenated (the tokenizer adds the `<s>`)."""
+    ids: list[int] = []
+    for encoding in tokenizer.encode_batch(docs):
+        ids.extend(encoding.ids)
+        ids.append(EOS_ID)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def sample_windows(stream: torch.Tensor, count: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, stream.numel() - length - 1, (count,), generator=gen)
+    return torch.stack([stream[s : s + length + 1] for s in starts.tolist()])  # [count, length + 1]
+
+
+def learning_rate(step: int, recipe: Recipe) -> float:
+    if step < recipe.warmup:
+        return recipe.lr * (step + 1) / recipe.warmup
+    progress = (step - recipe.warmup) / max(recipe.steps - recipe.warmup, 1)
+    return recipe.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def build_model(recipe: Recipe, vocab_size: int):
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size, hidden_size=recipe.hidden_size, intermediate_size=recipe.intermediate_size,
+        num_hidden_layers=recipe.num_hidden_layers, num_attention_heads=recipe.num_attention_heads,
+        num_key_value_heads=recipe.num_key_value_heads, max_position_embeddings=recipe.max_position_embeddings,
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID, initializer_range=0.02,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(recipe.seed)
+    return transformers.LlamaForCausalLM(config)
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, plain: torch.Tensor, recipe: Recipe, device: torch.device) -> dict:
+    """Held-out loss on plain code, and greedy-token accuracy inside held-out edit answers."""
+    model.eval()
+    gen = torch.Generator().manual_seed(1)
+    windows = sample_windows(plain, 16, min(recipe.seq_len, plain.numel() - 2), gen).to(device)
+    with autocast(device):
+        loss = next_token_loss(model, windows)
+    correct = total = 0
+    for edit in code_corpus.held_out_edits(64, seed=2):
+        prompt = tokenizer.encode(edit.prompt).ids
+        answer = tokenizer.encode(edit.answer, add_special_tokens=False).ids
+        ids = torch.tensor([prompt + answer], device=device)
+        with autocast(device):
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+        correct += int((logits.argmax(-1).cpu() == torch.tensor(answer)).sum())
+        total += len(answer)
+    model.train()
+    return {"held_out_loss": round(float(loss), 4), "edit_answer_token_accuracy": round(correct / max(total, 1), 4)}
+
+
+def next_token_loss(model, windows: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of every next token of `windows` [batch, length + 1]."""
+    logits = model(input_ids=windows[:, :-1]).logits  # [batch, length, vocab]
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), windows[:, 1:].flatten())
+
+
+def autocast(device: torch.device):
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def train(recipe: Recipe, out_dir: Path, device: torch.device, max_minutes: float | None = None) -> tuple[Recipe, dict]:
+    """Trains and writes the model; with `max_minutes`, the step count is cut to fit the time the first steps
+    suggest (decided before the warmup ends, so the schedule stays a whole cosine). Returns the recipe used."""
+    from tokenizers import Tokenizer
+    from tqdm import tqdm
+
+    started = time.perf_counter()
+    train_texts = code_corpus.read_sources(code_corpus.source_files(held_out=False))
+    held_texts = code_corpus.read_sources(code_corpus.source_files(held_out=True))
+    print(f"corpus: {len(train_texts)} training files ({sum(map(len, train_texts)) / 1e6:.1f} MB), "
+          f"{len(held_texts)} held out", flush=True)
     if out_dir.exists():
         shutil.rmtree(out_dir)
-    build_tiny_model(out_dir, kind="llama", seed=0, **SHAPE)
-    vocab_size = json.loads((out_dir / "config.json").read_text())["vocab_size"]
-    (out_dir / "README.md").write_text(README.format(vocab_size=vocab_size))
+    vocab_size = build_tokenizer(out_dir, recipe.vocab_size, "bytelevel", train_texts + [MULTILINGUAL_TEXT])
+    tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
+
+    edits = [e.document for e in code_corpus.code_edits(train_texts, recipe.num_edits, seed=recipe.seed)]
+    plain = token_stream(tokenizer, train_texts)
+    edit_stream = token_stream(tokenizer, edits)
+    held_plain = token_stream(tokenizer, held_texts)
+    print(f"tokens: {plain.numel() / 1e6:.1f}M plain, {edit_stream.numel() / 1e6:.1f}M in {len(edits)} edits, "
+          f"{held_plain.numel() / 1e6:.2f}M held out; vocab {vocab_size}", flush=True)
+
+    model = build_model(recipe, vocab_size).to(device)
+    num_params = sum(p.numel() for p in model.parameters())
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95),
+                                  fused=device.type == "cuda")
+    gen = torch.Generator().manual_seed(recipe.seed)
+    num_edit = round(recipe.batch_size * recipe.edit_fraction)
+    progress = tqdm(total=recipe.steps, desc="training", unit="step", mininterval=5, file=sys.stdout)
+    loop_started = time.perf_counter()
+    step = 0
+    while step < recipe.steps:
+        if max_minutes and step == min(30, recipe.warmup - 1):
+            seconds_per_step = (time.perf_counter() - loop_started) / step
+            fitting = int((max_minutes * 60 - (time.perf_counter() - started)) / seconds_per_step)
+            if fitting < recipe.steps:
+                recipe = replace(recipe, steps=max(fitting, recipe.warmup + 1))
+                progress.total = recipe.steps
+                print(f"\n{seconds_per_step * 1e3:.0f} ms/step: {recipe.steps} steps fit in {max_minutes} min", flush=True)
+        batch = torch.cat([sample_windows(edit_stream, num_edit, recipe.seq_len, gen),
+                           sample_windows(plain, recipe.batch_size - num_edit, recipe.seq_len, gen)]).to(device)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, recipe)
+        with autocast(device):
+            loss = next_token_loss(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 50 == 0:
+            progress.set_postfix(loss=f"{loss.item():.3f}")
+        step += 1
+        progress.update()
+    progress.close()
+    metrics = evaluate(model, tokenizer, held_plain, recipe, device)
+    metrics.update(final_train_loss=round(loss.item(), 4), num_parameters=num_params,
+                   train_tokens=recipe.steps * recipe.batch_size * recipe.seq_len,
+                   minutes=round((time.perf_counter() - started) / 60, 1),
+                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                   torch=torch.__version__)
+    print(json.dumps(metrics), flush=True)
+
+    model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+    model.generation_config.save_pretrained(out_dir)
+    (out_dir / "README.md").write_text(readme(recipe, vocab_size, metrics))
     for path in out_dir.iterdir():
         path.chmod(0o644)  # safetensors writes 0600; installed copies must be readable by every user
-    return sum(p.stat().st_size for p in out_dir.iterdir())
+    return recipe, metrics
+
+
+def readme(recipe: Recipe, vocab_size: int, metrics: dict) -> str:
+    shape = (f"hidden size {recipe.hidden_size}, {recipe.num_hidden_layers} layers, {recipe.num_attention_heads} "
+             f"attention heads with {recipe.num_key_value_heads} key-value heads, MLP {recipe.intermediate_size}, "
+             f"tied embeddings, {recipe.max_position_embeddings} positions")
+    return f"""# Specula demo model
+
+The model `specula-launcher` serves when it is started without `--model-id`: a Llama-architecture model
+({shape}; {metrics['num_parameters'] / 1e6:.1f}M parameters, stored in bfloat16) with a byte-level BPE tokenizer
+of {vocab_size} tokens, in the Hugging Face layout.
+
+It was trained from scratch by `scripts/build_demo_model.py` on the Python standard library's own source code
+and on code-editing tasks made from it, for {recipe.steps} steps of {recipe.batch_size} x {recipe.seq_len}
+tokens ({metrics['train_tokens'] / 1e6:.0f}M tokens, {metrics['minutes']} minutes on {metrics['device']}).
+Prompt it with Python code, or with an edit task:
+
+```
+# before
+<a block of Python code>
+# after: rename OLD_NAME to NEW_NAME
+```
+
+and it writes the block again with the rename applied. It is a {metrics['num_parameters'] / 1e6:.0f}M-parameter
+model: its code looks like Python but rarely runs; what it does well is copy and edit what it was given.
+
+Held out (files the model never saw): loss {metrics['held_out_loss']} on plain code; inside edit answers its
+greedy token is the right one {metrics['edit_answer_token_accuracy'] * 100:.1f}% of the time.
+
+Recipe: {json.dumps(asdict(recipe))}
+
+Rebuild it (needs the dev dependencies, e.g. `pip install -e ".[dev]"`) from the repository root with
+`python scripts/build_demo_model.py` (on a CUDA machine; pass fewer `--steps` on a CPU).
+"""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
+    parser.add_argument("--steps", type=int, default=Recipe.steps)
+    parser.add_argument("--batch-size", type=int, default=Recipe.batch_size)
+    parser.add_argument("--seq-len", type=int, default=Recipe.seq_len)
+    parser.add_argument("--num-edits", type=int, default=Recipe.num_edits)
+    parser.add_argument("--max-minutes", type=float, help="cut the step count to fit about this much time")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
-    size = build(args.out)
+    recipe = Recipe(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, num_edits=args.num_edits,
+                    warmup=min(Recipe.warmup, max(args.steps // 10, 1)))
+    random.seed(recipe.seed)
+    if args.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    train(recipe, args.out, torch.device(args.device), args.max_minutes)
+    size = sum(p.stat().st_size for p in args.out.iterdir())
     print(f"wrote {args.out} ({size / 1e6:.2f} MB)")
     if size > MAX_BYTES:
         raise SystemExit(f"the demo model grew past {MAX_BYTES / 1e6:.1f} MB; it ships inside the package")

@@ -49,14 +49,17 @@ def make_spec(
     sampling: SamplingParams | None = None,
     stop_sequences: Sequence[str] = (),
     ignore_eos_token: bool = True,
+    lookahead: int = 0,
     **kwargs,
 ) -> RequestSpec:
+    """A request as the router sends it; its KV blocks cover the prompt, `max_new_tokens` and `lookahead`
+    extra positions (what the router reserves for speculative tokens)."""
     return RequestSpec(
         id=request_id,
         input_ids=tuple(input_ids),
         sampling=sampling or SamplingParams(),
         stopping=StoppingParams(max_new_tokens, tuple(stop_sequences), ignore_eos_token),
-        blocks=pool.take(len(input_ids) + max_new_tokens),
+        blocks=pool.take(len(input_ids) + max_new_tokens + lookahead),
         **kwargs,
     )
 
