@@ -1,16 +1,21 @@
 """Speculative decoding in the worker, side by side: off vs fixed vs adaptive over concurrency.
 
-Runs the worker in-process (prefill a batch of `c` requests, decode until all finish) for each speculation
-setting on the same model, prompts and thread count, in alternating order, and reports generated tokens/s,
-mean accepted tokens per step and the ratio to speculation off. Two workloads:
+Runs the worker in-process for each speculation setting on the same model, prompts and thread count, in
+alternating order, and reports generated tokens/s, mean emitted tokens per decode step and the ratio to
+speculation off. At each concurrency c the prompts are run in batches of c, each batch to completion.
+Workloads:
 
-- `repetitive`: greedy decoding, whose output repeats itself (prompt lookup finds what to copy);
-- `novel`: sampling at temperature 1 from random prompts: nothing to copy, so drafts are mostly rejected and
-  speculation must not slow anything down.
+- `copy`: held-out code-editing tasks (a block of code from a standard-library file the model never saw, then
+  "# after: rename X to Y"), greedy, each answer ending at the model's EOS: answers reuse their prompt's text;
+- `novel`: sampling at temperature 1 after the beginning of a held-out code block: new text, little to copy,
+  so speculation must not slow anything down;
+- `repetitive`: greedy decoding from random token prompts; a random model's output falls into loops.
 
-At concurrency 1 it also times transformers `generate(prompt_lookup_num_tokens=...)` on the same weights.
+`copy` and `novel` need a model trained on code (the bundled demo model, the default); `repetitive` works with
+any model. At concurrency 1 the `copy` and `repetitive` workloads also time transformers `generate()` with and
+without `prompt_lookup_num_tokens` on the same weights and prompts.
 
-    python benchmark/speculation.py --workload repetitive novel --concurrency 1 4 16 32 64 \\
+    python benchmark/speculation.py --workload copy novel --concurrency 1 2 4 8 16 32 64 \\
         --json benchmark/results/speculation.json --plot benchmark/results/speculation.png
 """
 
@@ -31,83 +36,128 @@ sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto")]
 import torch  # noqa: E402
 
 from specula_server.params import SamplingParams  # noqa: E402
+from specula_server.testing import code_corpus  # noqa: E402
 from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
 from specula_server.testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
 from specula_server.warmup import calibrate_step_cost  # noqa: E402
 
-SETTINGS = {"off": {}, "fixed": {"speculative_tokens": 4, "speculation_mode": "fixed"},
-            "adaptive": {"speculative_tokens": 4, "speculation_mode": "adaptive"}}
+DEMO_MODEL = REPO / "launcher" / "specula_launcher" / "demo_model"
 
 
-def prompts(n: int, length: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[1] + [rng.randrange(3, 500) for _ in range(length - 1)] for _ in range(n)]
+def settings(speculative_tokens: int) -> dict[str, dict]:
+    return {"off": {}, "fixed": {"speculative_tokens": speculative_tokens, "speculation_mode": "fixed"},
+            "adaptive": {"speculative_tokens": speculative_tokens, "speculation_mode": "adaptive"}}
 
 
-def run_batch(generator, batch_prompts, new_tokens: int, workload: str, seed: int) -> tuple[float, int, int]:
-    """Seconds, generated tokens and decode steps for one batch run to completion."""
-    pool = BlockPool(generator.kv_cache.num_blocks, generator.block_size)
-    specs = []
-    for i, p in enumerate(batch_prompts):
-        sampling = SamplingParams() if workload == "repetitive" else SamplingParams(do_sample=True, seed=seed + i)
-        specs.append(make_spec(i, p, pool, max_new_tokens=new_tokens, sampling=sampling))
-    start = time.perf_counter()
-    result = generator.prefill(0, specs)
-    tokens = sum(len(o.tokens) for o in result.outputs)
-    steps = 0
-    while result.batch is not None:
-        result = generator.decode([0])
+def workload_requests(workload: str, model_dir: Path, count: int, args) -> list[dict]:
+    """Per request: prompt ids, max_new_tokens, sampling, whether EOS ends it."""
+    if workload == "repetitive":
+        rng = random.Random(count)
+        return [{"ids": [1] + [rng.randrange(3, 500) for _ in range(args.prompt_tokens - 1)],
+                 "max_new_tokens": args.new_tokens, "greedy": True, "eos": False} for _ in range(count)]
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    if workload == "copy":
+        edits = code_corpus.held_out_edits(count, seed=args.seed)
+        return [{"ids": tokenizer.encode(e.prompt).ids, "greedy": True, "eos": True,
+                 "max_new_tokens": len(tokenizer.encode(e.answer, add_special_tokens=False).ids) + 16}
+                for e in edits]
+    texts = code_corpus.held_out_code(count, num_chars=300, seed=args.seed)
+    return [{"ids": tokenizer.encode(t).ids, "max_new_tokens": args.new_tokens, "greedy": False, "eos": False}
+            for t in texts]
+
+
+def run_requests(generator, requests: list[dict], concurrency: int, seed: int, lookahead: int):
+    """Runs `requests` in batches of `concurrency`; returns seconds, generated tokens, per-request decode steps."""
+    seconds = tokens = steps = 0
+    for first in range(0, len(requests), concurrency):
+        pool = BlockPool(generator.kv_cache.num_blocks, generator.block_size)
+        specs = []
+        for i, r in enumerate(requests[first : first + concurrency]):
+            sampling = SamplingParams() if r["greedy"] else SamplingParams(do_sample=True, seed=seed + first + i)
+            specs.append(make_spec(i, r["ids"], pool, max_new_tokens=r["max_new_tokens"], sampling=sampling,
+                                   ignore_eos_token=not r["eos"], lookahead=lookahead))
+        start = time.perf_counter()
+        result = generator.prefill(0, specs)
         tokens += sum(len(o.tokens) for o in result.outputs)
-        steps += 1
-    return time.perf_counter() - start, tokens, steps
+        while result.batch is not None:
+            steps += len(result.batch.request_ids)
+            result = generator.decode([0])
+            tokens += sum(len(o.tokens) for o in result.outputs)
+        seconds += time.perf_counter() - start
+    return seconds, tokens, steps
 
 
-def transformers_prompt_lookup(model_dir: Path, prompt: list[int], new_tokens: int, rounds: int) -> dict:
+def transformers_baseline(model_dir: Path, requests: list[dict], num_tokens: int, rounds: int, device) -> dict:
+    """transformers `generate()` alone and with prompt lookup, one request at a time, greedy."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     rates = {}
-    for name, extra in (("plain", {}), ("prompt_lookup", {"prompt_lookup_num_tokens": 4})):
-        times = []
+    for name, extra in (("plain", {}), ("prompt_lookup", {"prompt_lookup_num_tokens": num_tokens})):
+        samples = []
         for _ in range(rounds):
-            start = time.perf_counter()
-            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **extra)
-            times.append(time.perf_counter() - start)
-        rates[name] = new_tokens / statistics.median(times)
+            seconds = tokens = 0
+            for r in requests:
+                ids = torch.tensor([r["ids"]], device=device)
+                eos = {} if r["eos"] else {"min_new_tokens": r["max_new_tokens"]}
+                start = time.perf_counter()
+                out = model.generate(ids, max_new_tokens=r["max_new_tokens"], do_sample=False, **eos, **extra)
+                seconds += time.perf_counter() - start
+                tokens += out.shape[1] - ids.shape[1]
+            samples.append(tokens / seconds)
+        rates[name] = statistics.median(samples)
     return rates
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model-dir", type=Path, help="model to use (default: a ~125M random Llama)")
-    parser.add_argument("--workload", nargs="+", default=["repetitive", "novel"])
+    parser.add_argument("--model-dir", type=Path, default=DEMO_MODEL,
+                        help="model to use (default: the bundled demo model); 'random' for a ~125M random Llama")
+    parser.add_argument("--workload", nargs="+", default=["copy", "novel"],
+                        choices=["copy", "novel", "repetitive"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64])
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--min-requests", type=int, default=8, help="requests per measurement at least")
+    parser.add_argument("--speculative-tokens", type=int, default=6)
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (novel, repetitive)")
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (repetitive)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA by default")
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dtype = args.dtype or ("float32" if device.type == "cpu" else "bfloat16")
+    configs = settings(args.speculative_tokens)
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model_dir or build_tiny_model(Path(tmp) / "model", "llama", **BENCHMARK_125M)
-        blocks = max(args.concurrency) * -(-(args.prompt_tokens + args.new_tokens + 8) // 16)
-        generators = {name: load_test_generator(model_dir, num_blocks=blocks, **s) for name, s in SETTINGS.items()}
+        model_dir = args.model_dir
+        if str(model_dir) == "random":
+            model_dir = build_tiny_model(Path(tmp) / "model", "llama", **BENCHMARK_125M)
+        count = max(max(args.concurrency), args.min_requests)
+        requests = {w: workload_requests(w, model_dir, count, args) for w in args.workload}
+        longest = max(len(r["ids"]) + r["max_new_tokens"] for rs in requests.values() for r in rs)
+        blocks = max(args.concurrency) * -(-(longest + args.speculative_tokens + 1) // 16) + 8
+        generators = {name: load_test_generator(model_dir, num_blocks=blocks, dtype=dtype, device=args.device, **s)
+                      for name, s in configs.items()}
         for g in generators.values():
             calibrate_step_cost(g)  # what the server's warmup does
         results = []
         for workload in args.workload:
             for c in args.concurrency:
-                batch = prompts(c, args.prompt_tokens, seed=c)
-                samples = {name: [] for name in SETTINGS}
+                batch = requests[workload][: max(c, args.min_requests)]
+                samples = {name: [] for name in configs}
                 for r in range(args.rounds):
                     for name, g in generators.items():
-                        seconds, tokens, steps = run_batch(g, batch, args.new_tokens, workload, seed=1000 * r)
-                        samples[name].append((tokens / seconds, tokens / max(c * steps, 1)))
-                row = {"workload": workload, "concurrency": c}
+                        seconds, tokens, steps = run_requests(g, batch, c, 1000 * r, args.speculative_tokens + 1)
+                        samples[name].append((tokens / seconds, tokens / max(steps, 1)))
+                row = {"workload": workload, "concurrency": c, "requests": len(batch)}
                 for name, values in samples.items():
                     row[f"{name}_tok_s"] = statistics.median(v[0] for v in values)
                     row[f"{name}_tokens_per_step"] = statistics.median(v[1] for v in values)
@@ -115,48 +165,61 @@ def main() -> None:
                     row[f"{name}_vs_off"] = row[f"{name}_tok_s"] / row["off_tok_s"]
                 results.append(row)
                 print(json.dumps(row), flush=True)
-        baseline = None
-        if 1 in args.concurrency and "repetitive" in args.workload:
-            baseline = transformers_prompt_lookup(model_dir, prompts(1, args.prompt_tokens, seed=1)[0],
-                                                  args.new_tokens, args.rounds)
-            print(json.dumps({"transformers": baseline}), flush=True)
+        baselines = {}
+        if 1 in args.concurrency:
+            for workload in set(args.workload) & {"copy", "repetitive"}:
+                baselines[workload] = transformers_baseline(model_dir, requests[workload][: args.min_requests],
+                                                            args.speculative_tokens, args.rounds, device)
+                print(json.dumps({"transformers": baselines[workload], "workload": workload}), flush=True)
 
-    print("| workload | concurrency | off tok/s | fixed | adaptive | tokens/step (adaptive) |")
+    report(results, baselines, args.speculative_tokens)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"device": args.device, "dtype": dtype, "threads": args.threads, "model": str(args.model_dir),
+                "speculative_tokens": args.speculative_tokens, "rounds": args.rounds}
+        args.json.write_text(json.dumps({"settings": meta, "results": results, "transformers": baselines}, indent=2))
+    if args.plot:
+        plot(results, args.plot, list(configs))
+
+
+def report(results: list[dict], baselines: dict, num_tokens: int) -> None:
+    print("| workload | concurrency | off tok/s | fixed | adaptive | tokens/step (fixed / adaptive) |")
     print("|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['workload']} | {r['concurrency']} | {r['off_tok_s']:.1f} | {r['fixed_vs_off']:.2f}x | "
-              f"{r['adaptive_vs_off']:.2f}x | {r['adaptive_tokens_per_step']:.2f} |")
-    if baseline:
-        print(f"transformers at concurrency 1: generate() {baseline['plain']:.1f} tok/s, "
-              f"prompt_lookup_num_tokens=4 {baseline['prompt_lookup']:.1f} tok/s")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"results": results, "transformers": baseline}, indent=2))
-    if args.plot:
-        plot(results, args.plot)
+              f"{r['adaptive_vs_off']:.2f}x | {r['fixed_tokens_per_step']:.2f} / {r['adaptive_tokens_per_step']:.2f} |")
+    for workload, rates in baselines.items():
+        print(f"transformers, {workload}, concurrency 1: generate() {rates['plain']:.1f} tok/s, "
+              f"prompt_lookup_num_tokens={num_tokens} {rates['prompt_lookup']:.1f} tok/s")
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path, names: list[str]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    workloads = sorted({r["workload"] for r in results})
-    fig, axes = plt.subplots(1, len(workloads), figsize=(6 * len(workloads), 4), squeeze=False)
-    for ax, workload in zip(axes[0], workloads):
+    workloads = list(dict.fromkeys(r["workload"] for r in results))
+    fig, axes = plt.subplots(2, len(workloads), figsize=(6 * len(workloads), 7), squeeze=False)
+    for col, workload in enumerate(workloads):
         rows = [r for r in results if r["workload"] == workload]
         xs = [r["concurrency"] for r in rows]
-        for name in SETTINGS:
-            ax.plot(xs, [r[f"{name}_tok_s"] for r in rows], marker="o", label=name)
-        ax.set(title=f"{workload} workload", xlabel="concurrent requests", ylabel="generated tokens/s",
-               xscale="log", xticks=xs)
-        ax.set_xticklabels([str(x) for x in xs])
-        ax.grid(alpha=0.3)
-        ax.legend()
+        top, bottom = axes[0][col], axes[1][col]
+        for name in names:
+            top.plot(xs, [r[f"{name}_tok_s"] for r in rows], marker="o", label=name)
+            bottom.plot(xs, [r[f"{name}_tok_s"] / r["off_tok_s"] for r in rows], marker="o", label=name)
+        top.set(title=f"{workload} workload", ylabel="generated tokens/s")
+        bottom.set(xlabel="concurrent requests", ylabel="throughput vs speculation off")
+        bottom.axhline(0.97, color="grey", linestyle=":", linewidth=1)
+        for ax in (top, bottom):
+            ax.set_xscale("log")
+            ax.set_xticks(xs)
+            ax.set_xticklabels([str(x) for x in xs])
+            ax.grid(alpha=0.3)
+            ax.legend()
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
