@@ -115,13 +115,13 @@ def resolve_model_dir(
         "cache only (offline)" if is_offline else "(downloading missing files)",
         "with a token" if resolved_token else "without a token",
     )
-    snapshot = _snapshot(model_id, revision, cache_dir, resolved_token, allow_patterns, is_offline)
-    _require_file(snapshot, required_file, model_id, revision, where="Hub snapshot")
-    logger.info("Resolved '%s' (revision '%s') to %s", model_id, revision or "main", snapshot)
-    return snapshot
+    path = snapshot(model_id, revision, cache_dir, resolved_token, allow_patterns, is_offline)
+    _require_file(path, required_file, model_id, revision, where="Hub snapshot")
+    logger.info("Resolved '%s' (revision '%s') to %s", model_id, revision or "main", path)
+    return path
 
 
-def _snapshot(
+def snapshot(
     model_id: str,
     revision: str | None,
     cache_dir: Path | None,
