@@ -279,3 +279,39 @@ class DecodeResponse(_message.Message):
     batch: CachedBatch
     timings: Timings
     def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("adapter_id", "adapter_source", "api_token")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    API_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    adapter_source: str
+    api_token: str
+    def __init__(self, adapter_id: _Optional[str] = ..., adapter_source: _Optional[str] = ..., api_token: _Optional[str] = ...) -> None: ...
+
+class LoadAdapterResponse(_message.Message):
+    __slots__ = ("loaded", "error", "error_status", "kind", "load_seconds")
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_STATUS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    loaded: bool
+    error: str
+    error_status: int
+    kind: str
+    load_seconds: float
+    def __init__(self, loaded: _Optional[bool] = ..., error: _Optional[str] = ..., error_status: _Optional[int] = ..., kind: _Optional[str] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+
+class OffloadAdapterRequest(_message.Message):
+    __slots__ = ("adapter_id",)
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: str
+    def __init__(self, adapter_id: _Optional[str] = ...) -> None: ...
+
+class OffloadAdapterResponse(_message.Message):
+    __slots__ = ("offloaded",)
+    OFFLOADED_FIELD_NUMBER: _ClassVar[int]
+    offloaded: bool
+    def __init__(self, offloaded: _Optional[bool] = ...) -> None: ...

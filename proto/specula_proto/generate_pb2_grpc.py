@@ -74,6 +74,16 @@ class TextGenerationServiceStub:
                 request_serializer=specula__proto_dot_generate__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=specula__proto_dot_generate__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/specula.v1.TextGenerationService/LoadAdapter',
+                request_serializer=specula__proto_dot_generate__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=specula__proto_dot_generate__pb2.LoadAdapterResponse.FromString,
+                _registered_method=True)
+        self.OffloadAdapter = channel.unary_unary(
+                '/specula.v1.TextGenerationService/OffloadAdapter',
+                request_serializer=specula__proto_dot_generate__pb2.OffloadAdapterRequest.SerializeToString,
+                response_deserializer=specula__proto_dot_generate__pb2.OffloadAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class TextGenerationServiceServicer:
@@ -135,6 +145,21 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Downloads (when needed) and loads an adapter so requests may name it. Not sequenced with the steps:
+        the worker loads it beside the running steps and installs it between two of them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OffloadAdapter(self, request, context):
+        """Frees an adapter's memory. The router sends it only when no request of the adapter is in a batch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TextGenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -177,6 +202,16 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=specula__proto_dot_generate__pb2.DecodeRequest.FromString,
                     response_serializer=specula__proto_dot_generate__pb2.DecodeResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=specula__proto_dot_generate__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=specula__proto_dot_generate__pb2.LoadAdapterResponse.SerializeToString,
+            ),
+            'OffloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.OffloadAdapter,
+                    request_deserializer=specula__proto_dot_generate__pb2.OffloadAdapterRequest.FromString,
+                    response_serializer=specula__proto_dot_generate__pb2.OffloadAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -395,6 +430,60 @@ class TextGenerationService:
             '/specula.v1.TextGenerationService/Decode',
             specula__proto_dot_generate__pb2.DecodeRequest.SerializeToString,
             specula__proto_dot_generate__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specula.v1.TextGenerationService/LoadAdapter',
+            specula__proto_dot_generate__pb2.LoadAdapterRequest.SerializeToString,
+            specula__proto_dot_generate__pb2.LoadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OffloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specula.v1.TextGenerationService/OffloadAdapter',
+            specula__proto_dot_generate__pb2.OffloadAdapterRequest.SerializeToString,
+            specula__proto_dot_generate__pb2.OffloadAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,7 @@ class StepInputs:
     attn: PagedAttentionInputs | GroupedAttentionInputs
     last_rows: torch.Tensor  # [num_seqs] long: row of each request's last new token in the flat list
     row_starts: list[int]  # first flat row of each request
+    counts: list[int]  # new tokens of each request
 
 
 def build_step(
@@ -74,7 +75,7 @@ def build_step(
         attn = GroupedAttentionInputs(slot_mapping, groups)
     else:
         attn = _attention_inputs(spans, slot_mapping, device)
-    return StepInputs(input_ids, positions, attn, (row_ends - 1).to(device), row_starts)
+    return StepInputs(input_ids, positions, attn, (row_ends - 1).to(device), row_starts, list(counts))
 
 
 def _attention_inputs(spans, slot_mapping: torch.Tensor, device: torch.device) -> PagedAttentionInputs:

@@ -60,6 +60,11 @@ def serve(
     ngram_max: int = typer.Option(3, envvar="NGRAM_MAX", min=1, help="Longest n-gram prompt lookup matches."),
     ngram_match: str = typer.Option("latest", envvar="NGRAM_MATCH",
                                     help="Which earlier occurrence drafts: latest or earliest."),
+    adapter_dir: list[Path] = typer.Option(
+        [], envvar="ADAPTER_DIR",
+        help="Directory whose subdirectories are the `local` adapters requests may name (repeatable)."),
+    max_active_adapters: int = typer.Option(8, envvar="MAX_ACTIVE_ADAPTERS", min=1,
+                                            help="Adapters loaded at once (slots of the LoRA stacks)."),
     log_level: str = typer.Option("INFO", envvar="LOG_LEVEL", help="Python logging level."),
 ) -> None:
     """Load a model shard and serve it over gRPC on a unix socket."""
@@ -73,7 +78,8 @@ def serve(
             block_size=block_size, kv_cache_memory=memory, hub_cache=huggingface_hub_cache, rank=rank,
             world_size=world_size, master_addr=master_addr, master_port=master_port,
             speculative_tokens=speculative_tokens, speculation_mode=speculation_mode, ngram_min=ngram_min,
-            ngram_max=ngram_max, ngram_match=ngram_match,
+            ngram_max=ngram_max, ngram_match=ngram_match, adapter_dirs=tuple(adapter_dir),
+            max_active_adapters=max_active_adapters,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e

@@ -22,13 +22,15 @@ from typing import Sequence
 import tokenizers
 import torch
 
+from specula_server.adapters.registry import AdapterRegistry, LoraBatch
+from specula_server.adapters.sources import AdapterError
 from specula_server.batch import Batch, StepInputs, build_step
 from specula_server.kv_cache import KVCache, slots_for_blocks
 from specula_server.models.llama import LlamaForCausalLM
 from specula_server.request import RequestSpec, RequestState, StepOutput, TokenInfo
 from specula_server.sampling import Sampler, SamplingRow
 from specula_server.speculation.controller import (
-    StepCostModel, choose_draft_lengths, update_acceptance, worth_drafting,
+    StepCostModel, choose_draft_lengths, worth_drafting,
 )
 from specula_server.speculation.drafters import Drafter
 from specula_server.speculation.verify import verify
@@ -80,8 +82,10 @@ class TextGenerator:
         block_size: int,
         device: torch.device,
         speculation: SpeculationConfig | None = None,
+        adapters: AdapterRegistry | None = None,
     ) -> None:
         self.model = model
+        self.adapters = adapters
         self.speculation = speculation if speculation is not None and speculation.max_tokens > 0 else None
         self.step_cost = StepCostModel()
         self.tokenizer = tokenizer
@@ -139,6 +143,13 @@ class TextGenerator:
             )
         if any(not 0 <= b < cache.num_blocks for b in spec.blocks):
             raise InvalidRequestError(f"request {spec.id}: KV block ids must be in [0, {cache.num_blocks})")
+        if spec.adapter_id:
+            if self.adapters is None:
+                raise InvalidRequestError(f"request {spec.id}: this worker serves no adapters")
+            try:
+                self.adapters.check(spec.adapter_id)
+            except AdapterError as e:
+                raise InvalidRequestError(f"request {spec.id}: {e}") from None
         slots = slots_for_blocks(torch.tensor(spec.blocks, device=self.device), self.block_size)
         return RequestState.create(spec, self.tokenizer, slots, self.eos_token_ids, self.device)
 
@@ -210,7 +221,8 @@ class TextGenerator:
     def _run(self, batch: Batch, step: StepInputs, start: int, with_prefill_logprobs: bool) -> StepResult:
         """Forward, sample and commit one step; `start` is when the step began (its inputs' preparation)."""
         assert self.kv_cache is not None
-        hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attn)
+        lora = self._lora(batch.requests, step.counts)
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attn, lora)
         logits = self.model.compute_logits(hidden[step.last_rows])  # [num_seqs, vocab]
         forward_done = time.perf_counter_ns()
         self.step_cost.observe(step.input_ids.numel(), (forward_done - start) / 1e9)
@@ -264,14 +276,14 @@ class TextGenerator:
         assert self.speculation is not None and self.kv_cache is not None
         reqs = batch.requests
         adaptive = self.speculation.mode == "adaptive"
-        caps = [self._draft_cap(r) if not adaptive or worth_drafting(r.draft_acceptance, len(reqs), self.step_cost)
+        caps = [self._draft_cap(r) if not adaptive or worth_drafting(r.acceptance.value, len(reqs), self.step_cost)
                 else 0 for r in reqs]
         proposals = self.speculation.drafter.propose(reqs, caps)
-        lengths = choose_draft_lengths([len(p) for p in proposals], [r.draft_acceptance for r in reqs],
+        lengths = choose_draft_lengths([len(p) for p in proposals], [r.acceptance.value for r in reqs],
                                        self.step_cost, self.speculation.mode)
         if not any(lengths):  # nothing worth verifying: a plain step, at a plain step's cost
             for r in reqs:
-                r.draft_acceptance = update_acceptance(r.draft_acceptance, 0, 0)
+                r.acceptance.observe(0, 0)
             step = build_step(reqs, [r.num_tokens - 1 for r in reqs], [1] * len(reqs), self.device)
             return self._run(batch, step, start, with_prefill_logprobs=False)
         drafts = [p[:k].tolist() for p, k in zip(proposals, lengths)]
@@ -279,7 +291,8 @@ class TextGenerator:
             r.token_ids[r.num_tokens : r.num_tokens + len(d)] = torch.tensor(d, dtype=torch.long)
         counts = [len(d) + 1 for d in drafts]
         step = build_step(reqs, [r.num_tokens - 1 for r in reqs], counts, self.device)
-        hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attn)
+        hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attn,
+                            self._lora(reqs, counts))
         logits = self.model.compute_logits(hidden)  # [sum(counts), vocab]
         forward_done = time.perf_counter_ns()
         self.step_cost.observe_speculative(sum(counts), (forward_done - start) / 1e9)
@@ -292,7 +305,7 @@ class TextGenerator:
                 tokens.append(r.append(token_id, logprob))
                 if r.is_finished:
                     break  # nothing after a stop is emitted or counted
-            r.draft_acceptance = update_acceptance(r.draft_acceptance, v.num_drafted, v.num_accepted)
+            r.acceptance.observe(v.num_drafted, v.num_accepted)
             tops = self._row_top_tokens(processed if processed is not None else logits, v.rows[: len(tokens)],
                                         r.spec.top_n_tokens, normalized=processed is not None)
             out = StepOutput(r.id, tokens, tops, num_drafted=v.num_drafted,
@@ -301,6 +314,11 @@ class TextGenerator:
                 out.generated_text = r.generated_text()
             outputs.append(out)
         return self._end_step(batch, outputs, start, forward_done)
+
+    def _lora(self, requests: Sequence[RequestState], counts: Sequence[int]) -> LoraBatch | None:
+        if self.adapters is None:
+            return None
+        return self.adapters.batch([r.spec.adapter_id for r in requests], counts)
 
     def _row_top_tokens(self, scores: torch.Tensor, rows: list[int], n: int, normalized: bool) -> list[list[TokenInfo]]:
         if n == 0:

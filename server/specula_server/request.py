@@ -7,13 +7,13 @@ stop checker) hangs off this one object; batch tensors are rebuilt from these ob
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import tokenizers
 import torch
 
 from specula_server.params import FinishReason, SamplingParams, StoppingParams
-from specula_server.speculation.controller import PRIOR_ACCEPTANCE
+from specula_server.speculation.controller import AcceptanceEstimate
 from specula_server.tokens import IncrementalDetokenizer, StopChecker
 
 
@@ -60,6 +60,7 @@ class RequestSpec:
     prefill_logprobs: bool = False
     top_n_tokens: int = 0
     speculative_tokens: int | None = None  # per-request cap on draft tokens (None: the server's)
+    adapter_id: str = ""  # LoRA adapter applied to this request ("": the base model)
 
 
 @dataclass(eq=False)
@@ -72,7 +73,7 @@ class RequestState:
     generator: torch.Generator | None
     num_tokens: int  # prompt + generated tokens so far
     finish_reason: FinishReason | None = None
-    draft_acceptance: float = PRIOR_ACCEPTANCE  # running estimate of the chance a draft token is accepted
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # of its draft tokens
 
     @classmethod
     def create(

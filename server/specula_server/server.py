@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from specula_proto import generate_pb2_grpc
+from specula_server.adapters.registry import AdapterRegistry
 from specula_server.distributed import ShardGroup, init_distributed
 from specula_server.generator import SpeculationConfig, TextGenerator
 from specula_server.hub import resolve_model_dir, weight_files
@@ -54,6 +55,8 @@ class ServerConfig:
     ngram_min: int = 1
     ngram_max: int = 3
     ngram_match: str = "latest"
+    adapter_dirs: tuple[Path, ...] = ()  # where `local` adapters may be read from
+    max_active_adapters: int = 8
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -70,6 +73,8 @@ class ServerConfig:
             raise ValueError(f"need 1 <= ngram_min ({self.ngram_min}) <= ngram_max ({self.ngram_max})")
         if self.ngram_match not in ("latest", "earliest"):
             raise ValueError(f"ngram match must be 'latest' or 'earliest', got {self.ngram_match!r}")
+        if self.max_active_adapters < 1:
+            raise ValueError(f"max_active_adapters must be at least 1, got {self.max_active_adapters}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -98,8 +103,11 @@ def load_generator(config: ServerConfig, group: ShardGroup) -> tuple[TextGenerat
     if config.speculative_tokens > 0:
         drafter = PromptLookupDrafter(config.ngram_min, config.ngram_max, config.ngram_match)
         speculation = SpeculationConfig(drafter, config.speculative_tokens, config.speculation_mode)
+    adapters = AdapterRegistry(model_config, rank=group.rank, world_size=group.world_size, dtype=dtype,
+                               device=device, max_active=config.max_active_adapters,
+                               local_roots=config.adapter_dirs, hub_cache=config.hub_cache)
     generator = TextGenerator(model, tokenizer, eos_token_ids(model_dir, raw_config), config.block_size, device,
-                              speculation)
+                              speculation, adapters)
     sha = model_dir.name if "snapshots" in model_dir.parts else ""
     return generator, sha
 

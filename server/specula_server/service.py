@@ -19,6 +19,7 @@ import torch
 
 from specula_proto import generate_pb2 as pb
 from specula_proto import generate_pb2_grpc
+from specula_server.adapters.sources import AdapterError
 from specula_server.batch import Batch
 from specula_server.generator import BatchNotFoundError, InvalidRequestError, StepResult, TextGenerator
 from specula_server.params import FinishReason, SamplingParams, StoppingParams
@@ -181,6 +182,29 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
                                        sequence=request.sequence)
         return pb.DecodeResponse(**step_result_to_pb(result, start))
 
+    async def LoadAdapter(self, request, context):
+        # Off the step thread: a download or a large read must not hold up the running batches.
+        registry = self.generator.adapters
+        if registry is None:
+            return pb.LoadAdapterResponse(loaded=False, error_status=424,
+                                          error=f"adapter `{request.adapter_id}`: this worker serves no adapters")
+        started = time.perf_counter()
+        try:
+            loaded = await asyncio.to_thread(registry.load, request.adapter_id, request.adapter_source or "hub",
+                                             request.api_token or None)
+        except Exception as e:  # a broken adapter fails its own requests, never the worker
+            status = e.status if isinstance(e, AdapterError) else 424
+            message = str(e) if isinstance(e, AdapterError) else f"adapter `{request.adapter_id}`: {e}"
+            logger.warning("adapter %s failed to load: %s", request.adapter_id, message)
+            return pb.LoadAdapterResponse(loaded=False, error=message, error_status=status,
+                                          load_seconds=time.perf_counter() - started)
+        return pb.LoadAdapterResponse(loaded=True, kind=loaded.kind, load_seconds=loaded.load_seconds)
+
+    async def OffloadAdapter(self, request, context):
+        registry = self.generator.adapters
+        offloaded = registry is not None and await asyncio.to_thread(registry.offload, request.adapter_id)
+        return pb.OffloadAdapterResponse(offloaded=offloaded)
+
 
 # --- conversions -------------------------------------------------------------------------------------------
 
@@ -226,6 +250,7 @@ def request_from_pb(r: pb.Request, generator: TextGenerator) -> RequestSpec:
         prefill_logprobs=r.prefill_logprobs,
         top_n_tokens=r.top_n_tokens,
         speculative_tokens=r.speculative_tokens if r.HasField("speculative_tokens") else None,
+        adapter_id=r.adapter_id,
     )
 
 

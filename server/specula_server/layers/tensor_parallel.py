@@ -54,8 +54,12 @@ class RowParallelLinear(nn.Module):
         b = weights.get_tensor(f"{prefix}.bias") if bias else None
         return cls(weight, b, group)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.group.all_reduce(linear(x, self.weight))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """`delta`: this shard's partial extra output (a LoRA delta), summed by the same all-reduce."""
+        out = linear(x, self.weight)
+        if delta is not None:
+            out = out + delta
+        out = self.group.all_reduce(out)
         # The bias is added once, after the reduction, so it is not counted world_size times.
         return out if self.bias is None else out + self.bias
 

@@ -3,7 +3,9 @@
 One implementation for the family: Qwen2's q/k/v biases, tied embeddings, Llama 3.1 rope scaling, GQA and an
 explicit `head_dim` are all `ModelConfig` fields. A step processes a flat list of tokens from many sequences
 (`[num_tokens]`); which token belongs to which sequence, and where its keys and values live, is in the
-step's `PagedAttentionInputs`.
+step's `PagedAttentionInputs`. Per-request LoRA adapters come in as a `LoraBatch`: each projection adds its
+tokens' adapter deltas to the base output (row-parallel ones before the all-reduce, which then sums the
+shards' partial deltas with the base partial sums).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 from specula_kernels.paged_attention import (
     GroupedAttentionInputs, PagedAttentionInputs, paged_attention, write_kv_cache,
 )
+from specula_server.adapters.registry import LoraBatch
 from specula_server.distributed import ShardGroup
 from specula_server.layers.rotary import RotaryEmbedding, apply_rotary
 from specula_server.layers.tensor_parallel import (
@@ -44,8 +47,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, weights: Weights, prefix: str, group: ShardGroup) -> None:
+    def __init__(self, config: ModelConfig, weights: Weights, prefix: str, group: ShardGroup, index: int) -> None:
         super().__init__()
+        self.index = index
         if config.num_heads % group.world_size or config.num_kv_heads % group.world_size:
             raise ValueError(
                 f"{config.num_heads} attention heads / {config.num_kv_heads} KV heads cannot be split over "
@@ -67,43 +71,53 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: KVCache,
         attn: AttentionInputs,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
+        if lora is not None:
+            for name, out in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+                lora.add(self.index, name, hidden, out)
         q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv_cache(k, v, kv_cache[0], kv_cache[1], attn.slot_mapping)
-        out = paged_attention(q, kv_cache[0], kv_cache[1], attn, self.scale)
-        return self.o_proj(out.reshape(num_tokens, q_size))
+        out = paged_attention(q, kv_cache[0], kv_cache[1], attn, self.scale).reshape(num_tokens, q_size)
+        return self.o_proj(out, None if lora is None else lora.delta(self.index, "o_proj", out))
 
 
 class MLP(nn.Module):
-    def __init__(self, weights: Weights, prefix: str, group: ShardGroup) -> None:
+    def __init__(self, weights: Weights, prefix: str, group: ShardGroup, index: int) -> None:
         super().__init__()
+        self.index = index
         self.gate_up_proj = ColumnParallelLinear.load(
             weights, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], bias=False
         )
         self.down_proj = RowParallelLinear.load(weights, f"{prefix}.down_proj", bias=False, group=group)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        if lora is not None:
+            lora.add(self.index, "gate_proj", x, gate)
+            lora.add(self.index, "up_proj", x, up)
+        h = F.silu(gate) * up
+        return self.down_proj(h, None if lora is None else lora.delta(self.index, "down_proj", h))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, weights: Weights, prefix: str, group: ShardGroup) -> None:
+    def __init__(self, config: ModelConfig, weights: Weights, prefix: str, group: ShardGroup, index: int) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.input_layernorm.weight"), eps)
-        self.self_attn = Attention(config, weights, f"{prefix}.self_attn", group)
+        self.self_attn = Attention(config, weights, f"{prefix}.self_attn", group, index)
         self.post_attention_layernorm = RMSNorm(weights.get_tensor(f"{prefix}.post_attention_layernorm.weight"), eps)
-        self.mlp = MLP(weights, f"{prefix}.mlp", group)
+        self.mlp = MLP(weights, f"{prefix}.mlp", group, index)
 
-    def forward(self, hidden, cos, sin, kv_cache: KVCache, attn: AttentionInputs) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, cos, sin, kv_cache: KVCache, attn: AttentionInputs,
+                lora: LoraBatch | None = None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn, lora)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -114,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(weights, "model.embed_tokens.weight", group)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, weights, f"model.layers.{i}", group) for i in range(config.num_layers)
+            DecoderLayer(config, weights, f"model.layers.{i}", group, i) for i in range(config.num_layers)
         )
         self.norm = RMSNorm(weights.get_tensor("model.norm.weight"), config.rms_norm_eps)
         head_name = "lm_head.weight"
@@ -140,11 +154,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[KVCache],
         attn: AttentionInputs,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, attn)
+            hidden = layer(hidden, cos, sin, kv_cache, attn, lora)
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32

@@ -1,0 +1,207 @@
+"""The worker's loaded adapters, and the per-step view of them the model reads.
+
+Loaded LoRA adapters live in fixed slots (`max_active` of them). For every layer and projection the registry
+keeps two stacks, `A [slots, d_in, r_max]` and `B [slots, r_max, d_out]` (ranks below `r_max` are
+zero-padded; the LoRA scaling is folded into B), which is the layout the segmented gather-matmul reads.
+
+A step's tokens are laid out request after request, so the tokens of one request form a segment; a
+`LoraBatch` says which slot each segment uses (-1: the base model), separately per projection, since an
+adapter that targets only q and v costs nothing in the other projections.
+
+Loading runs beside the steps (another thread): the weights are read and checked first, then written into a
+free slot, which no running request reads. When a bigger rank needs wider stacks, new stacks are built and
+swapped in as one new `LoraStacks` object; a step holds the one it started with.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from specula_kernels.sgmv import sgmv
+from specula_server.adapters.lora import LoraWeights, load_lora
+from specula_server.adapters.sources import AdapterError, detect_adapter_kind, resolve_adapter
+
+if TYPE_CHECKING:  # the model imports this module
+    from specula_server.models.config import ModelConfig
+
+logger = logging.getLogger("specula.adapters")
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraStacks:
+    """Per `(layer, projection)` stacked A and B over the slots; only projections some adapter targets."""
+
+    rank: int
+    a: dict[tuple[int, str], torch.Tensor]
+    b: dict[tuple[int, str], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LoadedAdapter:
+    adapter_id: str
+    kind: str
+    slot: int
+    rank: int
+    projections: frozenset[str]
+    load_seconds: float
+
+
+@dataclass
+class LoraBatch:
+    """Which adapter slot each segment of a step's tokens uses, per projection."""
+
+    stacks: LoraStacks
+    seg_starts: torch.Tensor  # [num_segments + 1]
+    seg_slots: dict[str, torch.Tensor] = field(default_factory=dict)  # projection -> [num_segments]
+
+    def delta(self, layer: int, projection: str, x: torch.Tensor) -> torch.Tensor | None:
+        """`x @ A @ B` of each token's adapter for one projection (None when no token's adapter has it)."""
+        slots = self.seg_slots.get(projection)
+        a = self.stacks.a.get((layer, projection))
+        if slots is None or a is None:
+            return None
+        shrunk = sgmv(x, a, self.seg_starts, slots)
+        return sgmv(shrunk, self.stacks.b[(layer, projection)], self.seg_starts, slots)
+
+    def add(self, layer: int, projection: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        """Adds the projection's delta into `out` (a view of the fused layer's output columns) in place."""
+        d = self.delta(layer, projection, x)
+        if d is not None:
+            out += d
+
+
+class AdapterRegistry:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device = torch.device("cpu"),
+        max_active: int = 8,
+        local_roots: Sequence[Path] = (),
+        hub_cache: Path | None = None,
+    ) -> None:
+        if max_active < 1:
+            raise ValueError("max_active adapters must be at least 1")
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        self.dtype, self.device = dtype, device
+        self.max_active = max_active
+        self.local_roots = tuple(Path(r) for r in local_roots)
+        self.hub_cache = hub_cache
+        self.adapters: dict[str, LoadedAdapter] = {}
+        self.stacks = LoraStacks(0, {}, {})
+        self._lock = threading.Lock()  # one load or offload at a time; steps never take it
+
+    # --- lifecycle (called beside the steps) ------------------------------------------------------------------
+
+    def load(self, adapter_id: str, source: str = "hub", api_token: str | None = None) -> LoadedAdapter:
+        """Fetches, checks and installs an adapter; raises `AdapterError` (400/424) when it cannot."""
+        with self._lock:
+            if adapter_id in self.adapters:
+                return self.adapters[adapter_id]
+            started = time.perf_counter()
+            path = resolve_adapter(adapter_id, source, local_roots=self.local_roots, api_token=api_token,
+                                   cache_dir=self.hub_cache)
+            kind = detect_adapter_kind(path, adapter_id)
+            if kind != "lora":
+                raise AdapterError(f"adapter `{adapter_id}` is a {kind} adapter; this worker serves LoRA adapters",
+                                   status=424)
+            used = {a.slot for a in self.adapters.values()}
+            free = [s for s in range(self.max_active) if s not in used]
+            if not free:
+                raise AdapterError(f"adapter `{adapter_id}`: all {self.max_active} adapter slots are in use; "
+                                   "offload one first", status=424)
+            weights = load_lora(path, self.config, rank=self.rank, world_size=self.world_size, dtype=self.dtype,
+                                device=self.device, adapter_id=adapter_id)
+            self._install(weights, free[0])
+            projections = frozenset(p for layer in weights.layers.values() for p in layer)
+            loaded = LoadedAdapter(adapter_id, kind, free[0], weights.config.rank, projections,
+                                   time.perf_counter() - started)
+            self.adapters[adapter_id] = loaded
+            logger.info("loaded adapter %s (rank %d, %s) into slot %d in %.2fs", adapter_id,
+                        loaded.rank, ",".join(sorted(projections)), loaded.slot, loaded.load_seconds)
+            return loaded
+
+    def offload(self, adapter_id: str) -> bool:
+        with self._lock:
+            loaded = self.adapters.pop(adapter_id, None)
+            if loaded is None:
+                return False
+            for key in self.stacks.a:  # a stale slot must read as zeros if it were ever used by mistake
+                self.stacks.a[key][loaded.slot].zero_()
+                self.stacks.b[key][loaded.slot].zero_()
+            logger.info("offloaded adapter %s from slot %d", adapter_id, loaded.slot)
+            return True
+
+    def _install(self, weights: LoraWeights, slot: int) -> None:
+        """Writes `weights` into `slot`, first widening or extending the stacks when they cannot hold them."""
+        rank = max(self.stacks.rank, weights.config.rank)
+        keys = {(layer, p) for layer, projs in weights.layers.items() for p in projs}
+        stacks = self.stacks
+        if rank > stacks.rank or not keys <= stacks.a.keys():
+            stacks = self._grown(stacks, rank, keys, weights)
+        for (layer, p) in keys:
+            a, b = weights.layers[layer][p]
+            r = a.shape[1]
+            stacks.a[(layer, p)][slot].zero_()
+            stacks.a[(layer, p)][slot, :, :r].copy_(a)
+            stacks.b[(layer, p)][slot].zero_()
+            stacks.b[(layer, p)][slot, :r, :].copy_(b)
+        for key in stacks.a.keys() - keys:  # projections this adapter leaves alone
+            stacks.a[key][slot].zero_()
+            stacks.b[key][slot].zero_()
+        self.stacks = stacks  # one reference swap: a step in flight keeps the stacks it started with
+
+    def _grown(self, old: LoraStacks, rank: int, keys: set, weights: LoraWeights) -> LoraStacks:
+        a, b = {}, {}
+        for key in old.a.keys() | keys:
+            if key in old.a:
+                d_in, d_out = old.a[key].shape[1], old.b[key].shape[2]
+            else:
+                layer, p = key
+                d_in, d_out = weights.layers[layer][p][0].shape[0], weights.layers[layer][p][1].shape[1]
+            a[key] = torch.zeros(self.max_active, d_in, rank, dtype=self.dtype, device=self.device)
+            b[key] = torch.zeros(self.max_active, rank, d_out, dtype=self.dtype, device=self.device)
+            if key in old.a:
+                a[key][:, :, : old.rank].copy_(old.a[key])
+                b[key][:, : old.rank, :].copy_(old.b[key])
+        return LoraStacks(rank, a, b)
+
+    # --- per step -----------------------------------------------------------------------------------------------
+
+    def check(self, adapter_id: str) -> None:
+        if adapter_id and adapter_id not in self.adapters:
+            raise AdapterError(f"adapter `{adapter_id}` is not loaded on this worker", status=424)
+
+    def batch(self, adapter_ids: Sequence[str], counts: Sequence[int]) -> LoraBatch | None:
+        """The step view for requests with these adapters ('' for none) feeding `counts` tokens each."""
+        if not any(adapter_ids):
+            return None
+        # Consecutive requests with the same adapter form one segment.
+        seg_ids: list[str] = []
+        seg_starts = [0]
+        for adapter_id, count in zip(adapter_ids, counts):
+            if seg_ids and seg_ids[-1] == adapter_id:
+                seg_starts[-1] += count
+            else:
+                seg_ids.append(adapter_id)
+                seg_starts.append(seg_starts[-1] + count)
+        loaded = [self.adapters.get(a) if a else None for a in seg_ids]
+        seg_slots = {}
+        for p in PROJECTIONS:
+            slots = [x.slot if x is not None and p in x.projections else -1 for x in loaded]
+            if any(s >= 0 for s in slots):
+                seg_slots[p] = torch.tensor(slots, dtype=torch.int32, device=self.device)
+        return LoraBatch(self.stacks, torch.tensor(seg_starts, dtype=torch.int32, device=self.device), seg_slots)

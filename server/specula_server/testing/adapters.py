@@ -1,0 +1,47 @@
+"""Random LoRA adapters in PEFT's own layout, written by peft itself (test-only dependency)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_lora_adapter(
+    model_dir: Path,
+    out_dir: Path,
+    rank: int = 8,
+    alpha: float = 16,
+    target_modules: Sequence[str] = ALL_PROJECTIONS,
+    use_rslora: bool = False,
+    seed: int = 0,
+    std: float = 0.05,
+) -> Path:
+    """Wraps the model at `model_dir` with a LoRA of this shape, randomises both A and B (PEFT starts B at
+    zero, which would make the adapter a no-op), and saves the adapter with `save_pretrained`."""
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(target_modules), use_rslora=use_rslora,
+                             lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    model = peft.get_peft_model(base, config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    model.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
+def load_peft_reference(model_dir: Path, adapter_dir: Path):
+    """transformers + peft on the same weights: the reference the worker's LoRA path is tested against."""
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return peft.PeftModel.from_pretrained(base, adapter_dir).eval()
