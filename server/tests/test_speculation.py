@@ -10,7 +10,7 @@ import torch
 
 from specula_server.params import FinishReason, SamplingParams
 from specula_server.speculation.controller import (
-    StepCostModel, choose_draft_lengths, update_acceptance, worth_drafting,
+    AcceptanceEstimate, StepCostModel, choose_draft_lengths, worth_drafting,
 )
 from specula_server.speculation.drafters import PromptLookupDrafter
 from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
@@ -247,8 +247,25 @@ def test_adaptive_controller_grants_drafts_only_when_they_pay():
     expensive = fitted(0.020, 0.020)
     assert choose_draft_lengths([4], [0.6], expensive, "adaptive")[0] >= 1
     assert choose_draft_lengths([4], [0.4], expensive, "adaptive") == [0]
-    assert update_acceptance(0.5, 4, 4) > 0.5 > update_acceptance(0.5, 4, 0)
-    assert update_acceptance(0.5, 0, 0) == 0.5 and 0.1 < update_acceptance(0.1, 0, 0) < 0.5  # drifts back
+
+
+def test_acceptance_counts_trials_up_to_the_first_rejection():
+    fresh = AcceptanceEstimate()
+    assert fresh.value == 0.5
+    hit, miss = AcceptanceEstimate(), AcceptanceEstimate()
+    hit.observe(4, 4)
+    miss.observe(4, 0)
+    assert hit.value > 0.5 > miss.value
+    # Copying: full blocks with an occasional mismatch keep the estimate high (one failure per miss, not k).
+    copy = AcceptanceEstimate()
+    for step in range(20):
+        copy.observe(6, 2 if step % 5 == 4 else 6)
+    assert copy.value > 0.85
+    # No drafts: the evidence fades and the estimate drifts back toward 0.5.
+    before = miss.value
+    for _ in range(50):
+        miss.observe(0, 0)
+    assert before < miss.value < 0.5
 
 
 def test_a_fixed_verification_overhead_turns_marginal_drafts_off():

@@ -3,9 +3,13 @@
 `fixed` verifies every available draft token up to the maximum. `adaptive` (the default) maximises expected
 emitted tokens per second of forward time, using two measured quantities:
 
-- per request, the probability `a` that a draft token is accepted (an exponential moving average of what
-  verification observed; a prior of 0.5 for a new request). With k drafts a request emits on average
-  `E(k) = 1 + a + a^2 + ... + a^k` tokens (the last one being the target's own token);
+- per request, the probability `a` that a draft token is accepted given the ones before it were. Verification
+  is a run of trials that stops at the first rejection: accepting m of k drafts is m successes and, when
+  m < k, one failure. `a` is the smoothed ratio of recent successes to trials, (S + 1) / (S + F + 2), with
+  S and F decayed each drafting step (a prior of 0.5 for a new request). Counting trials this way, and not
+  averaging m / k, matters for copying: a block copied in full after one mismatch is 6 successes, 1 failure
+  (a = 0.86), where the ratio average would have had "0 of 6" drag it to 0.4. With k drafts a request emits
+  on average `E(k) = 1 + a + a^2 + ... + a^k` tokens (the last one being the target's own token);
 - the cost of a forward over N tokens, `T(N) = t0 + t1 * N`, fitted online from the worker's own steps.
   Decode on a memory-bound device has t1 << t0 (extra tokens are nearly free); at large batch t1 grows.
 
@@ -22,9 +26,30 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Sequence
 
-PRIOR_ACCEPTANCE = 0.5
-ACCEPTANCE_DECAY = 0.8  # weight of the past in the per-request acceptance average
-RETRY_DRIFT = 0.02  # per step without drafts, the fraction of the way back to the prior
+ACCEPTANCE_DECAY = 0.8  # per drafting step, the weight of earlier trials in the acceptance estimate
+RETRY_DRIFT = 0.02  # per step without drafts, the fraction of the evidence forgotten (back toward the prior)
+
+
+@dataclass
+class AcceptanceEstimate:
+    """A request's draft acceptance `a`: decayed counts of accepted drafts (S) and rejections (F)."""
+
+    successes: float = 0.0
+    failures: float = 0.0
+
+    @property
+    def value(self) -> float:
+        return (self.successes + 1.0) / (self.successes + self.failures + 2.0)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One step's verification: `accepted` of `drafted` drafts (0 drafted: no evidence, the estimate
+        drifts back toward the prior so a request that stopped drafting tries again later)."""
+        if drafted == 0:
+            self.successes *= 1 - RETRY_DRIFT
+            self.failures *= 1 - RETRY_DRIFT
+            return
+        self.successes = ACCEPTANCE_DECAY * self.successes + accepted
+        self.failures = ACCEPTANCE_DECAY * self.failures + (accepted < drafted)
 
 
 @dataclass
@@ -83,15 +108,6 @@ def worth_drafting(acceptance: float, batch_size: int, cost: StepCostModel) -> b
     try again later)."""
     t0, t1 = cost.coefficients()
     return acceptance > batch_size * t1 / (t0 + t1 * batch_size)
-
-
-def update_acceptance(previous: float, drafted: int, accepted: int) -> float:
-    """New per-token acceptance estimate after `accepted` of `drafted` drafts were accepted."""
-    if drafted == 0:  # no evidence: drift back toward the prior so a request that stopped drafting retries
-        return previous + RETRY_DRIFT * (PRIOR_ACCEPTANCE - previous)
-    # Accepting a of k drafts is evidence of a per-token rate (a + 1) / (k + 1) smoothed toward the past.
-    observed = accepted / drafted
-    return ACCEPTANCE_DECAY * previous + (1 - ACCEPTANCE_DECAY) * observed
 
 
 def choose_draft_lengths(
