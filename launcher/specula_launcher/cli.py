@@ -50,7 +50,20 @@ def main(
         "latest", envvar="NGRAM_MATCH", help="Which earlier occurrence prompt lookup copies: latest or earliest."),
     speculator: Optional[str] = typer.Option(
         None, envvar="SPECULATOR", help="Speculator (Medusa, MLPSpeculator or draft model): path or Hub id."),
-    adapter_source: str = typer.Option("hub", envvar="ADAPTER_SOURCE", help="Default source of LoRA adapters."),
+    adapter_source: str = typer.Option(
+        "hub", envvar="ADAPTER_SOURCE", help="Source of a request's adapter_id when it names none: hub or local."),
+    adapter_dir: Optional[List[str]] = typer.Option(
+        None, envvar="ADAPTER_DIR",
+        help="Directory whose subdirectories are the `local` adapters (repeat the flag or separate with commas). "
+             "Default: none, local adapters are refused."),
+    max_active_adapters: int = typer.Option(
+        8, envvar="MAX_ACTIVE_ADAPTERS",
+        help="Adapters loaded at once; past it the least recently used adapter with no queued or running request "
+             "is offloaded."),
+    preloaded_adapter_ids: Optional[List[str]] = typer.Option(
+        None, envvar="PRELOADED_ADAPTER_IDS",
+        help="Adapters loaded before the router serves (repeat the flag or separate with commas); a failure stops "
+             "the launch."),
     max_concurrent_requests: int = typer.Option(
         128, envvar="MAX_CONCURRENT_REQUESTS", help="Requests in flight before new ones get 429."),
     max_best_of: int = typer.Option(2, envvar="MAX_BEST_OF", help="Largest best_of a request may ask for."),
@@ -107,6 +120,10 @@ def launch(config: LauncherConfig, stream: TextIO | None = None) -> int:
     sink.emit(LAUNCHER, f"max_input_tokens={config.max_input_tokens} max_total_tokens={config.max_total_tokens} "
                         f"max_batch_prefill_tokens={config.max_batch_prefill_tokens} "
                         f"speculative_tokens={config.speculative_tokens}")
+    if config.adapter_dir or config.preloaded_adapter_ids:
+        sink.emit(LAUNCHER, f"adapters: max_active_adapters={config.max_active_adapters} "
+                            f"adapter_dir={','.join(config.adapter_dir) or '-'} "
+                            f"preloaded={','.join(config.preloaded_adapter_ids) or '-'}")
     supervisor = Supervisor(
         shards=shard_specs(config), router=router_spec(config), shard_sockets=shard_sockets(config), sink=sink,
         drain_timeout=config.shutdown_timeout + ROUTER_CLOSE_GRACE_S, stop_timeout=SHARD_STOP_TIMEOUT_S,

@@ -3,7 +3,8 @@
 Shards (one per rank, identical arguments, the rank in the environment as torch.distributed expects):
 
     python -m specula_server.cli serve MODEL --uds-path /tmp/specula-server --dtype float32 --device cpu
-        --block-size 16 [--revision R] [--huggingface-hub-cache DIR] [--kv-cache-memory SIZE]
+        --block-size 16 --max-active-adapters 8 [--revision R] [--huggingface-hub-cache DIR]
+        [--kv-cache-memory SIZE] [--adapter-dir DIR ...]
         [--speculative-tokens N --speculation-mode M --ngram-min A --ngram-max B --ngram-match W]
     env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOG_LEVEL (+ the launcher's own environment)
 
@@ -13,6 +14,7 @@ Router (connects to shard 0, which lists the others through ServiceDiscovery):
         --hostname 0.0.0.0 --port 3000 ... every router flag under its launcher name (see `router_command`)
 
 Flags whose value is None are left out so the child applies its own default; boolean flags are bare.
+`--max-active-adapters` goes to both: the router never asks for more adapters than the workers have slots.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from specula_launcher.processes import ChildSpec
 # Router flags passed through under the same name, in this order, after the four fixed ones.
 ROUTER_FLAGS = (
     "revision", "huggingface_hub_cache", "speculative_tokens", "speculator", "adapter_source",
-    "max_concurrent_requests", "max_best_of", "max_stop_sequences", "max_top_n_tokens", "max_input_tokens",
+    "max_active_adapters", "preloaded_adapter_ids", "max_concurrent_requests", "max_best_of", "max_stop_sequences",
+    "max_top_n_tokens", "max_input_tokens",
     "max_total_tokens", "waiting_served_ratio", "max_batch_prefill_tokens", "max_batch_total_tokens",
     "max_waiting_tokens", "max_batch_size", "payload_limit", "cors_allow_origin", "json_output", "num_shard",
     "shutdown_timeout", "log_level",
@@ -40,9 +43,9 @@ def shard_command(config: LauncherConfig) -> list[str]:
     argv = [
         sys.executable, "-m", "specula_server.cli", "serve", config.model_id,
         "--uds-path", config.shard_uds_path, "--dtype", config.dtype, "--device", config.device,
-        "--block-size", str(config.block_size),
+        "--block-size", str(config.block_size), "--max-active-adapters", str(config.max_active_adapters),
     ]
-    for name in ("revision", "huggingface_hub_cache", "kv_cache_memory"):
+    for name in ("revision", "huggingface_hub_cache", "kv_cache_memory", "adapter_dir"):
         argv += _flag(name, getattr(config, name))
     if config.speculative_tokens > 0:
         for name in ("speculative_tokens", "speculation_mode", "ngram_min", "ngram_max", "ngram_match"):

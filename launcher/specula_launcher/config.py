@@ -29,7 +29,7 @@ DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
-ADAPTER_SOURCES = ("hub", "local", "s3", "pbase")
+ADAPTER_SOURCES = ("hub", "local")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 # Like TGI: without explicit limits, sequences are capped at 4096 tokens even when the model allows more, so
@@ -63,6 +63,9 @@ class LauncherConfig:
     ngram_match: str = "latest"
     speculator: str | None = None
     adapter_source: str = "hub"
+    adapter_dir: tuple[str, ...] = ()  # directories whose subdirectories are the `local` adapters
+    max_active_adapters: int = 8
+    preloaded_adapter_ids: tuple[str, ...] = ()
     max_concurrent_requests: int = 128
     max_best_of: int = 2
     max_stop_sequences: int = 4
@@ -115,6 +118,12 @@ def _check_choices(c: LauncherConfig) -> None:
         raise ValueError(f"need 1 <= --ngram-min ({c.ngram_min}) <= --ngram-max ({c.ngram_max})")
     if c.kv_cache_memory is not None and not _SIZE.match(c.kv_cache_memory):
         raise ValueError(f"--kv-cache-memory is not a size: {c.kv_cache_memory!r} (examples: 4GiB, 512MiB, 1000000)")
+    for directory in c.adapter_dir:
+        if not Path(directory).is_dir():
+            raise ValueError(f"--adapter-dir {directory}: no such directory")
+    if len(set(c.preloaded_adapter_ids)) > c.max_active_adapters:
+        raise ValueError(f"--preloaded-adapter-ids names {len(set(c.preloaded_adapter_ids))} adapters, more than "
+                         f"--max-active-adapters ({c.max_active_adapters})")
     longest = len(str(c.shard_socket(c.num_shard - 1)).encode())
     if longest > MAX_UDS_PATH_BYTES:
         raise ValueError(f"--shard-uds-path is too long: {c.shard_socket(c.num_shard - 1)} is {longest} bytes, "
@@ -124,6 +133,7 @@ def _check_choices(c: LauncherConfig) -> None:
 def _check_ranges(c: LauncherConfig) -> None:
     at_least = {
         "--num-shard": (c.num_shard, 1), "--speculative-tokens": (c.speculative_tokens, 0),
+        "--max-active-adapters": (c.max_active_adapters, 1),
         "--max-concurrent-requests": (c.max_concurrent_requests, 1), "--max-best-of": (c.max_best_of, 1),
         "--max-stop-sequences": (c.max_stop_sequences, 0), "--max-top-n-tokens": (c.max_top_n_tokens, 0),
         "--max-input-tokens": (c.max_input_tokens, 1), "--max-total-tokens": (c.max_total_tokens, 2),
@@ -177,6 +187,8 @@ def build_config(
     num_shard: int = 1,
     speculative_tokens: int = 0,
     cors_allow_origin: list[str] | tuple[str, ...] | None = None,
+    adapter_dir: list[str] | tuple[str, ...] | None = None,
+    preloaded_adapter_ids: list[str] | tuple[str, ...] | None = None,
     log_level: str = "INFO",
     count_cuda_devices: Callable[[], int] | None = None,
     **settings: object,
@@ -184,7 +196,8 @@ def build_config(
     """Fills in the derived defaults and returns the validated config.
 
     `settings` are the remaining `LauncherConfig` fields, passed through unchanged. `count_cuda_devices` is
-    only called when the device is not given or is "cuda" (it imports torch; tests pass a stub).
+    only called when the device is not given or is "cuda" (it imports torch; tests pass a stub). `adapter_dir`
+    and `preloaded_adapter_ids` may be given repeated, comma-separated, or both.
     """
     resolved_id, model_dir = resolve_model(model_id)
     count = count_cuda_devices or _count_cuda_devices
@@ -203,8 +216,15 @@ def build_config(
         max_total_tokens=max_total_tokens, max_batch_prefill_tokens=max_batch_prefill_tokens,
         max_batch_total_tokens=max_batch_total_tokens, speculative_tokens=speculative_tokens,
         cors_allow_origin=tuple(cors_allow_origin or ()), log_level=log_level.upper(),
+        adapter_dir=split_list(adapter_dir),
+        preloaded_adapter_ids=tuple(dict.fromkeys(split_list(preloaded_adapter_ids))),  # in order, once each
         **settings,  # type: ignore[arg-type]
     )
+
+
+def split_list(values: list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """A list flag given repeated, comma-separated or both: ["a,b", "c"] -> ("a", "b", "c")."""
+    return tuple(part.strip() for value in values or () for part in value.split(",") if part.strip())
 
 
 def resolve_model(model_id: str | None) -> tuple[str, Path | None]:

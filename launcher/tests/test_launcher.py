@@ -32,7 +32,7 @@ ENV_VARS = (
     "MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH", "MAX_TOTAL_TOKENS", "WAITING_SERVED_RATIO", "MAX_BATCH_PREFILL_TOKENS",
     "MAX_BATCH_TOTAL_TOKENS", "MAX_WAITING_TOKENS", "MAX_BATCH_SIZE", "SHARD_UDS_PATH", "MASTER_ADDR",
     "MASTER_PORT", "HUGGINGFACE_HUB_CACHE", "JSON_OUTPUT", "PAYLOAD_LIMIT", "CORS_ALLOW_ORIGIN", "KV_CACHE_MEMORY",
-    "BLOCK_SIZE", "SHUTDOWN_TIMEOUT", "LOG_LEVEL",
+    "BLOCK_SIZE", "SHUTDOWN_TIMEOUT", "LOG_LEVEL", "ADAPTER_DIR", "MAX_ACTIVE_ADAPTERS", "PRELOADED_ADAPTER_IDS",
 )
 NO_GPU = dict(count_cuda_devices=lambda: 0)
 
@@ -65,6 +65,7 @@ def test_defaults_serve_the_bundled_demo_model() -> None:
         1.2, 20, None, None)
     assert (c.shard_uds_path, c.master_addr, c.master_port) == ("/tmp/specula-server", "localhost", 29500)
     assert (c.speculative_tokens, c.speculator, c.adapter_source) == (0, None, "hub")
+    assert (c.max_active_adapters, c.preloaded_adapter_ids, c.adapter_dir) == (8, (), ())
     assert (c.payload_limit, c.block_size, c.shutdown_timeout, c.log_level) == (2_000_000, 16, 30, "INFO")
     assert (c.json_output, c.cors_allow_origin, c.kv_cache_memory, c.revision) == (False, (), None, None)
 
@@ -122,7 +123,11 @@ def test_hub_models_leave_limits_to_the_router() -> None:
     (dict(port=70000), r"--port must be between 1 and 65535; got 70000"),
     (dict(port=29500), r"--port and --master-port are both 29500"),
     (dict(num_shard=0), r"--num-shard must be at least 1; got 0"),
-    (dict(adapter_source="ftp"), r"--adapter-source must be one of hub, local, s3, pbase"),
+    (dict(adapter_source="s3"), r"--adapter-source must be one of hub, local; got 's3'"),
+    (dict(max_active_adapters=0), r"--max-active-adapters must be at least 1; got 0"),
+    (dict(max_active_adapters=1, preloaded_adapter_ids=["a,b"]),
+     r"--preloaded-adapter-ids names 2 adapters, more than --max-active-adapters \(1\)"),
+    (dict(adapter_dir=["/no/such/adapters"]), r"--adapter-dir /no/such/adapters: no such directory"),
     (dict(kv_cache_memory="lots"), r"--kv-cache-memory is not a size: 'lots'"),
     (dict(log_level="chatty"), r"--log-level must be one of"),
     (dict(shard_uds_path="/tmp/" + "x" * 120), r"--shard-uds-path is too long"),
@@ -187,12 +192,13 @@ def test_shard_command_and_environment(tmp_path: Path) -> None:
     c = build_config(model_id=model, num_shard=2, master_port=29600, log_level="debug", **NO_GPU)
     assert shard_command(c) == [sys.executable, "-m", "specula_server.cli", "serve", model,
                                 "--uds-path", "/tmp/specula-server", "--dtype", "float32", "--device", "cpu",
-                                "--block-size", "16"]
+                                "--block-size", "16", "--max-active-adapters", "8"]
     c = build_config(model_id="org/model", revision="v1", huggingface_hub_cache="/data", kv_cache_memory="4GiB",
                      dtype="bfloat16", block_size=32, shard_uds_path="/run/s", **NO_GPU)
     assert shard_command(c) == [sys.executable, "-m", "specula_server.cli", "serve", "org/model",
                                 "--uds-path", "/run/s", "--dtype", "bfloat16", "--device", "cpu", "--block-size", "32",
-                                "--revision", "v1", "--huggingface-hub-cache", "/data", "--kv-cache-memory", "4GiB"]
+                                "--max-active-adapters", "8", "--revision", "v1", "--huggingface-hub-cache", "/data",
+                                "--kv-cache-memory", "4GiB"]
     c = build_config(model_id=model, speculative_tokens=4, speculation_mode="fixed", ngram_max=4, **NO_GPU)
     assert shard_command(c)[-10:] == ["--speculative-tokens", "4", "--speculation-mode", "fixed", "--ngram-min", "1",
                                       "--ngram-max", "4", "--ngram-match", "latest"]
@@ -211,7 +217,8 @@ def test_router_command_with_defaults() -> None:
     assert router_command(c) == [
         sys.executable, "-m", "specula_router.cli", "--model-id", str(DEMO_MODEL_DIR),
         "--master-shard-uds-path", "/tmp/specula-server-0", "--hostname", "0.0.0.0", "--port", "3000",
-        "--speculative-tokens", "0", "--adapter-source", "hub", "--max-concurrent-requests", "128",
+        "--speculative-tokens", "0", "--adapter-source", "hub", "--max-active-adapters", "8",
+        "--max-concurrent-requests", "128",
         "--max-best-of", "2", "--max-stop-sequences", "4", "--max-top-n-tokens", "5", "--max-input-tokens", "2047",
         "--max-total-tokens", "2048", "--waiting-served-ratio", "1.2", "--max-batch-prefill-tokens", "2097",
         "--max-waiting-tokens", "20", "--payload-limit", "2000000", "--num-shard", "1", "--shutdown-timeout", "30",
@@ -223,7 +230,8 @@ def test_router_command_with_defaults() -> None:
 def test_router_command_passes_every_flag() -> None:
     c = build_config(
         model_id="org/model", revision="main", huggingface_hub_cache="/data", speculative_tokens=3,
-        speculator="org/medusa", adapter_source="local", max_concurrent_requests=64, max_best_of=1,
+        speculator="org/medusa", adapter_source="local", max_active_adapters=4,
+        preloaded_adapter_ids=["org/a,org/b", "org/c"], max_concurrent_requests=64, max_best_of=1,
         max_stop_sequences=2, max_top_n_tokens=0, max_input_tokens=1000, max_total_tokens=2000,
         waiting_served_ratio=0.5, max_batch_prefill_tokens=4000, max_batch_total_tokens=16000, max_waiting_tokens=5,
         max_batch_size=8, payload_limit=100, cors_allow_origin=["https://a", "https://b"], json_output=True,
@@ -234,7 +242,9 @@ def test_router_command_passes_every_flag() -> None:
         "-m", "specula_router.cli", "--model-id", "org/model", "--master-shard-uds-path", "/run/s-0",
         "--hostname", "127.0.0.1", "--port", "8080", "--revision", "main", "--huggingface-hub-cache", "/data",
         "--speculative-tokens", "3", "--speculator", "org/medusa", "--adapter-source", "local",
-        "--max-concurrent-requests", "64", "--max-best-of", "1", "--max-stop-sequences", "2",
+        "--max-active-adapters", "4", "--preloaded-adapter-ids", "org/a", "--preloaded-adapter-ids", "org/b",
+        "--preloaded-adapter-ids", "org/c", "--max-concurrent-requests", "64", "--max-best-of", "1",
+        "--max-stop-sequences", "2",
         "--max-top-n-tokens", "0", "--max-input-tokens", "1000", "--max-total-tokens", "2000",
         "--waiting-served-ratio", "0.5", "--max-batch-prefill-tokens", "4000", "--max-batch-total-tokens", "16000",
         "--max-waiting-tokens", "5", "--max-batch-size", "8", "--payload-limit", "100",
@@ -243,7 +253,39 @@ def test_router_command_passes_every_flag() -> None:
     ]
 
 
-def test_command_lines_parse_with_the_children_clis() -> None:
+def test_adapter_flags_reach_the_router_and_every_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    dirs = [tmp_path / "team", tmp_path / "shared"]
+    for d in dirs:
+        d.mkdir()
+    seen: list[LauncherConfig] = []
+    monkeypatch.setattr(cli, "launch", lambda config: seen.append(config) or 0)
+    env = {"DEVICE": "cpu", "ADAPTER_DIR": f"{dirs[0]},{dirs[1]}", "MAX_ACTIVE_ADAPTERS": "3",
+           "PRELOADED_ADAPTER_IDS": "org/a,org/b org/c", "ADAPTER_SOURCE": "local"}
+    result = CliRunner().invoke(cli.app, [], env=env)
+    assert result.exit_code == 0, result.output
+    c = seen[0]
+    assert c.adapter_dir == (str(dirs[0]), str(dirs[1])) and c.adapter_source == "local"
+    assert (c.max_active_adapters, c.preloaded_adapter_ids) == (3, ("org/a", "org/b", "org/c"))
+    result = CliRunner().invoke(cli.app, ["--device", "cpu", "--adapter-dir", str(dirs[1]), "--preloaded-adapter-ids",
+                                          "org/x", "--preloaded-adapter-ids", "org/y,org/x"])
+    assert result.exit_code == 0, result.output
+    assert (seen[1].adapter_dir, seen[1].preloaded_adapter_ids) == ((str(dirs[1]),), ("org/x", "org/y"))
+    assert shard_command(c)[11:] == ["--block-size", "16", "--max-active-adapters", "3",
+                                     "--adapter-dir", str(dirs[0]), "--adapter-dir", str(dirs[1])]
+    argv = router_command(c)
+    assert argv[argv.index("--max-active-adapters"):argv.index("--max-concurrent-requests")] == [
+        "--max-active-adapters", "3", "--preloaded-adapter-ids", "org/a", "--preloaded-adapter-ids", "org/b",
+        "--preloaded-adapter-ids", "org/c"]
+    result = CliRunner().invoke(cli.app, ["--device", "cpu", "--max-active-adapters", "1"],
+                                env={"PRELOADED_ADAPTER_IDS": "a,b"})
+    assert result.exit_code == 2 and len(seen) == 2
+    assert "--preloaded-adapter-ids names 2 adapters" in " ".join(result.output.split())
+    help_text = " ".join(CliRunner().invoke(cli.app, ["--help"], terminal_width=200).output.split())
+    for flag in ("--adapter-dir", "--max-active-adapters", "--preloaded-adapter-ids"):
+        assert flag in help_text
+
+
+def test_command_lines_parse_with_the_children_clis(tmp_path: Path) -> None:
     """The contract: the router and worker CLIs accept exactly what the launcher passes."""
     import typer
 
@@ -252,16 +294,19 @@ def test_command_lines_parse_with_the_children_clis() -> None:
 
     c = build_config(model_id="org/model", revision="main", speculator="org/medusa", max_input_tokens=100,
                      max_batch_size=4, cors_allow_origin=["https://a", "https://b"], json_output=True,
-                     kv_cache_memory="1GiB", huggingface_hub_cache="/data", **NO_GPU)
+                     kv_cache_memory="1GiB", huggingface_hub_cache="/data", adapter_dir=[str(tmp_path)] * 2,
+                     max_active_adapters=2, preloaded_adapter_ids=["org/a", "org/b"], **NO_GPU)
     params = typer.main.get_command(router_cli.app).make_context("specula-router", router_command(c)[3:]).params
     assert params["model_id"] == "org/model" and params["master_shard_uds_path"] == "/tmp/specula-server-0"
     assert params["max_input_tokens"] == 100 and params["max_batch_size"] == 4 and params["json_output"] is True
     assert tuple(params["cors_allow_origin"]) == ("https://a", "https://b") and params["speculator"] == "org/medusa"
+    assert params["max_active_adapters"] == 2 and tuple(params["preloaded_adapter_ids"]) == ("org/a", "org/b")
     serve = typer.main.get_command(server_cli.app).commands["serve"]  # type: ignore[attr-defined]
     params = serve.make_context("serve", shard_command(c)[4:]).params
     assert (params["model_id"], params["uds_path"], params["kv_cache_memory"]) == ("org/model", "/tmp/specula-server",
                                                                                    "1GiB")
     assert (params["revision"], str(params["huggingface_hub_cache"]), params["block_size"]) == ("main", "/data", 16)
+    assert params["max_active_adapters"] == 2 and [str(d) for d in params["adapter_dir"]] == [str(tmp_path)] * 2
 
 
 # ---------------------------------------------------------------------------------------------------- supervision

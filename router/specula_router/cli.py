@@ -1,8 +1,8 @@
 """`specula-router`: the HTTP front of a Specula deployment (started by `specula-launcher`).
 
 Startup follows TGI: connect to shard 0, discover every shard, clear their caches, read Info, derive and check
-the token limits, Warmup (the KV cache size comes back), then serve HTTP while the batching loop runs.
-Every option also reads an environment variable.
+the token limits, Warmup (the KV cache size comes back), load the preloaded adapters, then serve HTTP while the
+batching loop runs. Every option also reads an environment variable.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ class RouterConfig:
     speculative_tokens: int = 0
     speculator: str | None = None
     adapter_source: str = "hub"
+    max_active_adapters: int = 8
+    preloaded_adapter_ids: tuple[str, ...] = ()
     max_concurrent_requests: int = 128
     max_best_of: int = 2
     max_stop_sequences: int = 4
@@ -48,6 +50,26 @@ class RouterConfig:
     num_shard: int = 1
     shutdown_timeout: float = 30.0
     pipeline_depth: int = 2
+
+    def __post_init__(self) -> None:
+        from specula_router.schemas import ADAPTER_SOURCES, MAX_ADAPTER_ID_LENGTH
+
+        if self.adapter_source not in ADAPTER_SOURCES:
+            raise ValueError(f"--adapter-source must be one of {', '.join(ADAPTER_SOURCES)}; "
+                             f"got {self.adapter_source!r}")
+        if self.max_active_adapters < 1:
+            raise ValueError(f"--max-active-adapters must be at least 1; got {self.max_active_adapters}")
+        if len(set(self.preloaded_adapter_ids)) > self.max_active_adapters:
+            raise ValueError(f"--preloaded-adapter-ids names {len(set(self.preloaded_adapter_ids))} adapters, more "
+                             f"than --max-active-adapters ({self.max_active_adapters})")
+        for adapter_id in self.preloaded_adapter_ids:
+            if not adapter_id or len(adapter_id) > MAX_ADAPTER_ID_LENGTH:
+                raise ValueError(f"--preloaded-adapter-ids: {adapter_id!r} is not an adapter id")
+
+
+def split_ids(values: list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """Flag values given repeated, comma-separated or both: ["a,b", "c"] -> ("a", "b", "c")."""
+    return tuple(part.strip() for value in values or () for part in value.split(",") if part.strip())
 
 
 @dataclass(frozen=True)
@@ -78,6 +100,7 @@ def derive_limits(config: RouterConfig, max_position_embeddings: int) -> Limits:
 async def run(config: RouterConfig) -> int:
     import uvicorn
 
+    from specula_router.adapters import AdapterManager
     from specula_router.block_allocator import BlockAllocator
     from specula_router.client import ShardedClient
     from specula_router.metrics import Metrics
@@ -109,13 +132,17 @@ async def run(config: RouterConfig) -> int:
         max_input_tokens=limits.max_input_tokens, max_total_tokens=limits.max_total_tokens,
         max_stop_sequences=config.max_stop_sequences, max_best_of=config.max_best_of,
         max_top_n_tokens=config.max_top_n_tokens, max_speculative_tokens=config.speculative_tokens,
-        max_position_embeddings=info.max_position_embeddings))
+        max_position_embeddings=info.max_position_embeddings), default_adapter_source=config.adapter_source)
     metrics = Metrics()
+    adapters = AdapterManager(client, metrics, config.max_active_adapters, config.adapter_source)
+    if config.preloaded_adapter_ids:
+        logger.info("preloading adapters: %s", ", ".join(config.preloaded_adapter_ids))
+        await adapters.preload(config.preloaded_adapter_ids)
     scheduler = Scheduler(client, BlockAllocator(num_blocks, info.block_size), SchedulerConfig(
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens, waiting_served_ratio=config.waiting_served_ratio,
         max_waiting_tokens=config.max_waiting_tokens, max_batch_size=config.max_batch_size,
         lookahead=lookahead, pipeline_depth=config.pipeline_depth,
-        speculation_method=info.speculation.method or "none"), metrics)
+        speculation_method=info.speculation.method or "none"), metrics, adapters)
     state = RouterState(scheduler, validator, client, metrics, info_body(config, info, limits, num_blocks),
                         config.max_concurrent_requests, "gpu" if info.device_type == "cuda" else "cpu")
     app_ = create_app(state, config.payload_limit, list(config.cors_allow_origin))
@@ -134,6 +161,7 @@ async def run(config: RouterConfig) -> int:
     logger.info("serving on http://%s:%d", config.hostname, config.port)
     await server.serve()
     loop_task.cancel()
+    await adapters.close()
     await client.close()
     return 1 if failures else 0
 
@@ -142,7 +170,7 @@ def info_body(config: RouterConfig, info, limits: Limits, num_blocks: int) -> di
     """The `/info` answer, built through its schema so the documented and served shapes cannot drift."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from specula_router.schemas import Info, SpeculationInfo
+    from specula_router.schemas import AdapterInfo, Info, SpeculationInfo
 
     try:
         specula_version = version("specula")
@@ -165,6 +193,8 @@ def info_body(config: RouterConfig, info, limits: Limits, num_blocks: int) -> di
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens, max_waiting_tokens=config.max_waiting_tokens,
         max_batch_size=config.max_batch_size, validation_workers=1, num_shard=info.world_size,
         block_size=info.block_size, speculation=speculation, version=specula_version,
+        adapters=AdapterInfo(max_active_adapters=config.max_active_adapters, adapter_source=config.adapter_source,
+                             preloaded_adapter_ids=list(dict.fromkeys(config.preloaded_adapter_ids))),
     )
     return body.model_dump(mode="json")
 
@@ -197,7 +227,15 @@ def main(
     port: int = typer.Option(3000, envvar="PORT", help="HTTP port."),
     speculative_tokens: int = typer.Option(0, envvar="SPECULATIVE_TOKENS", help="Max draft tokens per step."),
     speculator: Optional[str] = typer.Option(None, envvar="SPECULATOR", help="Speculator served for all requests."),
-    adapter_source: str = typer.Option("hub", envvar="ADAPTER_SOURCE", help="Default adapter source."),
+    adapter_source: str = typer.Option("hub", envvar="ADAPTER_SOURCE",
+                                       help="Source of a request's adapter_id when it names none: hub or local."),
+    max_active_adapters: int = typer.Option(
+        8, envvar="MAX_ACTIVE_ADAPTERS", min=1,
+        help="Adapters loaded at once (the workers' adapter slots); past it the least recently used adapter "
+             "with no queued or running request is offloaded."),
+    preloaded_adapter_ids: List[str] = typer.Option(
+        [], envvar="PRELOADED_ADAPTER_IDS",
+        help="Adapters to load before serving (repeat the flag or separate with commas); a failure stops startup."),
     max_concurrent_requests: int = typer.Option(128, envvar="MAX_CONCURRENT_REQUESTS",
                                                 help="Requests in flight before 429."),
     max_best_of: int = typer.Option(2, envvar="MAX_BEST_OF", help="Largest best_of."),
@@ -228,19 +266,20 @@ def main(
 ) -> None:
     """Serve the HTTP API in front of running model shards."""
     _setup_logging(log_level, json_output)
-    config = RouterConfig(
-        model_id=model_id, master_shard_uds_path=master_shard_uds_path, revision=revision,
-        huggingface_hub_cache=huggingface_hub_cache, hostname=hostname, port=port,
-        speculative_tokens=speculative_tokens, speculator=speculator, adapter_source=adapter_source,
-        max_concurrent_requests=max_concurrent_requests, max_best_of=max_best_of,
-        max_stop_sequences=max_stop_sequences, max_top_n_tokens=max_top_n_tokens, max_input_tokens=max_input_tokens,
-        max_total_tokens=max_total_tokens, waiting_served_ratio=waiting_served_ratio,
-        max_batch_prefill_tokens=max_batch_prefill_tokens, max_batch_total_tokens=max_batch_total_tokens,
-        max_waiting_tokens=max_waiting_tokens, max_batch_size=max_batch_size, payload_limit=payload_limit,
-        cors_allow_origin=tuple(cors_allow_origin), json_output=json_output, num_shard=num_shard,
-        shutdown_timeout=shutdown_timeout, pipeline_depth=pipeline_depth,
-    )
     try:
+        config = RouterConfig(
+            model_id=model_id, master_shard_uds_path=master_shard_uds_path, revision=revision,
+            huggingface_hub_cache=huggingface_hub_cache, hostname=hostname, port=port,
+            speculative_tokens=speculative_tokens, speculator=speculator, adapter_source=adapter_source,
+            max_active_adapters=max_active_adapters, preloaded_adapter_ids=split_ids(preloaded_adapter_ids),
+            max_concurrent_requests=max_concurrent_requests, max_best_of=max_best_of,
+            max_stop_sequences=max_stop_sequences, max_top_n_tokens=max_top_n_tokens, max_input_tokens=max_input_tokens,
+            max_total_tokens=max_total_tokens, waiting_served_ratio=waiting_served_ratio,
+            max_batch_prefill_tokens=max_batch_prefill_tokens, max_batch_total_tokens=max_batch_total_tokens,
+            max_waiting_tokens=max_waiting_tokens, max_batch_size=max_batch_size, payload_limit=payload_limit,
+            cors_allow_origin=tuple(cors_allow_origin), json_output=json_output, num_shard=num_shard,
+            shutdown_timeout=shutdown_timeout, pipeline_depth=pipeline_depth,
+        )
         code = asyncio.run(run(config))
     except ValueError as e:
         logger.error("%s", e)

@@ -2,7 +2,8 @@
 
 All shards run the same step in lockstep (tensor parallelism), so every RPC goes to all of them; Warmup takes
 the minimum budget over shards. A failing shard makes the whole call fail with `ShardError`, which the
-router reports to the requests of that step as a 424.
+router reports to the requests of that step as a 424. LoadAdapter and OffloadAdapter run beside the steps and
+carry no step sequence number; a failed load is an answer (`loaded=False`), not an exception.
 """
 
 from __future__ import annotations
@@ -116,3 +117,39 @@ class ShardedClient:
     async def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> pb.CachedBatch:
         request = pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids, sequence=self._next_sequence())
         return (await self._broadcast("FilterBatch", request))[0].batch
+
+    async def load_adapter(self, adapter_id: str, source: str, api_token: str = "") -> pb.LoadAdapterResponse:
+        """Loads an adapter on every shard; the answer is loaded only when every shard loaded it.
+
+        Otherwise it is the first failing shard's answer, or, for a shard whose RPC failed, a 424 carrying the
+        gRPC error. Shards that did load it while another failed are asked to offload it again, so no slot
+        stays taken by an adapter the router considers unloaded.
+        """
+        request = pb.LoadAdapterRequest(adapter_id=adapter_id, adapter_source=source, api_token=api_token)
+        results = await asyncio.gather(*(stub.LoadAdapter(request) for stub in self._stubs), return_exceptions=True)
+        failure = None
+        for rank, result in enumerate(results):
+            if isinstance(result, grpc.aio.AioRpcError):
+                failure = failure or pb.LoadAdapterResponse(
+                    loaded=False, error_status=424,
+                    error=f"adapter `{adapter_id}`: LoadAdapter failed on shard {rank}: "
+                          f"{result.details() or result.code().name}")
+            elif isinstance(result, BaseException):
+                raise result
+            elif not result.loaded:
+                failure = failure or result
+        if failure is None:
+            return results[0]
+        loaded = [stub for stub, r in zip(self._stubs, results) if isinstance(r, pb.LoadAdapterResponse) and r.loaded]
+        if loaded:
+            offload = pb.OffloadAdapterRequest(adapter_id=adapter_id)
+            undone = await asyncio.gather(*(stub.OffloadAdapter(offload) for stub in loaded), return_exceptions=True)
+            for error in undone:
+                if isinstance(error, BaseException):
+                    logger.error("could not offload the partly loaded adapter %s: %s", adapter_id, error)
+        return failure
+
+    async def offload_adapter(self, adapter_id: str) -> bool:
+        """Frees an adapter on every shard; False when shard 0 did not hold it."""
+        responses = await self._broadcast("OffloadAdapter", pb.OffloadAdapterRequest(adapter_id=adapter_id))
+        return responses[0].offloaded

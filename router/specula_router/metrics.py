@@ -1,7 +1,8 @@
 """Prometheus metrics of the router: TGI's set under the `specula_` prefix, plus what TGI and LoRAX lack.
 
-Additions: time to first token, inter-token latency, and an `adapter` label on per-request metrics (empty
-for the base model). Each `Metrics` owns its registry, so several routers (or tests) can live in one process.
+Additions: time to first token, inter-token latency, an `adapter` label on per-request metrics (empty
+for the base model), and the adapters' own loads, failures and offloads. Each `Metrics` owns its registry, so
+several routers (or tests) can live in one process.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_LOAD_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
 class Metrics:
@@ -75,6 +77,19 @@ class Metrics:
         self.spec_decode_draft_length = histogram(
             "spec_decode_draft_length", "Draft tokens verified per request step", (0, 1, 2, 3, 4, 5, 6, 8, 10, 16),
             spec)
+
+        # Adapters (adapters.py). A load's duration is LoadAdapter's wall time seen by the router: download,
+        # reading and installing the weights on every shard.
+        self.adapter_load_duration = histogram(
+            "adapter_load_duration", "Time to download and load an adapter (s)", _LOAD_SECONDS, ["adapter"])
+        self.adapter_load_failure = counter(
+            "adapter_load_failure", "Adapter loads that failed, by HTTP status given to its requests",
+            ["adapter", "status"])
+        self.adapter_offload = counter("adapter_offload", "Adapters offloaded to make room for another", ["adapter"])
+        self.adapter_active = gauge("adapter_active", "Adapters loaded in the workers")
+        self.adapter_loading = gauge("adapter_loading", "Adapters being loaded")
+        self.adapter_waiting_requests = gauge(
+            "adapter_waiting_requests", "Requests waiting for their adapter to load (also in queue_size)")
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -7,7 +7,7 @@ chosen, and `max_new_tokens` known, so the scheduler can budget its KV cache exa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -43,9 +43,9 @@ class ValidGenerateRequest:
     return_full_text: bool
     top_n_tokens: int  # alternatives per generated token (TGI top_n_tokens / LoRAX return_k_alternatives)
     best_of: int  # 1 unless several sequences are sampled and the best returned
-    adapter_id: str | None = None
-    adapter_source: str | None = None
-    api_token: str | None = None  # never logged
+    adapter_id: str | None = None  # None: the base model
+    adapter_source: str | None = None  # "hub" or "local" when adapter_id is set (the server's default if not given)
+    api_token: str | None = field(default=None, repr=False)  # for LoadAdapter only: never logged nor echoed
     speculative_tokens: int | None = None  # per-request override of the speculation length
 
     @property

@@ -17,7 +17,12 @@ from specula_router.scheduler import Entry, ErrorEvent, FinalEvent, TokenOut, To
 
 
 class GenerationError(Exception):
-    """The request failed in the workers (HTTP 424)."""
+    """The request failed: in the workers (424), or its adapter could not be loaded (the load's status)."""
+
+    def __init__(self, message: str, status: int = 424, error_type: str = "generation") -> None:
+        super().__init__(message)
+        self.status = status
+        self.error_type = error_type
 
 
 class ClientGone(Exception):
@@ -95,7 +100,7 @@ async def collect(entry: Entry, is_disconnected: Callable[[], Awaitable[bool]]) 
             generation.final = event
             return generation
         elif isinstance(event, ErrorEvent):
-            raise GenerationError(event.message)
+            raise GenerationError(event.message, event.status, event.error_type)
 
 
 def _logprob(value: float) -> float | None:

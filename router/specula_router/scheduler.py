@@ -12,6 +12,11 @@ the HTTP handler. The loop:
 Admission is FIFO and exact: a request joins only when blocks for its whole budget
 (prompt + max_new_tokens + speculative lookahead) are free, and a prefill batch stays within
 `max_batch_prefill_tokens`. New requests never wait for the running batch to finish.
+
+A request naming an adapter that is not loaded waits in that adapter's own queue while `AdapterManager`
+loads it in the background, and joins the FIFO when it is ready (or is answered with the load's error), so
+it never holds up the head of the FIFO. From joining the FIFO until it ends, a request keeps its adapter
+counted as in use, and an adapter in use is never offloaded.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable
 
 from specula_proto import generate_pb2 as pb
+from specula_router.adapters import AdapterFailure, AdapterManager
 from specula_router.block_allocator import BlockAllocator
 from specula_router.client import ShardedClient, ShardError, StepResponse
 from specula_router.metrics import Metrics
@@ -86,14 +92,18 @@ class TokensEvent:
 
 @dataclass(frozen=True)
 class ErrorEvent:
+    """The request failed: `/generate` answers `status`; a started stream sends `{error, error_type}`."""
+
     message: str
     error_type: str = "generation"
+    status: int = 424
 
 
 class EntryState(enum.IntEnum):
-    QUEUED = 0
-    RUNNING = 1
-    DONE = 2
+    WAITING_ADAPTER = 0  # in its adapter's queue until the adapter is loaded
+    QUEUED = 1  # in the FIFO
+    RUNNING = 2
+    DONE = 3
 
 
 @dataclass(eq=False)
@@ -143,13 +153,17 @@ def _tokens(tokens: pb.Tokens) -> list[TokenOut]:
 
 class Scheduler:
     def __init__(
-        self, client: ShardedClient, allocator: BlockAllocator, config: SchedulerConfig, metrics: Metrics
+        self, client: ShardedClient, allocator: BlockAllocator, config: SchedulerConfig, metrics: Metrics,
+        adapters: AdapterManager | None = None,
     ) -> None:
         self.client = client
         self.allocator = allocator
         self.config = config
         self.metrics = metrics
+        self.adapters = adapters if adapters is not None else AdapterManager(client, metrics)
+        self.adapters.on_settled = self._adapter_settled
         self.queue: deque[Entry] = deque()
+        self.waiting: dict[str, deque[Entry]] = {}  # adapter id -> its requests, while it is not ready
         self.running: dict[int, Entry] = {}
         self._ids = itertools.count()
         self._batch_ids = itertools.count()
@@ -161,20 +175,61 @@ class Scheduler:
 
     def submit(self, request: ValidGenerateRequest) -> Entry:
         entry = Entry(next(self._ids), request)
-        self.queue.append(entry)
-        self.metrics.queue_size.set(len(self.queue))
-        self._wake.set()
+        if self.adapters.is_ready(entry.adapter):
+            self._enqueue(entry)
+        else:
+            entry.state = EntryState.WAITING_ADAPTER
+            self.waiting.setdefault(entry.adapter, deque()).append(entry)
+            self.adapters.request(entry.adapter, request.adapter_source, request.api_token)
+        self._count_waiting()
         return entry
 
     def cancel(self, entry: Entry) -> None:
-        """The client went away: drop a queued request now, a running one after the current step."""
-        if entry.state is EntryState.QUEUED:
-            entry.state = EntryState.DONE
+        """The client went away: drop a waiting request now, a running one after the current step."""
+        if entry.state is EntryState.WAITING_ADAPTER:
+            waiting = self.waiting[entry.adapter]
+            waiting.remove(entry)
+            if not waiting:
+                del self.waiting[entry.adapter]
+                self.adapters.withdraw(entry.adapter)
+        elif entry.state is EntryState.QUEUED:
             self.queue.remove(entry)
-            self.metrics.queue_size.set(len(self.queue))
-            self.metrics.request_failure.labels("cancelled", entry.adapter).inc()
+            self.adapters.release(entry.adapter)
         elif entry.state is EntryState.RUNNING:
             entry.cancelled = True
+            return
+        else:
+            return
+        entry.state = EntryState.DONE
+        self._count_waiting()
+        self.metrics.request_failure.labels("cancelled", entry.adapter).inc()
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet admitted: in the FIFO or waiting for their adapter."""
+        return len(self.queue) + sum(len(w) for w in self.waiting.values())
+
+    def _enqueue(self, entry: Entry) -> None:
+        entry.state = EntryState.QUEUED
+        self.queue.append(entry)
+        self.adapters.acquire(entry.adapter)
+        self._wake.set()
+
+    def _adapter_settled(self, adapter_id: str, failure: AdapterFailure | None) -> None:
+        """An adapter load ended: its waiting requests join the FIFO, or are answered with the failure."""
+        entries = self.waiting.pop(adapter_id, deque())
+        for entry in entries:
+            if failure is None:
+                self._enqueue(entry)
+            else:
+                event = ErrorEvent(failure.message, failure.error_type, failure.status)
+                self._finish(entry, event, send=False)
+                entry.events.put_nowait(event)  # not through the outbox, which waits for the next step
+        self._count_waiting()
+
+    def _count_waiting(self) -> None:
+        self.metrics.queue_size.set(self.num_waiting)
+        self.metrics.adapter_waiting_requests.set(sum(len(w) for w in self.waiting.values()))
 
     # --- the loop -----------------------------------------------------------------------------------------
 
@@ -263,7 +318,7 @@ class Scheduler:
             entry.state, entry.admitted_at = EntryState.RUNNING, now
             self.running[entry.id] = entry
             self.metrics.request_queue_duration.labels(entry.adapter).observe(now - entry.queued_at)
-        self.metrics.queue_size.set(len(self.queue))
+        self._count_waiting()
         self.metrics.batch_next_size.observe(len(batch))
         return batch
 
@@ -382,9 +437,11 @@ class Scheduler:
             m.spec_decode_accepted_tokens_per_pos.labels(*labels, str(position)).inc()
 
     def _finish(self, entry: Entry, event: FinalEvent | ErrorEvent | None, send: bool = True) -> None:
-        """Ends a running request: frees its blocks and sends its last event (None: its client left)."""
+        """Ends a request: frees its blocks and its adapter, and sends its last event (None: its client left)."""
         if entry.state is EntryState.DONE:
             return
+        if entry.state is not EntryState.WAITING_ADAPTER:
+            self.adapters.release(entry.adapter)
         entry.state = EntryState.DONE
         self.running.pop(entry.id, None)
         self.allocator.free(entry.blocks)

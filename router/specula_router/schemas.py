@@ -22,7 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
-ADAPTER_SOURCES = ("hub", "local", "s3", "pbase")
+ADAPTER_SOURCES = ("hub", "local")  # LoRAX also has s3 and pbase; refused with a 422 naming these
+MAX_ADAPTER_ID_LENGTH = 256
 
 
 def _is_none(value: Any) -> bool:
@@ -66,15 +67,19 @@ class GenerateParameters(_RequestModel):
     """Generation parameters: the union of TGI's and LoRAX's, plus Specula's `speculative_tokens`."""
 
     adapter_id: str | None = Field(
-        None, description="LoRA adapter to apply (LoRAX). Absent or empty: the base model.",
-        examples=["predibase/conllpp"],
+        None, description="Adapter to apply (LoRAX): a Hub repository id, or a directory under the server's "
+        "`--adapter-dir` for source `local`; at most 256 characters. Absent or empty: the base model. The first "
+        "request for an adapter loads it; its requests wait for the load while others keep running.",
+        json_schema_extra={"maxLength": MAX_ADAPTER_ID_LENGTH}, examples=["predibase/conllpp"],
     )
     adapter_source: str | None = Field(
-        None, description="Where `adapter_id` lives.", json_schema_extra={"enum": list(ADAPTER_SOURCES)},
-        examples=["hub"],
+        None, description="Where `adapter_id` lives. Default: the server's `--adapter-source`.",
+        json_schema_extra={"enum": list(ADAPTER_SOURCES)}, examples=["hub"],
     )
     merged_adapters: MergedAdapters | None = Field(None, description="LoRAX adapter merging; not supported yet.")
-    api_token: str | None = Field(None, description="Token for private adapters. Never logged.")
+    api_token: str | None = Field(
+        None, description="Hub token used to download a private adapter (default: the server's HF_TOKEN). "
+        "Never logged nor echoed.")
     best_of: int | None = Field(
         None, description="Sample this many sequences and return the one with the highest log-probability. "
         "> 1 needs sampling, no `seed`, and no streaming.", json_schema_extra={"exclusiveMinimum": 0},
@@ -322,8 +327,20 @@ class SpeculationInfo(BaseModel):
     speculator: str | None = Field(None, description="Speculator served for every request, if any.")
 
 
+class AdapterInfo(BaseModel):
+    """How the server serves adapters (Specula; LoRAX takes these as launcher flags but does not report them)."""
+
+    max_active_adapters: int = Field(..., description="Adapters loaded at once; past it the least recently used "
+                                                      "idle one is offloaded (`--max-active-adapters`).",
+                                      examples=[8])
+    adapter_source: str = Field(..., description="Source of a request's `adapter_id` when it names none "
+                                                 "(`--adapter-source`).", examples=["hub"])
+    preloaded_adapter_ids: list[str] = Field(default_factory=list, description="Adapters loaded at startup "
+                                             "(`--preloaded-adapter-ids`).", examples=[["org/code-lora"]])
+
+
 class Info(BaseModel):
-    """Answer of `GET /info`: TGI's fields plus Specula's speculation and KV-cache settings."""
+    """Answer of `GET /info`: TGI's fields plus Specula's speculation, adapter and KV-cache settings."""
 
     model_config = ConfigDict(protected_namespaces=())
 
@@ -348,6 +365,7 @@ class Info(BaseModel):
     num_shard: int = Field(1, description="Tensor-parallel shards.", examples=[1])
     block_size: int = Field(..., description="Tokens per KV cache block.", examples=[16])
     speculation: SpeculationInfo
+    adapters: AdapterInfo
     version: str = Field(..., examples=["0.1.0"])
     sha: str | None = Field(None, examples=[None])
     docker_label: str | None = Field(None, examples=[None])

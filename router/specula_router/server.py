@@ -2,8 +2,9 @@
 
 Routes: `POST /` (compat: JSON array or SSE), `/generate`, `/generate_stream`, `/tokenize`, `GET /health`,
 `/info`, `/metrics`, OpenAPI at `/docs` and `/api-doc/openapi.json`. Errors are `{"error", "error_type"}`:
-422 validation, 429 overloaded (rejected at once), 424 generation (worker or adapter failure), 413 payload
-too large, 503 unhealthy; inside a stream an error is an SSE event.
+422 validation, 429 overloaded (rejected at once), 424 generation (worker or adapter failure), 400 an adapter
+id the workers refuse, 413 payload too large, 503 unhealthy; inside a started stream an error is an SSE event.
+A stream whose adapter is still loading starts only once it is loaded, so a failed load is an HTTP status too.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from specula_router.responses import (
     ClientGone, DisconnectWatch, Generation, GenerationError, collect, generate_body, next_event, token_body,
     top_tokens_body,
 )
-from specula_router.scheduler import Entry, ErrorEvent, Scheduler, TokensEvent
+from specula_router.scheduler import Entry, EntryState, ErrorEvent, Scheduler, TokensEvent
 from specula_router.schemas import (
     CompatGenerateRequest, ErrorResponse, GenerateRequest, GenerateResponse, Info, SimpleToken, StreamResponse,
     TokenizeRequest,
@@ -77,7 +78,7 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
         state.metrics.request_failure.labels("validation", "").inc()
         return error(422, format_request_errors(exc.errors()), "validation")
 
-    errors = {code: {"model": ErrorResponse} for code in (413, 422, 424, 429)}
+    errors = {code: {"model": ErrorResponse} for code in (400, 413, 422, 424, 429)}
     sse = {"text/event-stream": {"schema": StreamResponse.model_json_schema(ref_template="#/components/schemas/{model}")}}
 
     @app.post("/generate", tags=["Text Generation Inference"],
@@ -160,14 +161,9 @@ async def _admit(state: RouterState, inputs: str, parameters, stream: bool) -> t
         raise _Rejected(error(422, e.message, "validation")) from None
     elapsed = time.monotonic() - start
     state.metrics.request_validation_duration.observe(elapsed)
-    if valid.adapter_id:
-        state.in_flight -= 1
-        state.metrics.request_failure.labels("generation", valid.adapter_id).inc()
-        raise _Rejected(error(424, f"adapter `{valid.adapter_id}` is not available: this server does not serve "
-                                   "adapters yet", "generation"))
-    m = state.metrics
-    m.request_count.labels("").inc()
-    m.request_input_length.labels("").observe(valid.input_length)
+    m, adapter = state.metrics, valid.adapter_id or ""
+    m.request_count.labels(adapter).inc()
+    m.request_input_length.labels(adapter).observe(valid.input_length)
     m.request_max_new_tokens.observe(valid.stopping.max_new_tokens)
     return valid, elapsed
 
@@ -205,7 +201,7 @@ async def _generate(state: RouterState, inputs: str, parameters, request: Reques
     try:
         generations = await asyncio.gather(*(collect(e, request.is_disconnected) for e in entries))
     except GenerationError as e:
-        return error(424, str(e), "generation")
+        return error(e.status, str(e), e.error_type)
     except ClientGone:
         return error(499, "client disconnected", "cancelled")
     finally:
@@ -218,7 +214,7 @@ async def _generate(state: RouterState, inputs: str, parameters, request: Reques
     others = [(t, g) for t, (g, _) in zip(texts[1:], ranked[1:])]
     body = generate_body(texts[0], best, others, valid.input_length, valid.details, valid.top_n_tokens > 0)
     headers = _timing_headers(state, best_entry, arrived, validation_s, best, valid.input_length)
-    state.metrics.request_duration.labels("").observe(time.monotonic() - arrived)
+    state.metrics.request_duration.labels(valid.adapter_id or "").observe(time.monotonic() - arrived)
     return JSONResponse(body, headers=headers)
 
 
@@ -229,8 +225,23 @@ async def _generate_stream(state: RouterState, inputs: str, parameters, request:
     except _Rejected as r:
         return r.response
     entry = state.scheduler.submit(valid)
+    first = None
+    if entry.state is EntryState.WAITING_ADAPTER:
+        # Answer only once the adapter is loaded, so a failed load gets its HTTP status like any refusal.
+        streaming = False
+        try:
+            first = await next_event(entry, DisconnectWatch(request.is_disconnected))
+            if isinstance(first, ErrorEvent):
+                return error(first.status, first.message, first.error_type)
+            streaming = True
+        except ClientGone:
+            return error(499, "client disconnected", "cancelled")
+        finally:
+            if not streaming:
+                state.in_flight -= 1
+                state.scheduler.cancel(entry)
     headers = {"x-compute-type": state.compute_type, "x-accel-buffering": "no", "cache-control": "no-cache"}
-    return StreamingResponse(_events(state, valid, entry, request, arrived), media_type="text/event-stream",
+    return StreamingResponse(_events(state, valid, entry, request, arrived, first), media_type="text/event-stream",
                              headers=headers)
 
 
@@ -239,13 +250,19 @@ def _sse(payload: dict) -> str:
 
 
 async def _events(state: RouterState, valid: ValidGenerateRequest, entry: Entry, request: Request,
-                  arrived: float) -> AsyncIterator[str]:
-    """One SSE event per token; the last carries the generated text and details (TGI's stream format)."""
+                  arrived: float, first: object | None = None) -> AsyncIterator[str]:
+    """One SSE event per token; the last carries the generated text and details (TGI's stream format).
+
+    `first` is an event already taken from the entry (while waiting for its adapter), sent before the rest.
+    """
     text_prefix = valid.inputs if valid.return_full_text else ""
     watch = DisconnectWatch(request.is_disconnected)
     try:
         while True:
-            event = await next_event(entry, watch)
+            if first is not None:
+                event, first = first, None
+            else:
+                event = await next_event(entry, watch)
             if isinstance(event, ErrorEvent):
                 yield _sse({"error": event.message, "error_type": event.error_type})
                 return
@@ -266,7 +283,7 @@ async def _events(state: RouterState, valid: ValidGenerateRequest, entry: Entry,
                                               "generated_tokens": final.generated_tokens, "seed": final.seed}
                 yield _sse(payload)
             if final is not None:
-                state.metrics.request_duration.labels("").observe(time.monotonic() - arrived)
+                state.metrics.request_duration.labels(valid.adapter_id or "").observe(time.monotonic() - arrived)
                 return
     except ClientGone:
         return

@@ -13,6 +13,8 @@ Resolution rules (where Specula differs from TGI/LoRAX, the reason is given):
 - `truncate` keeps the last `truncate` tokens of the encoded prompt, BOS included in the count (TGI).
 - A missing seed is drawn from the validator's generator, so all shards sample alike.
 - `grammar`, `response_format`, `watermark` and `merged_adapters` are refused, never silently ignored.
+- `adapter_id` "" means the base model (LoRAX); a named adapter gets `adapter_source` (default: the server's
+  `--adapter-source`) and keeps the request's `api_token`, which no error message ever repeats.
 
 `Validator.validate` is synchronous and may tokenise a long prompt: run it in a thread pool.
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import math
 import random
+import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +31,7 @@ from typing import Any
 import tokenizers
 
 from specula_router.requests import SamplingParameters, StoppingParameters, ValidGenerateRequest
-from specula_router.schemas import ADAPTER_SOURCES, GenerateParameters, SimpleToken
+from specula_router.schemas import ADAPTER_SOURCES, MAX_ADAPTER_ID_LENGTH, GenerateParameters, SimpleToken
 
 MAX_SEED = 2**64 - 1
 
@@ -76,11 +79,16 @@ class Validator:
     """Checks generate requests against `limits` and tokenises their prompts."""
 
     def __init__(
-        self, tokenizer: tokenizers.Tokenizer, limits: ValidationLimits, rng: random.Random | None = None
+        self, tokenizer: tokenizers.Tokenizer, limits: ValidationLimits, rng: random.Random | None = None,
+        default_adapter_source: str = "hub",
     ) -> None:
+        if default_adapter_source not in ADAPTER_SOURCES:
+            raise ValueError(f"--adapter-source must be one of {', '.join(ADAPTER_SOURCES)}; "
+                             f"got {default_adapter_source!r}")
         self.tokenizer = tokenizer
         self.limits = limits
         self.rng = rng if rng is not None else random.Random()
+        self.default_adapter_source = default_adapter_source
 
     def validate(self, inputs: str, params: GenerateParameters, stream: bool = False) -> ValidGenerateRequest:
         """Check every parameter, tokenise and truncate the prompt, and fill in every default.
@@ -90,12 +98,7 @@ class Validator:
         if not inputs:
             raise ValidationError("`inputs` cannot be empty", "inputs")
         self._check_unsupported(params)
-        adapter_id = params.adapter_id or None  # LoRAX sends "" for the base model
-        if params.adapter_source is not None and params.adapter_source not in ADAPTER_SOURCES:
-            raise ValidationError(
-                f"`adapter_source` must be one of {list(ADAPTER_SOURCES)}. Given: {params.adapter_source!r}",
-                "adapter_source",
-            )
+        adapter_id, adapter_source = self._adapter(params)
         sampling = self._sampling(params)
         best_of = self._best_of(params, sampling, stream)
         if stream and params.decoder_input_details:
@@ -136,8 +139,8 @@ class Validator:
             top_n_tokens=top_n_tokens,
             best_of=best_of,
             adapter_id=adapter_id,
-            adapter_source=params.adapter_source,
-            api_token=params.api_token,
+            adapter_source=adapter_source,
+            api_token=params.api_token if adapter_id is not None else None,
             speculative_tokens=speculative_tokens,
         )
 
@@ -182,6 +185,24 @@ class Validator:
             raise ValidationError(
                 "`merged_adapters` is not supported yet: use `adapter_id` with a single adapter", "merged_adapters"
             )
+
+    def _adapter(self, params: GenerateParameters) -> tuple[str | None, str | None]:
+        """(adapter_id, adapter_source); (None, None) for the base model. Never quotes `api_token`."""
+        source = params.adapter_source
+        if source is not None and source not in ADAPTER_SOURCES:
+            raise ValidationError(f"`adapter_source` must be one of {list(ADAPTER_SOURCES)}. Given: {source!r}",
+                                  "adapter_source")
+        adapter_id = params.adapter_id or None  # LoRAX sends "" for the base model
+        if adapter_id is None:
+            return None, None
+        if len(adapter_id) > MAX_ADAPTER_ID_LENGTH:
+            raise ValidationError(f"`adapter_id` must be at most {MAX_ADAPTER_ID_LENGTH} characters. "
+                                  f"Given: {len(adapter_id)}", "adapter_id")
+        if any(unicodedata.category(char) == "Cc" for char in adapter_id):
+            raise ValidationError("`adapter_id` must not contain control characters", "adapter_id")
+        if adapter_id != adapter_id.strip():
+            raise ValidationError("`adapter_id` must not start or end with whitespace", "adapter_id")
+        return adapter_id, source or self.default_adapter_source
 
     def _sampling(self, params: GenerateParameters) -> SamplingParameters:
         temperature = params.temperature if params.temperature is not None else 1.0

@@ -1,21 +1,35 @@
 """A fake set of shards for scheduler tests: answers like a worker, without a model.
 
-Request r's k-th generated token is `1000 * r + k` with text "t{k} "; a request finishes after
-max_new_tokens. Like the real worker, calls start when they are made and run strictly in order (a FIFO lock),
-batches that ended are remembered so pipelined Decodes may still name them, and unknown ids are errors.
-Calls are recorded so tests can check what the scheduler sent.
+Request r's k-th generated token is `1000 * r + k` with text "t{k} " on the base model and "{adapter}:t{k} "
+with an adapter; a request finishes after max_new_tokens. Like the real worker, steps start when they are made
+and run strictly in order (a FIFO lock), batches that ended are remembered so pipelined Decodes may still name
+them, unknown ids are errors, and a Prefill naming an adapter that is not loaded fails. LoadAdapter and
+OffloadAdapter run beside the steps, as in the worker; each adapter's load can be made slow or failing
+(`AdapterBehaviour`), and `max_adapter_slots` refuses loads past the workers' slots. Calls are recorded so tests
+can check what the router sent; `offloaded_in_use` lists offloads of an adapter a live request still used.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from specula_proto import generate_pb2 as pb
 from specula_router.client import ShardError, StepResponse
 
 
+@dataclass
+class AdapterBehaviour:
+    """How the fake answers LoadAdapter for one adapter."""
+
+    delay: float = 0.0  # seconds the load takes
+    error: str | None = None  # set: the load fails with this message ...
+    status: int = 424  # ... and this status
+    kind: str = "lora"
+
+
 class FakeClient:
-    def __init__(self, step_delay: float = 0.0) -> None:
+    def __init__(self, step_delay: float = 0.0, max_adapter_slots: int | None = None) -> None:
         self.batches: dict[int, list[pb.Request]] = {}
         self.retired: set[int] = set()
         self.generated: dict[int, int] = {}
@@ -23,6 +37,13 @@ class FakeClient:
         self.fail_next: str | None = None  # "prefill" or "decode": the next such call fails
         self.step_delay = step_delay
         self._lock = asyncio.Lock()
+        self.adapters: dict[str, AdapterBehaviour] = {}  # per adapter id; others load at once
+        self.loaded_adapters: set[str] = set()
+        self.max_adapter_slots = max_adapter_slots
+        self.adapter_calls: list[tuple[str, str]] = []  # ("load" | "offload", adapter id), in order
+        self.load_requests: list[pb.LoadAdapterRequest] = []
+        self.offloaded_in_use: list[str] = []
+        self._prefilling: list[list[pb.Request]] = []  # prefills sent and not finished
 
     def _start(self, coro):
         return asyncio.ensure_future(self._in_order(coro))
@@ -43,10 +64,10 @@ class FakeClient:
             k = self.generated.get(r.id, 0)
             self.generated[r.id] = k + 1
             gen = pb.Generation(request_id=r.id, tokens=pb.Tokens(
-                ids=[1000 * r.id + k], logprobs=[-0.5], texts=[f"t{k} "], is_special=[False]))
+                ids=[1000 * r.id + k], logprobs=[-0.5], texts=[token_text(r.adapter_id, k)], is_special=[False]))
             if k + 1 >= r.stopping_parameters.max_new_tokens:
                 gen.generated_text.CopyFrom(pb.GeneratedText(
-                    text="".join(f"t{i} " for i in range(k + 1)), generated_tokens=k + 1,
+                    text="".join(token_text(r.adapter_id, i) for i in range(k + 1)), generated_tokens=k + 1,
                     finish_reason=pb.FINISH_REASON_LENGTH, seed=r.parameters.seed))
             else:
                 live.append(r)
@@ -61,10 +82,19 @@ class FakeClient:
 
     def prefill(self, batch: pb.Batch):
         self.calls.append(("prefill", [r.id for r in batch.requests]))
+        requests = list(batch.requests)
+        self._prefilling.append(requests)
 
         async def run():
-            await self._maybe_fail("prefill")
-            return self._step(batch.id, list(batch.requests))
+            try:
+                await self._maybe_fail("prefill")
+                missing = [r for r in requests if r.adapter_id and r.adapter_id not in self.loaded_adapters]
+                if missing:
+                    raise ShardError(f"Prefill failed: request {missing[0].id}: adapter `{missing[0].adapter_id}` "
+                                     "is not loaded on this worker")
+                return self._step(batch.id, requests)
+            finally:
+                self._prefilling.remove(requests)
 
         return self._start(run())
 
@@ -111,3 +141,33 @@ class FakeClient:
 
     async def health(self, timeout: float = 5.0) -> None:
         return None
+
+    async def load_adapter(self, adapter_id: str, source: str, api_token: str = "") -> pb.LoadAdapterResponse:
+        self.adapter_calls.append(("load", adapter_id))
+        self.load_requests.append(pb.LoadAdapterRequest(adapter_id=adapter_id, adapter_source=source,
+                                                        api_token=api_token))
+        behaviour = self.adapters.get(adapter_id, AdapterBehaviour())
+        await asyncio.sleep(behaviour.delay)
+        if behaviour.error is not None:
+            return pb.LoadAdapterResponse(loaded=False, error=behaviour.error, error_status=behaviour.status,
+                                          load_seconds=behaviour.delay)
+        slots = self.max_adapter_slots
+        if slots is not None and adapter_id not in self.loaded_adapters and len(self.loaded_adapters) >= slots:
+            return pb.LoadAdapterResponse(loaded=False, error_status=424,
+                                          error=f"adapter `{adapter_id}`: all {slots} adapter slots are in use")
+        self.loaded_adapters.add(adapter_id)
+        return pb.LoadAdapterResponse(loaded=True, kind=behaviour.kind, load_seconds=behaviour.delay)
+
+    async def offload_adapter(self, adapter_id: str) -> bool:
+        self.adapter_calls.append(("offload", adapter_id))
+        live = [r for batch in [*self.batches.values(), *self._prefilling] for r in batch]
+        if any(r.adapter_id == adapter_id for r in live):
+            self.offloaded_in_use.append(adapter_id)
+        offloaded = adapter_id in self.loaded_adapters
+        self.loaded_adapters.discard(adapter_id)
+        return offloaded
+
+
+def token_text(adapter_id: str, k: int) -> str:
+    """The fake's k-th token text: adapters can be told apart by their output."""
+    return f"{adapter_id}:t{k} " if adapter_id else f"t{k} "

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 
 import httpx
 import pytest
 import tokenizers
-from fake_worker import FakeClient
+from fake_worker import AdapterBehaviour, FakeClient
 from prometheus_client.parser import text_string_to_metric_families
 
+from specula_router.adapters import AdapterManager
 from specula_router.block_allocator import BlockAllocator
 from specula_router.metrics import Metrics
 from specula_router.scheduler import Scheduler, SchedulerConfig
@@ -27,10 +29,13 @@ def tokenizer(tmp_path_factory):
     return tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
 
 
-def make_state(tokenizer, max_concurrent=8, step_delay=0.0):
+def make_state(tokenizer, max_concurrent=8, step_delay=0.0, adapters=None, max_active_adapters=8):
     metrics = Metrics()
     client = FakeClient(step_delay)
-    scheduler = Scheduler(client, BlockAllocator(256, 16), SchedulerConfig(max_batch_prefill_tokens=512), metrics)
+    client.adapters.update(adapters or {})
+    manager = AdapterManager(client, metrics, max_active_adapters)
+    scheduler = Scheduler(client, BlockAllocator(256, 16), SchedulerConfig(max_batch_prefill_tokens=512), metrics,
+                          manager)
     validator = Validator(tokenizer, ValidationLimits(max_input_tokens=100, max_total_tokens=200),
                           rng=random.Random(0))
     info = {"model_id": "fake", "max_total_tokens": 200, "speculation": {"method": "none"}}
@@ -153,12 +158,132 @@ def test_worker_failure_is_424_and_an_error_event_in_a_stream(tokenizer):
     call(state, fn)
 
 
-def test_adapter_requests_fail_clearly_until_adapters_are_served(tokenizer):
-    async def fn(client):
-        r = await client.post("/generate", json={"inputs": "x", "parameters": {"adapter_id": "org/lora"}})
-        assert r.status_code == 424 and "org/lora" in r.json()["error"]
+def sse_events(response) -> list[dict]:
+    return [json.loads(line[5:]) for line in response.text.split("\n\n") if line.startswith("data:")]
 
-    call(make_state(tokenizer), fn)
+
+def test_adapter_requests_are_served_by_their_adapter(tokenizer):
+    async def fn(client):
+        r = await client.post("/generate", json={"inputs": "x", "parameters": {
+            "adapter_id": "org/lora", "max_new_tokens": 2, "details": True}})
+        assert r.status_code == 200 and r.json()["generated_text"] == "org/lora:t0 org/lora:t1 "
+        r = await client.post("/", json={"inputs": "x", "stream": True, "parameters": {
+            "adapter_id": "org/other", "adapter_source": "local", "max_new_tokens": 2}})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert [e["token"]["text"] for e in sse_events(r)] == ["org/other:t0 ", "org/other:t1 "]
+        r = await client.post("/", json={"inputs": "x", "parameters": {"adapter_id": "", "max_new_tokens": 1}})
+        assert r.json()[0]["generated_text"] == "t0 "  # LoRAX's empty id: the base model
+
+    state = make_state(tokenizer)
+    call(state, fn)
+    assert [(r.adapter_id, r.adapter_source) for r in state.client.load_requests] == [
+        ("org/lora", "hub"), ("org/other", "local")]
+
+
+def test_base_requests_flow_while_an_adapter_loads(tokenizer):
+    async def fn(client):
+        slow = asyncio.create_task(client.post("/generate", json={"inputs": "x", "parameters": {
+            "adapter_id": "org/slow", "max_new_tokens": 1}}))
+        await asyncio.sleep(0.05)
+        for _ in range(3):
+            r = await client.post("/generate", json={"inputs": "y", "parameters": {"max_new_tokens": 3}})
+            assert r.status_code == 200 and r.json()["generated_text"] == "t0 t1 t2 "
+        assert not slow.done()
+        assert (await slow).json()["generated_text"] == "org/slow:t0 "
+
+    call(make_state(tokenizer, adapters={"org/slow": AdapterBehaviour(delay=1.0)}), fn)
+
+
+@pytest.mark.parametrize("path,stream", [("/generate", None), ("/generate_stream", None), ("/", False), ("/", True)])
+def test_failed_adapter_load_is_the_workers_status_with_its_reason(tokenizer, path, stream):
+    adapters = {"org/missing": AdapterBehaviour(delay=0.05, error="adapter `org/missing`: repository not found"),
+                "../etc": AdapterBehaviour(error="adapter `../etc` is outside the adapter directories", status=400)}
+
+    async def fn(client):
+        def body(adapter_id):
+            payload = {"inputs": "x", "parameters": {"adapter_id": adapter_id, "max_new_tokens": 2}}
+            return payload if stream is None else {**payload, "stream": stream}
+
+        base = asyncio.create_task(client.post(path, json={**body(""), "parameters": {"max_new_tokens": 2}}))
+        r = await client.post(path, json=body("org/missing"))
+        assert r.status_code == 424
+        assert r.json() == {"error": "adapter `org/missing`: repository not found", "error_type": "generation"}
+        r = await client.post(path, json=body("../etc"))
+        assert r.status_code == 400 and r.json()["error_type"] == "validation" and "outside" in r.json()["error"]
+        assert (await base).status_code == 200
+
+    state = make_state(tokenizer, adapters=adapters)
+    call(state, fn)
+    assert state.in_flight == 0 and state.scheduler.num_waiting == 0
+
+
+def test_adapter_fields_are_validated_with_422(tokenizer):
+    async def fn(client):
+        for parameters, message in [
+            ({"adapter_id": "a" * 257}, "`adapter_id` must be at most 256 characters. Given: 257"),
+            ({"adapter_id": "org/\u0007lora"}, "`adapter_id` must not contain control characters"),
+            ({"adapter_id": "org/lora", "adapter_source": "s3"}, "`adapter_source` must be one of ['hub', 'local']"),
+            ({"adapter_id": ["org/lora"]}, "`parameters.adapter_id`"),
+            ({"adapter_id": "org/lora", "api_token": 5}, "`parameters.api_token`"),
+        ]:
+            r = await client.post("/generate", json={"inputs": "x", "parameters": parameters})
+            assert r.status_code == 422 and r.json()["error_type"] == "validation", parameters
+            assert message in r.json()["error"], (parameters, r.json())
+
+    state = make_state(tokenizer)
+    call(state, fn)
+    assert state.client.load_requests == []
+
+
+def test_api_token_is_never_logged_nor_echoed(tokenizer, caplog):
+    token = "hf_SeCrEtToKeN123"
+    adapters = {"org/private": AdapterBehaviour(delay=0.02),
+                "org/denied": AdapterBehaviour(error=f"adapter `org/denied`: 401 for token {token}")}
+
+    async def fn(client):
+        texts = []
+        for adapter_id in ("org/private", "org/denied"):
+            for path, stream in (("/generate", None), ("/", True)):
+                payload = {"inputs": "x", "parameters": {"adapter_id": adapter_id, "api_token": token,
+                                                         "max_new_tokens": 2, "details": True}}
+                if stream is not None:
+                    payload["stream"] = stream
+                r = await client.post(path, json=payload)
+                texts.append(r.text + json.dumps(dict(r.headers)))
+        r = await client.post("/generate", json={"inputs": "x", "parameters": {
+            "adapter_id": "org/\u0000", "api_token": token}})
+        assert r.status_code == 422
+        texts.append(r.text)
+        texts.append((await client.get("/metrics")).text + (await client.get("/info")).text)
+        return texts
+
+    caplog.set_level(logging.DEBUG)
+    state = make_state(tokenizer, adapters=adapters)
+    texts = call(state, fn)
+    assert all(token not in t for t in texts)
+    assert any("***" in t for t in texts)  # the worker's message that quoted it, redacted
+    assert caplog.records and all(token not in r.getMessage() for r in caplog.records)
+    assert [r.api_token for r in state.client.load_requests] == [token] * 3  # it did reach the loads
+
+
+def test_adapter_metrics_are_served(tokenizer):
+    async def fn(client):
+        for adapter_id in ("a", "bad", "b"):  # one slot: a is offloaded for bad, whose slot b then takes
+            await client.post("/generate", json={"inputs": "x", "parameters": {"adapter_id": adapter_id,
+                                                                               "max_new_tokens": 1}})
+        text = (await client.get("/metrics")).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
+        assert samples[("specula_adapter_load_duration_count", (("adapter", "a"),))] == 1
+        assert samples[("specula_adapter_load_failure_total", (("adapter", "bad"), ("status", "424")))] == 1
+        assert samples[("specula_adapter_offload_total", (("adapter", "a"),))] == 1
+        assert samples[("specula_adapter_active", ())] == 1
+        assert samples[("specula_request_count_total", (("adapter", "b"),))] == 1
+        assert samples[("specula_request_success_total", (("adapter", "a"),))] == 1
+        assert samples[("specula_request_failure_total", (("adapter", "bad"), ("err", "generation")))] == 1
+
+    call(make_state(tokenizer, max_active_adapters=1, adapters={"bad": AdapterBehaviour(error="no such adapter")}),
+         fn)
 
 
 def test_best_of_returns_the_best_and_the_others(tokenizer):

@@ -19,6 +19,7 @@ import pytest
 import tokenizers
 
 from specula_router.schemas import (
+    AdapterInfo,
     AlternativeToken,
     BestOfSequence,
     CompatGenerateRequest,
@@ -123,7 +124,8 @@ def test_every_parameter_is_documented():
     schema = GenerateParameters.model_json_schema()
     undocumented = [name for name, prop in schema["properties"].items() if not prop.get("description")]
     assert undocumented == []
-    assert schema["properties"]["adapter_source"]["enum"] == ["hub", "local", "s3", "pbase"]
+    assert schema["properties"]["adapter_source"]["enum"] == ["hub", "local"]
+    assert schema["properties"]["adapter_id"]["maxLength"] == 256
     assert GenerateRequest.model_json_schema()["examples"][0]["inputs"]
 
 
@@ -291,18 +293,21 @@ def test_published_clients_parse_our_responses():
 # -- info and tokenize ------------------------------------------------------------------------------------
 
 
-def test_info_reports_speculation_and_legacy_input_length():
+def test_info_reports_speculation_adapters_and_legacy_input_length():
     info = Info(
         model_id="org/model", model_dtype="bfloat16", model_device_type="cuda", max_concurrent_requests=128,
         max_best_of=2, max_stop_sequences=4, max_top_n_tokens=5, max_input_tokens=1024, max_total_tokens=2048,
         waiting_served_ratio=1.2, max_batch_total_tokens=32000, max_waiting_tokens=20, validation_workers=2,
         block_size=16, version="0.1.0",
         speculation=SpeculationInfo(method="ngram", max_speculative_tokens=4, mode="adaptive"),
+        adapters=AdapterInfo(max_active_adapters=4, adapter_source="hub", preloaded_adapter_ids=["org/a"]),
     )
     dumped = json.loads(info.model_dump_json())
     assert dumped["max_input_length"] == dumped["max_input_tokens"] == 1024
     assert dumped["speculation"] == {"method": "ngram", "max_speculative_tokens": 4, "mode": "adaptive",
                                      "reserved_lookahead_tokens": 0, "speculator": None}
+    assert dumped["adapters"] == {"max_active_adapters": 4, "adapter_source": "hub",
+                                  "preloaded_adapter_ids": ["org/a"]}
     assert dumped["model_sha"] is None and dumped["num_shard"] == 1
     assert Info.model_validate(dumped) == info  # the computed field is ignored on the way in
 

@@ -158,7 +158,14 @@ REJECTED = [
     ({"speculative_tokens": -1}, False, "speculative_tokens",
      "`speculative_tokens` must be >= 0 and <= 4. Given: -1"),
     ({"adapter_source": "ftp"}, False, "adapter_source",
-     "`adapter_source` must be one of ['hub', 'local', 's3', 'pbase']. Given: 'ftp'"),
+     "`adapter_source` must be one of ['hub', 'local']. Given: 'ftp'"),
+    ({"adapter_id": "org/a", "adapter_source": "s3"}, False, "adapter_source",
+     "`adapter_source` must be one of ['hub', 'local']. Given: 's3'"),
+    ({"adapter_id": "a" * 257}, False, "adapter_id", "`adapter_id` must be at most 256 characters. Given: 257"),
+    ({"adapter_id": "org/lora\n"}, False, "adapter_id", "`adapter_id` must not contain control characters"),
+    ({"adapter_id": "org/\x00lora"}, False, "adapter_id", "`adapter_id` must not contain control characters"),
+    ({"adapter_id": "org/\x7flora"}, False, "adapter_id", "`adapter_id` must not contain control characters"),
+    ({"adapter_id": " org/lora"}, False, "adapter_id", "`adapter_id` must not start or end with whitespace"),
     ({"grammar": {"type": "regex", "value": "a+"}}, False, "grammar",
      "`grammar` (structured output) is not supported yet"),
     ({"response_format": {"type": "json_object", "schema": {}}}, False, "response_format",
@@ -304,7 +311,27 @@ def test_top_n_tokens_aliases(validator, kwargs, expected):
 
 
 def test_empty_adapter_id_means_base_model(validator):
-    assert validator.validate(PROMPT, params(adapter_id="")).adapter_id is None
+    request = validator.validate(PROMPT, params(adapter_id="", adapter_source="local", api_token="secret"))
+    assert (request.adapter_id, request.adapter_source, request.api_token) == (None, None, None)
+
+
+def test_adapter_source_defaults_to_the_servers(tokenizer):
+    assert Validator(tokenizer, LIMITS).validate(PROMPT, params(adapter_id="a")).adapter_source == "hub"
+    local = Validator(tokenizer, LIMITS, default_adapter_source="local")
+    request = local.validate(PROMPT, params(adapter_id="x" * 256))
+    assert (request.adapter_id, request.adapter_source) == ("x" * 256, "local")
+    assert local.validate(PROMPT, params(adapter_id="a", adapter_source="hub")).adapter_source == "hub"
+    with pytest.raises(ValueError, match="--adapter-source must be one of hub, local"):
+        Validator(tokenizer, LIMITS, default_adapter_source="s3")
+
+
+def test_api_token_is_kept_for_the_load_but_never_shown(validator):
+    request = validator.validate(PROMPT, params(adapter_id="org/private", api_token="hf_secret_token"))
+    assert request.api_token == "hf_secret_token"
+    assert "hf_secret_token" not in repr(request) and "hf_secret_token" not in str(request)
+    with pytest.raises(ValidationError) as info:
+        validator.validate(PROMPT, params(adapter_id="org/\x00", api_token="hf_secret_token"))
+    assert "hf_secret_token" not in info.value.message
 
 
 def test_checks_run_before_tokenisation(tokenizer):

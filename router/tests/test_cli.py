@@ -1,0 +1,111 @@
+"""The router's command line and startup: adapter flags, their checks, /info, and preloading before serving."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+import typer
+from fake_worker import AdapterBehaviour, FakeClient
+from typer.testing import CliRunner
+
+from specula_proto import generate_pb2 as pb
+from specula_router import cli, server
+from specula_router.client import ShardedClient
+from specula_server.testing.tokenizer import build_tokenizer
+
+
+def parse(args: list[str], env: dict[str, str] | None = None, monkeypatch: pytest.MonkeyPatch | None = None) -> dict:
+    for name, value in (env or {}).items():
+        assert monkeypatch is not None
+        monkeypatch.setenv(name, value)
+    return typer.main.get_command(cli.app).make_context("specula-router", ["--model-id", "m", *args]).params
+
+
+def test_adapter_flags_and_environment(monkeypatch):
+    for name in ("MAX_ACTIVE_ADAPTERS", "PRELOADED_ADAPTER_IDS", "ADAPTER_SOURCE"):
+        monkeypatch.delenv(name, raising=False)
+    params = parse([])
+    assert (params["max_active_adapters"], list(params["preloaded_adapter_ids"]), params["adapter_source"]) == (
+        8, [], "hub")
+    params = parse(["--preloaded-adapter-ids", "a,b", "--preloaded-adapter-ids", "c", "--max-active-adapters", "3"])
+    assert cli.split_ids(params["preloaded_adapter_ids"]) == ("a", "b", "c") and params["max_active_adapters"] == 3
+    params = parse([], {"PRELOADED_ADAPTER_IDS": "org/a,org/b org/c", "MAX_ACTIVE_ADAPTERS": "4"}, monkeypatch)
+    assert cli.split_ids(params["preloaded_adapter_ids"]) == ("org/a", "org/b", "org/c")
+    assert params["max_active_adapters"] == 4
+    with pytest.raises(Exception, match="greater than or equal to 1"):
+        parse(["--max-active-adapters", "0"])
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    (dict(adapter_source="s3"), "--adapter-source must be one of hub, local; got 's3'"),
+    (dict(max_active_adapters=0), "--max-active-adapters must be at least 1; got 0"),
+    (dict(max_active_adapters=1, preloaded_adapter_ids=("a", "b")),
+     r"--preloaded-adapter-ids names 2 adapters, more than --max-active-adapters \(1\)"),
+    (dict(preloaded_adapter_ids=("x" * 300,)), "is not an adapter id"),
+])
+def test_adapter_settings_are_checked(settings, message):
+    with pytest.raises(ValueError, match=message):
+        cli.RouterConfig(model_id="m", master_shard_uds_path="/tmp/s-0", **settings)
+
+
+class StartupClient(FakeClient):
+    """The fake worker with the startup RPCs the router calls before serving."""
+
+    async def info(self) -> pb.InfoResponse:
+        return pb.InfoResponse(model_id="m", dtype="float32", device_type="cpu", block_size=16,
+                               max_position_embeddings=512, world_size=1,
+                               speculation=pb.SpeculationInfo(method="none", mode="off"))
+
+    async def warmup(self, *limits) -> pb.WarmupResponse:
+        return pb.WarmupResponse(num_blocks=64)
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.fixture()
+def startup(tmp_path, monkeypatch):
+    """Runs `cli.run` against a StartupClient; uvicorn's serve is replaced by a check of the state it would serve."""
+    build_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 512}')
+    client = StartupClient()
+    served: list[server.RouterState] = []
+
+    async def connect(url, timeout=30.0):
+        return client
+
+    async def serve(self):
+        served.append(self.config.app.state.router)
+        served.append(set(client.loaded_adapters))  # what the workers held when serving began
+
+    monkeypatch.setattr(ShardedClient, "connect", staticmethod(connect))
+    monkeypatch.setattr("uvicorn.Server.serve", serve)
+    config = dict(model_id=str(tmp_path), master_shard_uds_path="/tmp/unused-0", max_active_adapters=2)
+    return client, served, config
+
+
+def test_preloaded_adapters_are_loaded_before_serving_and_reported(startup):
+    client, served, config = startup
+    code = asyncio.run(cli.run(cli.RouterConfig(**config, preloaded_adapter_ids=("org/a", "org/b"))))
+    state, loaded = served
+    assert code == 0 and loaded == {"org/a", "org/b"}
+    assert client.adapter_calls == [("load", "org/a"), ("load", "org/b")]
+    assert state.info["adapters"] == {"max_active_adapters": 2, "adapter_source": "hub",
+                                      "preloaded_adapter_ids": ["org/a", "org/b"]}
+    assert state.scheduler.adapters.is_ready("org/a") and state.scheduler.adapters.max_active_adapters == 2
+
+
+def test_a_preload_failure_stops_startup_naming_the_adapter(startup, caplog):
+    client, served, config = startup
+    client.adapters["org/bad"] = AdapterBehaviour(error="adapter `org/bad`: no adapter_config.json")
+    with pytest.raises(ValueError, match="preloaded adapter `org/bad` could not be loaded: .*no adapter_config.json"):
+        asyncio.run(cli.run(cli.RouterConfig(**config, preloaded_adapter_ids=("org/good", "org/bad"))))
+    assert served == []
+
+    caplog.set_level(logging.ERROR)
+    result = CliRunner().invoke(cli.app, [
+        "--model-id", config["model_id"], "--preloaded-adapter-ids", "org/bad"])
+    assert result.exit_code == 2 and served == []
+    assert any("preloaded adapter `org/bad`" in r.getMessage() for r in caplog.records)

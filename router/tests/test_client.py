@@ -1,0 +1,93 @@
+"""`ShardedClient`'s adapter RPCs over real gRPC, against two in-process shards that answer as told."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from specula_proto import generate_pb2 as pb
+from specula_proto import generate_pb2_grpc
+from specula_router.client import ShardedClient
+
+
+class AdapterShard(generate_pb2_grpc.TextGenerationServiceServicer):
+    """Loads whatever it is asked to, unless `refuse` (answer loaded=False) or `abort` (fail the RPC) say no."""
+
+    def __init__(self, refuse: str | None = None, abort: str | None = None) -> None:
+        self.refuse, self.abort = refuse, abort
+        self.loaded: set[str] = set()
+        self.requests: list[pb.LoadAdapterRequest] = []
+
+    async def LoadAdapter(self, request, context):
+        self.requests.append(request)
+        if self.abort is not None:
+            await context.abort(grpc.StatusCode.INTERNAL, self.abort)
+        if self.refuse is not None:
+            return pb.LoadAdapterResponse(loaded=False, error=self.refuse, error_status=400)
+        self.loaded.add(request.adapter_id)
+        return pb.LoadAdapterResponse(loaded=True, kind="lora", load_seconds=0.25)
+
+    async def OffloadAdapter(self, request, context):
+        offloaded = request.adapter_id in self.loaded
+        self.loaded.discard(request.adapter_id)
+        return pb.OffloadAdapterResponse(offloaded=offloaded)
+
+
+def with_shards(tmp_path, shards: list[AdapterShard], body) -> None:
+    async def main():
+        servers, channels = [], []
+        for rank, shard in enumerate(shards):
+            server = grpc.aio.server()
+            generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(shard, server)
+            url = f"unix://{tmp_path}/shard-{rank}"
+            server.add_insecure_port(url)
+            await server.start()
+            servers.append(server)
+            channels.append(grpc.aio.insecure_channel(url))
+        client = ShardedClient(channels)
+        try:
+            await body(client)
+        finally:
+            await client.close()
+            await asyncio.gather(*(s.stop(None) for s in servers))
+
+    asyncio.run(main())
+
+
+def test_an_adapter_loads_on_every_shard_and_offloads(tmp_path):
+    shards = [AdapterShard(), AdapterShard()]
+
+    async def body(client):
+        response = await client.load_adapter("org/lora", "hub", "hf_token")
+        assert (response.loaded, response.kind, response.load_seconds) == (True, "lora", 0.25)
+        assert all(s.loaded == {"org/lora"} for s in shards)
+        assert [(r.adapter_source, r.api_token) for s in shards for r in s.requests] == [("hub", "hf_token")] * 2
+        assert await client.offload_adapter("org/lora") is True
+        assert await client.offload_adapter("org/lora") is False
+        assert all(not s.loaded for s in shards)
+
+    with_shards(tmp_path, shards, body)
+
+
+def test_one_shard_refusing_fails_the_load_and_the_others_let_go(tmp_path):
+    shards = [AdapterShard(), AdapterShard(refuse="adapter `../x` is outside the adapter directories")]
+
+    async def body(client):
+        response = await client.load_adapter("../x", "local")
+        assert (response.loaded, response.error_status) == (False, 400) and "outside" in response.error
+        assert shards[0].loaded == set()  # offloaded again: no slot stays taken
+
+    with_shards(tmp_path, shards, body)
+
+
+def test_a_failed_rpc_is_a_424_with_its_message(tmp_path):
+    shards = [AdapterShard(abort="CUDA out of memory"), AdapterShard()]
+
+    async def body(client):
+        response = await client.load_adapter("org/big", "hub")
+        assert (response.loaded, response.error_status) == (False, 424)
+        assert response.error == "adapter `org/big`: LoadAdapter failed on shard 0: CUDA out of memory"
+        assert shards[1].loaded == set()
+
+    with_shards(tmp_path, shards, body)
