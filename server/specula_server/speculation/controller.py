@@ -65,6 +65,7 @@ class StepCostModel:
     decay: float = 0.95
     prior_ratio: float = 1 / 16
     overhead: float = 0.0  # extra seconds a step spends because it verifies drafts at all (bookkeeping, masks)
+    learning: bool = True  # False: the anchors alone (a fixed cost profile, e.g. for reproducible tests)
     _anchors: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, N, T, N*N, N*T
     _recent: list[float] = field(default_factory=lambda: [0.0] * 5)
 
@@ -77,10 +78,14 @@ class StepCostModel:
         self._anchors = [s + x for s, x in zip(self._anchors, self._point(num_tokens, seconds))]
 
     def observe(self, num_tokens: int, seconds: float) -> None:
+        if not self.learning:
+            return
         self._recent = [self.decay * s + x for s, x in zip(self._recent, self._point(num_tokens, seconds))]
 
     def observe_speculative(self, num_tokens: int, seconds: float) -> None:
         """A step that verified drafts: what it cost beyond a plain forward over as many tokens."""
+        if not self.learning:
+            return
         residual = max(seconds - self.predict(num_tokens), 0.0)
         self.overhead = 0.9 * self.overhead + 0.1 * residual
 
