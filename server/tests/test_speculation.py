@@ -320,3 +320,17 @@ def test_cost_model_fits_the_slope_and_falls_back_to_a_prior():
         same_size.observe(1, 0.017)
     t0, t1 = same_size.coefficients()
     assert math.isclose(t0 + t1, 0.017) and math.isclose(t1, t0 * same_size.prior_ratio)
+
+
+def test_a_spike_in_verification_overhead_does_not_stop_speculation_for_good():
+    cost = StepCostModel()
+    for n in (1, 4, 16, 64):
+        cost.anchor(n, 0.004 + 0.0001 * n)
+    cost.observe_speculative(7, 10.0)  # one step paused for seconds: counted as one plain step's cost at most
+    assert cost.overhead <= 0.1 * cost.predict(7) + 1e-9
+    cost.overhead = 1.0  # however high the estimate got, declined steps bring it back until drafting pays
+    steps = 0
+    while choose_draft_lengths([6], [0.85], cost, "adaptive") == [0]:
+        cost.declined()
+        steps += 1
+    assert 0 < steps < 200

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 ACCEPTANCE_DECAY = 0.8  # per drafting step, the weight of earlier trials in the acceptance estimate
+OVERHEAD_DECAY = 0.95  # per declined step, the fraction of the verification overhead estimate kept
 RETRY_DRIFT = 0.02  # per step without drafts, the fraction of the evidence forgotten (back toward the prior)
 
 
@@ -86,8 +87,19 @@ class StepCostModel:
         """A step that verified drafts: what it cost beyond a plain forward over as many tokens."""
         if not self.learning:
             return
-        residual = max(seconds - self.predict(num_tokens), 0.0)
+        predicted = self.predict(num_tokens)
+        # One slow step (a pause of the process, a cold cache) must not outweigh the rest: a single
+        # observation counts for at most one plain step's cost.
+        residual = min(max(seconds - predicted, 0.0), predicted)
         self.overhead = 0.9 * self.overhead + 0.1 * residual
+
+    def declined(self) -> None:
+        """A step that could have verified drafts but was judged not worth it. The overhead is only measured
+        on steps that verify, so an estimate left too high would stop speculation for good; it decays here
+        until drafting is tried again and measured anew (one probing step in a few dozen, when it truly
+        does not pay)."""
+        if self.learning:
+            self.overhead *= OVERHEAD_DECAY
 
     def coefficients(self) -> tuple[float, float]:
         weight, sum_n, sum_t, sum_nn, sum_nt = (a + r for a, r in zip(self._anchors, self._recent))
