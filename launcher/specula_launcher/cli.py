@@ -50,6 +50,9 @@ def main(
         "latest", envvar="NGRAM_MATCH", help="Which earlier occurrence prompt lookup copies: latest or earliest."),
     speculator: Optional[str] = typer.Option(
         None, envvar="SPECULATOR", help="Speculator (Medusa, MLPSpeculator or draft model): path or Hub id."),
+    draft_tree_width: int = typer.Option(
+        1, envvar="DRAFT_TREE_WIDTH",
+        help="Candidates per Medusa head: 1 verifies the top-1 chain, more verify a tree of the best nodes."),
     adapter_source: str = typer.Option(
         "hub", envvar="ADAPTER_SOURCE", help="Source of a request's adapter_id when it names none: hub or local."),
     adapter_dir: Optional[List[str]] = typer.Option(

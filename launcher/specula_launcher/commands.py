@@ -5,7 +5,8 @@ Shards (one per rank, identical arguments, the rank in the environment as torch.
     python -m specula_server.cli serve MODEL --uds-path /tmp/specula-server --dtype float32 --device cpu
         --block-size 16 --max-active-adapters 8 [--revision R] [--huggingface-hub-cache DIR]
         [--kv-cache-memory SIZE] [--adapter-dir DIR ...]
-        [--speculative-tokens N --speculation-mode M --ngram-min A --ngram-max B --ngram-match W]
+        [--speculative-tokens N --speculation-mode M --ngram-min A --ngram-max B --ngram-match W
+         --draft-tree-width K [--speculator S]]
     env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOG_LEVEL (+ the launcher's own environment)
 
 Router (connects to shard 0, which lists the others through ServiceDiscovery):
@@ -48,7 +49,8 @@ def shard_command(config: LauncherConfig) -> list[str]:
     for name in ("revision", "huggingface_hub_cache", "kv_cache_memory", "adapter_dir"):
         argv += _flag(name, getattr(config, name))
     if config.speculative_tokens > 0:
-        for name in ("speculative_tokens", "speculation_mode", "ngram_min", "ngram_max", "ngram_match"):
+        for name in ("speculative_tokens", "speculation_mode", "ngram_min", "ngram_max", "ngram_match",
+                     "speculator", "draft_tree_width"):
             argv += _flag(name, getattr(config, name))
     return argv
 

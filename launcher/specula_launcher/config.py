@@ -62,6 +62,7 @@ class LauncherConfig:
     ngram_max: int = 3
     ngram_match: str = "latest"
     speculator: str | None = None
+    draft_tree_width: int = 1
     adapter_source: str = "hub"
     adapter_dir: tuple[str, ...] = ()  # directories whose subdirectories are the `local` adapters
     max_active_adapters: int = 8
@@ -133,7 +134,7 @@ def _check_choices(c: LauncherConfig) -> None:
 def _check_ranges(c: LauncherConfig) -> None:
     at_least = {
         "--num-shard": (c.num_shard, 1), "--speculative-tokens": (c.speculative_tokens, 0),
-        "--max-active-adapters": (c.max_active_adapters, 1),
+        "--max-active-adapters": (c.max_active_adapters, 1), "--draft-tree-width": (c.draft_tree_width, 1),
         "--max-concurrent-requests": (c.max_concurrent_requests, 1), "--max-best-of": (c.max_best_of, 1),
         "--max-stop-sequences": (c.max_stop_sequences, 0), "--max-top-n-tokens": (c.max_top_n_tokens, 0),
         "--max-input-tokens": (c.max_input_tokens, 1), "--max-total-tokens": (c.max_total_tokens, 2),

@@ -33,6 +33,7 @@ ENV_VARS = (
     "MAX_BATCH_TOTAL_TOKENS", "MAX_WAITING_TOKENS", "MAX_BATCH_SIZE", "SHARD_UDS_PATH", "MASTER_ADDR",
     "MASTER_PORT", "HUGGINGFACE_HUB_CACHE", "JSON_OUTPUT", "PAYLOAD_LIMIT", "CORS_ALLOW_ORIGIN", "KV_CACHE_MEMORY",
     "BLOCK_SIZE", "SHUTDOWN_TIMEOUT", "LOG_LEVEL", "ADAPTER_DIR", "MAX_ACTIVE_ADAPTERS", "PRELOADED_ADAPTER_IDS",
+    "DRAFT_TREE_WIDTH",
 )
 NO_GPU = dict(count_cuda_devices=lambda: 0)
 
@@ -200,8 +201,10 @@ def test_shard_command_and_environment(tmp_path: Path) -> None:
                                 "--max-active-adapters", "8", "--revision", "v1", "--huggingface-hub-cache", "/data",
                                 "--kv-cache-memory", "4GiB"]
     c = build_config(model_id=model, speculative_tokens=4, speculation_mode="fixed", ngram_max=4, **NO_GPU)
-    assert shard_command(c)[-10:] == ["--speculative-tokens", "4", "--speculation-mode", "fixed", "--ngram-min", "1",
-                                      "--ngram-max", "4", "--ngram-match", "latest"]
+    assert shard_command(c)[-12:] == ["--speculative-tokens", "4", "--speculation-mode", "fixed", "--ngram-min", "1",
+                                      "--ngram-max", "4", "--ngram-match", "latest", "--draft-tree-width", "1"]
+    c = build_config(model_id=model, speculative_tokens=4, speculator="/m/heads", draft_tree_width=3, **NO_GPU)
+    assert shard_command(c)[-4:] == ["--speculator", "/m/heads", "--draft-tree-width", "3"]
     with pytest.raises(ValueError, match="--speculation-mode"):
         build_config(model_id=model, speculation_mode="sometimes", **NO_GPU)
     c = build_config(model_id=model, num_shard=2, master_port=29600, log_level="debug", **NO_GPU)

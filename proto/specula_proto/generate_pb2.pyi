@@ -183,7 +183,7 @@ class GeneratedText(_message.Message):
     def __init__(self, text: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Generation(_message.Message):
-    __slots__ = ("request_id", "prefill_tokens", "tokens", "generated_text", "top_tokens", "drafted_tokens", "accepted_tokens")
+    __slots__ = ("request_id", "prefill_tokens", "tokens", "generated_text", "top_tokens", "drafted_tokens", "accepted_tokens", "draft_method")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +191,7 @@ class Generation(_message.Message):
     TOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_METHOD_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     prefill_tokens: Tokens
     tokens: Tokens
@@ -198,7 +199,8 @@ class Generation(_message.Message):
     top_tokens: _containers.RepeatedCompositeFieldContainer[Tokens]
     drafted_tokens: int
     accepted_tokens: int
-    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+    draft_method: str
+    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_method: _Optional[str] = ...) -> None: ...
 
 class FilterBatchRequest(_message.Message):
     __slots__ = ("batch_id", "request_ids", "sequence")

@@ -415,17 +415,20 @@ class Scheduler:
             entry.last_token_at = now
             entry.num_generated += len(tokens)
             entry.num_skipped += len(tokens) - 1
-            self._count_speculation(entry, generation.drafted_tokens, generation.accepted_tokens)
+            self._count_speculation(entry, generation.drafted_tokens, generation.accepted_tokens,
+                                    generation.draft_method)
             prefill = _tokens(generation.prefill_tokens) if generation.HasField("prefill_tokens") else None
             top = [_tokens(t) for t in generation.top_tokens]
             self._outbox.append((entry, TokensEvent(tokens, top, prefill, final)))
         if final is not None:
             self._finish(entry, final, send=not tokens)
 
-    def _count_speculation(self, entry: Entry, drafted: int, accepted: int) -> None:
+    def _count_speculation(self, entry: Entry, drafted: int, accepted: int, method: str = "") -> None:
+        """Speculation metrics, labelled by the drafter of this step (requests of one batch may use different
+        ones: an adapter's Medusa heads, prompt lookup)."""
         if self.config.speculation_method == "none":
             return
-        labels = (self.config.speculation_method, entry.adapter)
+        labels = (method or self.config.speculation_method, entry.adapter)
         m = self.metrics
         m.spec_decode_draft_length.labels(*labels).observe(drafted)
         if drafted == 0:

@@ -18,6 +18,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from specula_kernels.paged_attention import GroupedAttentionInputs, PagedAttentionInputs
 from specula_server.request import RequestState
+from specula_server.speculation.drafters import Draft
 
 
 @dataclass
@@ -53,16 +54,25 @@ class StepInputs:
 
 
 def build_step(
-    requests: Sequence[RequestState], starts: Sequence[int], counts: Sequence[int], device: torch.device
+    requests: Sequence[RequestState], starts: Sequence[int], counts: Sequence[int], device: torch.device,
+    trees: Sequence[Draft | None] | None = None,
 ) -> StepInputs:
     """Builds one forward step: request i feeds positions `[starts[i], starts[i] + counts[i])`.
 
     When one-token sequences (plain decodes) sit next to longer ones (drafts being verified), attention runs
     in two groups so the one-token sequences are not padded to the longest draft.
+
+    `trees[i]`, when given, is a tree of drafts request i verifies: its `counts[i]` tokens are the root and
+    the tree's nodes, stored (tokens and KV) at buffer indices `starts[i] + 1 + node` as a chain would be, but
+    each node sits at position `starts[i] + depth` and attends to the context and its own ancestors only.
     """
+    trees = list(trees) if trees is not None else [None] * len(requests)
     spans = [(r, s, s + c) for r, s, c in zip(requests, starts, counts)]
     input_ids = torch.cat([r.token_ids[s:e] for r, s, e in spans]).to(device)
-    positions = torch.cat([torch.arange(s, e) for _, s, e in spans]).to(device)
+    positions = torch.cat([
+        torch.arange(s, e) if tree is None else s + torch.tensor([0] + tree.depths(), dtype=torch.long)
+        for (_, s, e), tree in zip(spans, trees)
+    ]).to(device)
     slot_mapping = torch.cat([r.slots[s:e] for r, s, e in spans])
     row_ends = torch.tensor(counts).cumsum(0)
     row_starts = (row_ends - torch.tensor(counts)).tolist()
@@ -71,14 +81,16 @@ def build_step(
         groups = []
         for members in (singles, [i for i, c in enumerate(counts) if c > 1]):
             rows = torch.cat([torch.arange(row_starts[i], row_starts[i] + counts[i]) for i in members]).to(device)
-            groups.append((rows, _attention_inputs([spans[i] for i in members], slot_mapping, device)))
+            groups.append((rows, _attention_inputs([spans[i] for i in members], slot_mapping, device,
+                                                   [trees[i] for i in members])))
         attn = GroupedAttentionInputs(slot_mapping, groups)
     else:
-        attn = _attention_inputs(spans, slot_mapping, device)
+        attn = _attention_inputs(spans, slot_mapping, device, trees)
     return StepInputs(input_ids, positions, attn, (row_ends - 1).to(device), row_starts, list(counts))
 
 
-def _attention_inputs(spans, slot_mapping: torch.Tensor, device: torch.device) -> PagedAttentionInputs:
+def _attention_inputs(spans, slot_mapping: torch.Tensor, device: torch.device,
+                      trees: Sequence[Draft | None]) -> PagedAttentionInputs:
     """Attention metadata for `(request, start, end)` spans whose tokens are laid out one after another."""
     starts = [s for _, s, _ in spans]
     counts = [e - s for _, s, e in spans]
@@ -96,6 +108,12 @@ def _attention_inputs(spans, slot_mapping: torch.Tensor, device: torch.device) -
     counts_t = torch.tensor(counts, device=device)
     query_valid = torch.arange(max_query, device=device).unsqueeze(0) < counts_t.unsqueeze(1)
     mask = _causal_mask(starts, counts, context_slots.shape[1], device)
+    if any(tree is not None for tree in trees):
+        mask = mask.clone()
+        for i, tree in enumerate(trees):
+            if tree is not None:  # a node sees the context, the root and its ancestors, never its siblings
+                s, c = starts[i], counts[i]
+                mask[i, 0, :c, s : s + c] = tree.ancestors().to(device)
     return PagedAttentionInputs(slot_mapping, context_slots, query_index, query_valid, mask)
 
 

@@ -60,6 +60,12 @@ def serve(
     ngram_max: int = typer.Option(3, envvar="NGRAM_MAX", min=1, help="Longest n-gram prompt lookup matches."),
     ngram_match: str = typer.Option("latest", envvar="NGRAM_MATCH",
                                     help="Which earlier occurrence drafts: latest or earliest."),
+    speculator: Optional[str] = typer.Option(
+        None, envvar="SPECULATOR",
+        help="Medusa heads (directory or Hub id) drafting for every request that has none of its own."),
+    draft_tree_width: int = typer.Option(
+        1, envvar="DRAFT_TREE_WIDTH", min=1,
+        help="Candidates per Medusa head: 1 verifies the top-1 chain, more verify a tree of the best nodes."),
     adapter_dir: list[Path] = typer.Option(
         [], envvar="ADAPTER_DIR",
         help="Directory whose subdirectories are the `local` adapters requests may name (repeatable)."),
@@ -79,7 +85,7 @@ def serve(
             world_size=world_size, master_addr=master_addr, master_port=master_port,
             speculative_tokens=speculative_tokens, speculation_mode=speculation_mode, ngram_min=ngram_min,
             ngram_max=ngram_max, ngram_match=ngram_match, adapter_dirs=tuple(adapter_dir),
-            max_active_adapters=max_active_adapters,
+            max_active_adapters=max_active_adapters, speculator=speculator, draft_tree_width=draft_tree_width,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e

@@ -32,8 +32,8 @@ from specula_server.sampling import Sampler, SamplingRow
 from specula_server.speculation.controller import (
     StepCostModel, choose_draft_lengths, worth_drafting,
 )
-from specula_server.speculation.drafters import Drafter
-from specula_server.speculation.verify import verify
+from specula_server.speculation.drafters import Draft, Drafter
+from specula_server.speculation.verify import Verdict, verify
 
 logger = logging.getLogger("specula.generator")
 
@@ -223,7 +223,8 @@ class TextGenerator:
         assert self.kv_cache is not None
         lora = self._lora(batch.requests, step.counts)
         hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attn, lora)
-        logits = self.model.compute_logits(hidden[step.last_rows])  # [num_seqs, vocab]
+        last_hidden = hidden[step.last_rows]
+        logits = self.model.compute_logits(last_hidden)  # [num_seqs, vocab]
         forward_done = time.perf_counter_ns()
         self.step_cost.observe(step.input_ids.numel(), (forward_done - start) / 1e9)
 
@@ -235,6 +236,7 @@ class TextGenerator:
 
         outputs = []
         for i, r in enumerate(requests):
+            r.last_hidden = last_hidden[i]
             prefill = None
             if with_prefill_logprobs and r.spec.prefill_logprobs:
                 prefill = self._prefill_tokens(r, hidden, step.row_starts[i])
@@ -282,24 +284,30 @@ class TextGenerator:
         lengths = choose_draft_lengths([len(p) for p in proposals], [r.acceptance.value for r in reqs],
                                        self.step_cost, self.speculation.mode)
         if not any(lengths):  # nothing worth verifying: a plain step, at a plain step's cost
+            if any(len(p) for p in proposals):
+                self.step_cost.declined()
             for r in reqs:
                 r.acceptance.observe(0, 0)
             step = build_step(reqs, [r.num_tokens - 1 for r in reqs], [1] * len(reqs), self.device)
             return self._run(batch, step, start, with_prefill_logprobs=False)
-        drafts = [p[:k].tolist() for p, k in zip(proposals, lengths)]
+        drafts = [p.truncated(k) for p, k in zip(proposals, lengths)]
         for r, d in zip(reqs, drafts):  # the buffer tail past num_tokens is free: drafts go there
-            r.token_ids[r.num_tokens : r.num_tokens + len(d)] = torch.tensor(d, dtype=torch.long)
+            r.token_ids[r.num_tokens : r.num_tokens + len(d)] = d.tokens
+        trees = [None if d.is_chain else d for d in drafts]
         counts = [len(d) + 1 for d in drafts]
-        step = build_step(reqs, [r.num_tokens - 1 for r in reqs], counts, self.device)
+        step = build_step(reqs, [r.num_tokens - 1 for r in reqs], counts, self.device, trees)
         hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attn,
                             self._lora(reqs, counts))
         logits = self.model.compute_logits(hidden)  # [sum(counts), vocab]
         forward_done = time.perf_counter_ns()
         self.step_cost.observe_speculative(sum(counts), (forward_done - start) / 1e9)
 
+        methods = [self.speculation.drafter.method_for(r) if len(d) else "" for r, d in zip(reqs, drafts)]
         verdicts, processed = verify(logits, reqs, drafts, step.row_starts, self.sampler)
+        self._compact_accepted_paths(reqs, drafts, verdicts)
         outputs = []
-        for r, v in zip(reqs, verdicts):
+        for r, v, method in zip(reqs, verdicts, methods):
+            r.last_hidden = hidden[v.rows[-1]]
             tokens = []
             for token_id, logprob in zip(v.token_ids, v.logprobs):
                 tokens.append(r.append(token_id, logprob))
@@ -309,11 +317,32 @@ class TextGenerator:
             tops = self._row_top_tokens(processed if processed is not None else logits, v.rows[: len(tokens)],
                                         r.spec.top_n_tokens, normalized=processed is not None)
             out = StepOutput(r.id, tokens, tops, num_drafted=v.num_drafted,
-                             num_accepted=min(v.num_accepted, len(tokens)))
+                             num_accepted=min(v.num_accepted, len(tokens)), draft_method=method)
             if r.is_finished:
                 out.generated_text = r.generated_text()
             outputs.append(out)
         return self._end_step(batch, outputs, start, forward_done)
+
+    def _compact_accepted_paths(self, reqs: Sequence[RequestState], drafts: Sequence[Draft],
+                                verdicts: Sequence[Verdict]) -> None:
+        """Moves the KV of each tree's accepted nodes to the positions they now hold in the sequence.
+
+        Node i was written at buffer index `num_tokens + i`; the accepted node at depth d belongs at
+        `num_tokens + d - 1`. Chains, and tree paths along the first nodes, are already in place. Rejected
+        nodes' slots are past the sequence's end and are overwritten by later steps, never read.
+        """
+        assert self.kv_cache is not None
+        src: list[torch.Tensor] = []
+        dst: list[torch.Tensor] = []
+        for r, d, v in zip(reqs, drafts, verdicts):
+            if d.is_chain:
+                continue
+            moves = [(r.num_tokens + node, r.num_tokens + depth) for depth, node in enumerate(v.path) if node != depth]
+            if moves:
+                src.append(r.slots[[m[0] for m in moves]])
+                dst.append(r.slots[[m[1] for m in moves]])
+        if src:
+            self.kv_cache.move(torch.cat(src), torch.cat(dst))
 
     def _lora(self, requests: Sequence[RequestState], counts: Sequence[int]) -> LoraBatch | None:
         if self.adapters is None:

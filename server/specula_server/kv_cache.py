@@ -46,6 +46,12 @@ class KVCache:
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copies every layer's keys and values from slots `src` to slots `dst` (all read before any write)."""
+        for keys, values in self.layers:
+            keys.index_copy_(0, dst, keys.index_select(0, src))
+            values.index_copy_(0, dst, values.index_select(0, src))
+
 
 def slots_for_blocks(blocks: torch.Tensor, block_size: int) -> torch.Tensor:
     """Slot of every position a block table covers: position p -> blocks[p // bs] * bs + p % bs.

@@ -46,6 +46,7 @@ class StepOutput:
     generated_text: GeneratedText | None = None
     num_drafted: int = 0  # draft tokens verified this step
     num_accepted: int = 0  # of which accepted and emitted
+    draft_method: str = ""  # the drafter that proposed them ("ngram", "medusa"; "" when none)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ class RequestState:
     num_tokens: int  # prompt + generated tokens so far
     finish_reason: FinishReason | None = None
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # of its draft tokens
+    # Final-normed hidden state of the position its last token was chosen from (what Medusa heads read).
+    last_hidden: torch.Tensor | None = None
 
     @classmethod
     def create(

@@ -24,7 +24,10 @@ from specula_server.generator import SpeculationConfig, TextGenerator
 from specula_server.hub import resolve_model_dir, weight_files
 from specula_server.models import build_model
 from specula_server.models.config import ModelConfig
+from specula_server.adapters.medusa import MedusaHeads, load_medusa
+from specula_server.adapters.sources import detect_adapter_kind, resolve_adapter
 from specula_server.speculation.drafters import PromptLookupDrafter
+from specula_server.speculation.medusa import MedusaDrafter
 from specula_server.service import ExceptionInterceptor, TextGenerationService, WorkerInfo
 from specula_server.tokens import eos_token_ids, load_tokenizer
 from specula_server.weights import Weights
@@ -57,6 +60,8 @@ class ServerConfig:
     ngram_match: str = "latest"
     adapter_dirs: tuple[Path, ...] = ()  # where `local` adapters may be read from
     max_active_adapters: int = 8
+    speculator: str | None = None  # Medusa heads for every request without its own: a directory or Hub id
+    draft_tree_width: int = 1  # candidates per Medusa head (1: verify the top-1 chain only)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -73,6 +78,8 @@ class ServerConfig:
             raise ValueError(f"need 1 <= ngram_min ({self.ngram_min}) <= ngram_max ({self.ngram_max})")
         if self.ngram_match not in ("latest", "earliest"):
             raise ValueError(f"ngram match must be 'latest' or 'earliest', got {self.ngram_match!r}")
+        if self.draft_tree_width < 1:
+            raise ValueError(f"draft tree width must be at least 1, got {self.draft_tree_width}")
         if self.max_active_adapters < 1:
             raise ValueError(f"max_active_adapters must be at least 1, got {self.max_active_adapters}")
 
@@ -99,17 +106,48 @@ def load_generator(config: ServerConfig, group: ShardGroup) -> tuple[TextGenerat
     model = build_model(model_config, weights, group)
     tokenizer = load_tokenizer(model_dir)
     raw_config = {"eos_token_id": list(model_config.eos_token_ids)}
-    speculation = None
-    if config.speculative_tokens > 0:
-        drafter = PromptLookupDrafter(config.ngram_min, config.ngram_max, config.ngram_match)
-        speculation = SpeculationConfig(drafter, config.speculative_tokens, config.speculation_mode)
     adapters = AdapterRegistry(model_config, rank=group.rank, world_size=group.world_size, dtype=dtype,
                                device=device, max_active=config.max_active_adapters,
                                local_roots=config.adapter_dirs, hub_cache=config.hub_cache)
+    speculation = None
+    if config.speculative_tokens > 0:
+        speculator = load_speculator(config, model_config, dtype, device)
+        drafter = build_drafter(model, adapters, PromptLookupDrafter(config.ngram_min, config.ngram_max,
+                                                                     config.ngram_match),
+                                speculator, config.draft_tree_width)
+        speculation = SpeculationConfig(drafter, config.speculative_tokens, config.speculation_mode)
     generator = TextGenerator(model, tokenizer, eos_token_ids(model_dir, raw_config), config.block_size, device,
                               speculation, adapters)
     sha = model_dir.name if "snapshots" in model_dir.parts else ""
     return generator, sha
+
+
+def load_speculator(config: ServerConfig, model_config: ModelConfig, dtype: torch.dtype,
+                    device: torch.device) -> MedusaHeads | None:
+    """The `--speculator` Medusa heads (a local directory or a Hub id), checked against the model."""
+    if not config.speculator:
+        return None
+    if Path(config.speculator).is_dir():
+        path = Path(config.speculator)
+    else:
+        path = resolve_adapter(config.speculator, "hub", cache_dir=config.hub_cache)
+    kind = detect_adapter_kind(path, config.speculator)
+    if kind != "medusa":
+        raise ValueError(f"--speculator {config.speculator}: a {kind} adapter; --speculator serves Medusa heads "
+                         "(LoRA adapters are chosen per request with adapter_id)")
+    return load_medusa(path, model_config, dtype=dtype, device=device, adapter_id=config.speculator)
+
+
+def build_drafter(model, adapters: AdapterRegistry, fallback: PromptLookupDrafter, speculator: MedusaHeads | None,
+                  tree_width: int) -> MedusaDrafter:
+    """Per request: its adapter's Medusa heads, else the server's speculator, else prompt lookup."""
+
+    def heads_for(request):
+        own = adapters.medusa_heads(request.spec.adapter_id)
+        return own if own is not None else speculator
+
+    return MedusaDrafter(heads_for, model.compute_logits, fallback, tree_width,
+                         name="medusa" if speculator is not None else None)
 
 
 async def serve(config: ServerConfig) -> int:

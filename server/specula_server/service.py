@@ -270,6 +270,7 @@ def generation_to_pb(out: StepOutput) -> pb.Generation:
         top_tokens=[tokens_to_pb(t) for t in out.top_tokens],
         drafted_tokens=out.num_drafted,
         accepted_tokens=out.num_accepted,
+        draft_method=out.draft_method,
     )
     if out.prefill_tokens is not None:
         gen.prefill_tokens.CopyFrom(tokens_to_pb(out.prefill_tokens))

@@ -26,6 +26,7 @@ import torch
 
 from specula_kernels.sgmv import sgmv
 from specula_server.adapters.lora import LoraWeights, load_lora
+from specula_server.adapters.medusa import MedusaHeads, load_medusa
 from specula_server.adapters.sources import AdapterError, detect_adapter_kind, resolve_adapter
 
 if TYPE_CHECKING:  # the model imports this module
@@ -53,6 +54,7 @@ class LoadedAdapter:
     rank: int
     projections: frozenset[str]
     load_seconds: float
+    medusa: MedusaHeads | None = None  # the adapter's Medusa heads ("medusa" and "lora+medusa" adapters)
 
 
 @dataclass
@@ -115,23 +117,28 @@ class AdapterRegistry:
             path = resolve_adapter(adapter_id, source, local_roots=self.local_roots, api_token=api_token,
                                    cache_dir=self.hub_cache)
             kind = detect_adapter_kind(path, adapter_id)
-            if kind != "lora":
-                raise AdapterError(f"adapter `{adapter_id}` is a {kind} adapter; this worker serves LoRA adapters",
-                                   status=424)
             used = {a.slot for a in self.adapters.values()}
             free = [s for s in range(self.max_active) if s not in used]
             if not free:
                 raise AdapterError(f"adapter `{adapter_id}`: all {self.max_active} adapter slots are in use; "
                                    "offload one first", status=424)
-            weights = load_lora(path, self.config, rank=self.rank, world_size=self.world_size, dtype=self.dtype,
-                                device=self.device, adapter_id=adapter_id)
-            self._install(weights, free[0])
-            projections = frozenset(p for layer in weights.layers.values() for p in layer)
-            loaded = LoadedAdapter(adapter_id, kind, free[0], weights.config.rank, projections,
-                                   time.perf_counter() - started)
+            medusa = None
+            if "medusa" in kind:  # heads are small and replicated on every shard, so every shard drafts alike
+                medusa = load_medusa(path, self.config, dtype=self.dtype, device=self.device, adapter_id=adapter_id)
+            rank, projections = 0, frozenset()
+            if "lora" in kind:
+                weights = load_lora(path, self.config, rank=self.rank, world_size=self.world_size,
+                                    dtype=self.dtype, device=self.device, adapter_id=adapter_id)
+                self._install(weights, free[0])
+                rank = weights.config.rank
+                projections = frozenset(p for layer in weights.layers.values() for p in layer)
+            loaded = LoadedAdapter(adapter_id, kind, free[0], rank, projections, time.perf_counter() - started,
+                                   medusa)
             self.adapters[adapter_id] = loaded
-            logger.info("loaded adapter %s (rank %d, %s) into slot %d in %.2fs", adapter_id,
-                        loaded.rank, ",".join(sorted(projections)), loaded.slot, loaded.load_seconds)
+            logger.info("loaded %s adapter %s (rank %d, %s%s) into slot %d in %.2fs", kind, adapter_id,
+                        loaded.rank, ",".join(sorted(projections)) or "no LoRA",
+                        f", {medusa.num_heads} Medusa heads" if medusa is not None else "", loaded.slot,
+                        loaded.load_seconds)
             return loaded
 
     def offload(self, adapter_id: str) -> bool:
@@ -180,6 +187,10 @@ class AdapterRegistry:
         return LoraStacks(rank, a, b)
 
     # --- per step -----------------------------------------------------------------------------------------------
+
+    def medusa_heads(self, adapter_id: str) -> MedusaHeads | None:
+        loaded = self.adapters.get(adapter_id) if adapter_id else None
+        return loaded.medusa if loaded is not None else None
 
     def check(self, adapter_id: str) -> None:
         if adapter_id and adapter_id not in self.adapters:

@@ -1,11 +1,13 @@
 """Drafters: where speculative tokens come from.
 
-A drafter proposes, for each request of a decode step, a chain of up to `max_tokens` tokens that it guesses
-follow the request's tokens. It never sees the target model's output for them; verification decides.
+A drafter proposes, for each request of a decode step, up to `max_tokens` tokens that it guesses follow the
+request's tokens: a chain, or a tree of candidates (`Draft`). It never sees the target model's output for
+them; verification decides.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
@@ -13,14 +15,71 @@ import torch
 from specula_server.request import RequestState
 
 
+@dataclass(frozen=True)
+class Draft:
+    """Draft tokens for one request: a chain, or a tree whose root is the request's last committed token.
+
+    `parents[i]` is the index of node i's parent in `tokens`, -1 for a child of the root; parents come before
+    their children, and nodes are in the drafter's order of preference, so the first k nodes are always a
+    tree (`truncated`). A chain has `parents = None` (node i's parent is i - 1).
+
+        tokens  [a, b, c, x]        root ─ a ─ b ─ c       (the chain a b c, and x as
+        parents [-1, 0, 1, 0]                └ x           an alternative to b)
+    """
+
+    tokens: torch.Tensor  # [n] long (CPU)
+    parents: torch.Tensor | None = None  # [n] long, or None for a chain
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None
+
+    def truncated(self, k: int) -> Draft:
+        if k >= len(self):
+            return self
+        return Draft(self.tokens[:k], None if self.parents is None else self.parents[:k])
+
+    def node_parents(self) -> list[int]:
+        """Every node's parent index (-1: the root), for chains too."""
+        if self.parents is None:
+            return list(range(-1, len(self) - 1))
+        return self.parents.tolist()
+
+    def depths(self) -> list[int]:
+        """Each node's depth below the root (1 for the root's children)."""
+        depths: list[int] = []
+        for parent in self.node_parents():
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return depths
+
+    def ancestors(self) -> torch.Tensor:
+        """`[n + 1, n + 1]` bool over root + nodes: row q sees column j when j is q itself or its ancestor."""
+        n = len(self)
+        seen = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        seen[:, 0] = True
+        for i, parent in enumerate(self.node_parents()):
+            seen[i + 1] = seen[parent + 1]
+            seen[i + 1, i + 1] = True
+        return seen
+
+
 class Drafter(Protocol):
     """Proposes draft tokens. Deterministic drafters (no draft distribution q) are verified exactly by
-    sampling the target at every position and keeping drafts while they match."""
+    sampling the target at every position and keeping drafts while they match.
+
+    `name` labels the speculation metrics; `method_for(request)` may name another method for some requests
+    (a composite drafter)."""
 
     name: str
 
-    def propose(self, requests: Sequence[RequestState], max_tokens: Sequence[int]) -> list[torch.Tensor]:
-        """Per request, a 1-D long tensor of at most `max_tokens[i]` draft ids (may be empty)."""
+    def propose(self, requests: Sequence[RequestState], max_tokens: Sequence[int]) -> list[Draft]:
+        """Per request, at most `max_tokens[i]` draft nodes (may be empty)."""
+        ...
+
+    def method_for(self, request: RequestState) -> str:
         ...
 
 
@@ -48,8 +107,11 @@ class PromptLookupDrafter:
             raise ValueError(f"ngram match must be 'latest' or 'earliest', got {match!r}")
         self.min_n, self.max_n, self.match = min_n, max_n, match
 
-    def propose(self, requests: Sequence[RequestState], max_tokens: Sequence[int]) -> list[torch.Tensor]:
-        return [self.lookup(r.history, k) for r, k in zip(requests, max_tokens)]
+    def propose(self, requests: Sequence[RequestState], max_tokens: Sequence[int]) -> list[Draft]:
+        return [Draft(self.lookup(r.history, k)) for r, k in zip(requests, max_tokens)]
+
+    def method_for(self, request: RequestState) -> str:
+        return self.name
 
     def lookup(self, history: torch.Tensor, max_tokens: int) -> torch.Tensor:
         """Draft for one token sequence; each n is one vectorised comparison over all earlier windows."""

@@ -1,14 +1,19 @@
 """Exact acceptance of draft tokens, given the target model's logits at every verified position.
 
 Request r verified `[last, d1 .. dk]` in one forward, so its logits rows j = 0..k hold the target's
-distribution p_j of the token after `d1 .. dj`. The rules (both exact):
+distribution p_j of the token after `d1 .. dj`. For a tree of drafts the rows are the root (`last`) and then
+the nodes, row 1 + i holding the distribution after the path to node i; acceptance walks down from the root,
+following the child whose token the rule picks, and the chain is the tree with one child per node.
+The rules (both exact):
 
 - greedy: keep drafts while `d_(j+1) == argmax p_j`; the first mismatch (or the bonus after all k) is the target's
   own argmax. Output identical to decoding without drafts.
 - sampling, deterministic drafts: draw `y_j ~ p_j` with the request's own generator, in order, keep going while
   `y_j == d_(j+1)`, stop at the first mismatch, which is emitted. Every emitted token is a draw from the target's
   distribution given everything before it, so the output distribution is exactly the model's. Draws are made
-  lazily, one per emitted token, so a seed yields the same tokens whatever the draft lengths.
+  lazily, one per emitted token, so a seed yields the same tokens whatever the draft lengths. In a tree the
+  draw moves to the child holding the drawn token, if any (siblings are distinct tokens): still one draw from
+  p per emitted token, so still exact.
 
 p_j is the sampler's processed distribution (penalties, temperature, top-k/p, typical-p) computed with the draft
 prefix `d1 .. dj` in the history, so penalties see exactly the context each token is sampled in.
@@ -23,6 +28,7 @@ import torch
 
 from specula_server.request import RequestState
 from specula_server.sampling import Sampler, SamplingRow
+from specula_server.speculation.drafters import Draft
 
 
 @dataclass
@@ -33,25 +39,46 @@ class Verdict:
     logprobs: list[float]
     rows: list[int]  # logits row each emitted token was chosen from (for top-n alternatives)
     num_drafted: int
+    path: list[int]  # accepted draft nodes, root's child first (a chain's are 0, 1, 2, ...)
 
     @property
     def num_accepted(self) -> int:
         return len(self.token_ids) - 1
 
 
+def _row_histories(r: RequestState, draft: Draft) -> list[torch.Tensor]:
+    """The context each verified row's token is chosen in: the request's tokens plus the path to the node."""
+    if draft.is_chain:  # the drafts sit in the request's token buffer right after its tokens
+        return [r.token_ids[: r.num_tokens + j] for j in range(len(draft) + 1)]
+    paths: list[list[int]] = []
+    tokens = draft.tokens.tolist()
+    for i, parent in enumerate(draft.node_parents()):
+        paths.append((paths[parent] if parent >= 0 else []) + [tokens[i]])
+    history = r.history
+    return [history] + [torch.cat([history, torch.tensor(p, dtype=torch.long)]) for p in paths]
+
+
+def _children(draft: Draft) -> dict[int, dict[int, int]]:
+    """node (-1: root) -> {token: child node}."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (parent, token) in enumerate(zip(draft.node_parents(), draft.tokens.tolist())):
+        children.setdefault(parent, {})[token] = i
+    return children
+
+
 def verify(
-    logits: torch.Tensor,  # [sum(k_i + 1), vocab]: request i's rows are row_starts[i] .. + k_i
+    logits: torch.Tensor,  # [sum(len(d_i) + 1), vocab]: request i's rows are row_starts[i] .. + len(d_i)
     requests: Sequence[RequestState],
-    drafts: Sequence[list[int]],
+    drafts: Sequence[Draft],
     row_starts: Sequence[int],
     sampler: Sampler,
 ) -> tuple[list[Verdict], torch.Tensor | None]:
     """Accepts drafts per request. Returns the verdicts and the processed log-probs (None when every row was
     plain greedy, in which case log-probs are log_softmax of the logits)."""
     rows = [
-        SamplingRow(r.spec.sampling, r.token_ids[: r.num_tokens + j], r.generator)
+        SamplingRow(r.spec.sampling, history, r.generator)
         for r, d in zip(requests, drafts)
-        for j in range(len(d) + 1)
+        for history in _row_histories(r, d)
     ]
     plain = all(row.params.is_greedy and not row.params.has_penalties for row in rows)
     logprobs = None if plain else sampler.process(logits.float(), rows)  # [n, vocab]
@@ -60,20 +87,23 @@ def verify(
 
     verdicts = []
     for r, d, start in zip(requests, drafts, row_starts):
-        if r.spec.sampling.is_greedy:
-            accepted = 0
-            while accepted < len(d) and d[accepted] == argmax[start + accepted]:
-                accepted += 1
-            emitted = argmax[start : start + accepted + 1]
-        else:
-            emitted = []
-            for j in range(len(d) + 1):  # one draw per emitted token, from that position's distribution
-                token = int(sampler.choose(logprobs[start + j : start + j + 1], [rows[start + j]])[0])
-                emitted.append(token)
-                if j == len(d) or token != d[j]:
-                    break
-        emitted_rows = list(range(start, start + len(emitted)))
-        verdicts.append(Verdict(emitted, [], emitted_rows, len(d)))
+        children = _children(d)
+        greedy = r.spec.sampling.is_greedy
+        node, emitted, emitted_rows, path = -1, [], [], []
+        while True:  # one emitted token per visited node, from that node's row
+            row = start + 1 + node
+            if greedy:
+                token = argmax[row]
+            else:
+                token = int(sampler.choose(logprobs[row : row + 1], [rows[row]])[0])
+            emitted.append(token)
+            emitted_rows.append(row)
+            child = children.get(node, {}).get(token)
+            if child is None:
+                break
+            path.append(child)
+            node = child
+        verdicts.append(Verdict(emitted, [], emitted_rows, len(d), path))
 
     all_rows = torch.tensor([i for v in verdicts for i in v.rows], device=logits.device)
     all_tokens = torch.tensor([t for v in verdicts for t in v.token_ids], device=logits.device)

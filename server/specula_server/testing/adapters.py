@@ -45,3 +45,33 @@ def load_peft_reference(model_dir: Path, adapter_dir: Path):
 
     base = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def build_medusa_adapter(model_dir: Path, out_dir: Path, num_heads: int = 3, num_layers: int = 1,
+                         own_heads: bool = True, seed: int = 0) -> Path:
+    """Random Medusa heads for the model at `model_dir` in the FasterDecoding layout (`config.json` +
+    `medusa_lm_head.safetensors`), or the LoRAX v2 layout (heads on the base LM head) when not `own_heads`."""
+    import json
+    import math
+
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for h in range(num_heads):
+        for layer in range(num_layers):
+            tensors[f"{h}.{layer}.linear.weight"] = torch.randn(hidden, hidden, generator=generator) / math.sqrt(hidden)
+            tensors[f"{h}.{layer}.linear.bias"] = torch.randn(hidden, generator=generator) * 0.1
+        if own_heads:
+            tensors[f"{h}.{num_layers}.weight"] = torch.randn(vocab, hidden, generator=generator) / math.sqrt(hidden)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    medusa_config = {"base_model_name_or_path": str(model_dir), "medusa_num_heads": num_heads,
+                     "medusa_num_layers": num_layers}
+    if not own_heads:
+        medusa_config["version"] = 2
+    (out_dir / "config.json").write_text(json.dumps(medusa_config))
+    save_file(tensors, out_dir / "medusa_lm_head.safetensors")
+    return out_dir

@@ -1,0 +1,165 @@
+"""Medusa drafting in the worker: per-request and server-wide heads, chains and trees, exact verification."""
+
+from __future__ import annotations
+
+import torch
+import pytest
+
+from specula_server.params import SamplingParams
+from specula_server.speculation.drafters import Draft
+from specula_server.speculation.medusa import best_first_tree
+from specula_server.testing.adapters import build_medusa_adapter
+from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
+
+from test_speculation import PROMPTS, memory_bound_costs
+
+
+@pytest.fixture(scope="module")
+def plain(llama_dir):
+    return load_test_generator(llama_dir)
+
+
+@pytest.fixture(scope="module")
+def medusa_dir(llama_dir, tmp_path_factory):
+    return build_medusa_adapter(llama_dir, tmp_path_factory.mktemp("medusa") / "heads", num_heads=3)
+
+
+def speculative(llama_dir, **settings):
+    generator = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="fixed", **settings)
+    generator.step_cost = memory_bound_costs()
+    return generator
+
+
+def run(generator, prompt, request_id=0, **kwargs):
+    return generate_alone(generator, make_spec(request_id, prompt, BlockPool(256, 16), lookahead=8, **kwargs))
+
+
+def test_best_first_tree_takes_the_most_likely_nodes_parents_first():
+    logprobs = torch.log(torch.tensor([[0.9, 0.1], [0.5, 0.4], [0.99, 0.01]]))
+    ids = torch.tensor([[10, 11], [20, 21], [30, 31]])
+    tree = best_first_tree(logprobs, ids, budget=4)
+    # 10 (0.9), 10-20 (0.45), 10-20-30 (0.4455), 10-21 (0.36): the spine first, then the best alternative.
+    assert tree.tokens.tolist() == [10, 20, 30, 21]
+    assert tree.parents.tolist() == [-1, 0, 1, 0]
+    assert tree.depths() == [1, 2, 3, 2]
+    assert best_first_tree(logprobs[:, :1], ids[:, :1], budget=5).is_chain  # width 1: the top-1 chain
+    assert best_first_tree(logprobs[:, :1], ids[:, :1], budget=5).tokens.tolist() == [10, 20, 30]
+    assert len(best_first_tree(logprobs, ids, budget=0)) == 0
+
+
+def test_tree_ancestor_mask():
+    tree = Draft(torch.tensor([5, 6, 7, 8]), torch.tensor([-1, 0, 0, 1]))
+    seen = tree.ancestors()
+    # rows/columns: root, 5, 6, 7 (a sibling of 6), 8 (under 6)
+    assert seen.int().tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 0, 1, 0],
+                                   [1, 1, 1, 0, 1]]
+
+
+class OracleTreeDrafter:
+    """Knows each request's greedy continuation and hides it in a tree: the first child of every node is a
+    wrong token and the right one is its sibling, so every accepted node is off the first branch and its KV
+    must be moved into place. Exercises the tree mask, positions and compaction independently of any heads."""
+
+    name = "oracle"
+
+    def __init__(self, continuations: dict[int, list[int]], vocab: int) -> None:
+        self.continuations = continuations
+        self.vocab = vocab
+
+    def method_for(self, request) -> str:
+        return self.name
+
+    def propose(self, requests, max_tokens):
+        drafts = []
+        for r, budget in zip(requests, max_tokens):
+            future = self.continuations[r.id][r.num_generated:]
+            tokens, parents, parent = [], [], -1
+            for right in future:
+                if len(tokens) + 2 > budget:
+                    break
+                wrong = (right + 1) % self.vocab
+                tokens += [wrong, right]
+                parents += [parent, parent]
+                parent = len(tokens) - 1
+            drafts.append(Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)))
+        return drafts
+
+
+def test_tree_verification_with_off_branch_acceptance_is_exact(llama_dir, plain):
+    expected = {i: token_ids(run(plain, p, max_new_tokens=24)) for i, p in enumerate(PROMPTS)}
+    generator = speculative(llama_dir)
+    generator.speculation = type(generator.speculation)(
+        OracleTreeDrafter(expected, generator.model.config.vocab_size), max_tokens=8, mode="fixed")
+    pool = BlockPool(256, 16)
+    specs = [make_spec(i, p, pool, max_new_tokens=24, lookahead=8) for i, p in enumerate(PROMPTS)]
+    got = {i: [] for i in expected}
+    result = generator.prefill(0, specs)
+    outputs = list(result.outputs)
+    while result.batch is not None:
+        result = generator.decode([0])
+        outputs += result.outputs
+    for out in outputs:
+        got[out.request_id] += [t.id for t in out.tokens]
+    assert got == expected
+    # Every tree holds the right continuation: each step accepts its whole right path.
+    decodes = [o for o in outputs if o.num_drafted]
+    assert decodes and sum(o.num_accepted for o in decodes) >= 2 * len(decodes)
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_server_wide_medusa_keeps_greedy_output(llama_dir, plain, medusa_dir, width):
+    generator = speculative(llama_dir, speculator=str(medusa_dir), draft_tree_width=width)
+    assert generator.speculation.drafter.name == "medusa"
+    drafted = 0
+    for prompt in PROMPTS:
+        expected = run(plain, prompt, max_new_tokens=20)
+        got = run(generator, prompt, max_new_tokens=20)
+        assert token_ids(got) == token_ids(expected)
+        assert [t.logprob for o in got for t in o.tokens] == pytest.approx(
+            [t.logprob for o in expected for t in o.tokens], abs=1e-4)
+        drafted += sum(o.num_drafted for o in got)
+        assert {o.draft_method for o in got if o.num_drafted} <= {"medusa"}
+    assert drafted > 0
+
+
+def test_per_request_medusa_adapter_beside_prompt_lookup(llama_dir, plain, medusa_dir):
+    generator = speculative(llama_dir, adapter_dirs=(medusa_dir.parent,), draft_tree_width=2)
+    loaded = generator.adapters.load("heads", "local")
+    assert loaded.kind == "medusa" and loaded.medusa is not None and not loaded.projections
+    expected = {i: token_ids(run(plain, p, max_new_tokens=20)) for i, p in enumerate(PROMPTS)}
+    pool = BlockPool(256, 16)
+    specs = [make_spec(i, p, pool, max_new_tokens=20, lookahead=8, adapter_id="heads" if i % 2 else "")
+             for i, p in enumerate(PROMPTS)]
+    got = {i: [] for i in expected}
+    methods = {i: set() for i in expected}
+    result = generator.prefill(0, specs)
+    outputs = list(result.outputs)
+    while result.batch is not None:
+        result = generator.decode([0])
+        outputs += result.outputs
+    for out in outputs:
+        got[out.request_id] += [t.id for t in out.tokens]
+        if out.num_drafted:
+            methods[out.request_id].add(out.draft_method)
+    assert got == expected
+    assert methods[1] == methods[3] == {"medusa"}
+    assert methods[0] <= {"ngram"} and methods[2] <= {"ngram"} and methods[0] | methods[2]
+
+
+def test_medusa_sampling_is_reproducible_with_a_seed(llama_dir, medusa_dir):
+    """Sampling with a seed gives the same tokens with tree drafts as without any (one draw per emitted
+    token, from the same distribution)."""
+    plain_gen = load_test_generator(llama_dir)
+    generator = speculative(llama_dir, speculator=str(medusa_dir), draft_tree_width=3)
+    params = SamplingParams(temperature=0.8, top_k=20, seed=7, do_sample=True)
+    for prompt in PROMPTS[:2]:
+        expected = token_ids(run(plain_gen, prompt, max_new_tokens=16, sampling=params))
+        assert token_ids(run(generator, prompt, max_new_tokens=16, sampling=params)) == expected
+
+
+def test_speculator_must_be_medusa_heads(llama_dir, tmp_path):
+    from specula_server.testing.adapters import build_lora_adapter
+
+    lora = build_lora_adapter(llama_dir, tmp_path / "lora", rank=4)
+    with pytest.raises(ValueError, match="--speculator .*: a lora adapter"):
+        load_test_generator(llama_dir, speculative_tokens=2, speculator=str(lora))
