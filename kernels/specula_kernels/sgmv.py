@@ -33,6 +33,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -141,6 +142,54 @@ def _reference(
             rows = torch.tensor([r for begin, end in slot_ranges for r in range(begin, end)], device=x.device)
             out.index_copy_(0, rows, torch.matmul(x.index_select(0, rows).float(), w).to(x.dtype))
     return out
+
+
+# --- grouped LoRA on the CPU ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SlotGroups:
+    """The rows of a step grouped by adapter slot, padded to the largest group: one batched product per side
+    of a LoRA instead of one per slot. Built once per step and segment layout (`slot_groups`)."""
+
+    rows: torch.Tensor  # [num_groups, max_rows] long: row indices of each slot's tokens, n marks padding
+    slots: torch.Tensor  # [num_groups] long
+    num_rows: int  # n
+
+
+def slot_groups(seg_starts: torch.Tensor, seg_slots: torch.Tensor) -> SlotGroups | None:
+    """Groups the segments' rows by slot (rows with slot -1 left out); None when no row has an adapter."""
+    starts, slots = seg_starts.tolist(), seg_slots.tolist()
+    members: dict[int, list[int]] = {}
+    for slot, begin, end in zip(slots, starts, starts[1:]):
+        if slot >= 0 and end > begin:
+            members.setdefault(slot, []).extend(range(begin, end))
+    if not members:
+        return None
+    n = starts[-1]
+    width = max(len(rows) for rows in members.values())
+    rows = torch.full((len(members), width), n, dtype=torch.long)
+    for g, group_rows in enumerate(members.values()):
+        rows[g, : len(group_rows)] = torch.tensor(group_rows, dtype=torch.long)
+    device = seg_starts.device
+    return SlotGroups(rows.to(device), torch.tensor(list(members), dtype=torch.long, device=device), n)
+
+
+def lora_delta_grouped(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, groups: SlotGroups) -> torch.Tensor:
+    """`(x @ A[slot]) @ B[slot]` of every row, zeros for rows without an adapter: `[n, d_out]`.
+
+    Gathers each slot's rows into one padded batch and runs two batched products in float32, so the number of
+    operations does not grow with the number of adapters or segments (the per-slot loop of `sgmv_reference`
+    costs a few tensor operations per adapter, per projection, per layer).
+    """
+    n, d_in = x.shape
+    padded = torch.cat([x, x.new_zeros(1, d_in)])  # row n: the padding rows read zeros
+    gathered = padded[groups.rows].float()  # [G, m, d_in]
+    shrunk = torch.bmm(gathered, lora_a[groups.slots].float())  # [G, m, r]
+    expanded = torch.bmm(shrunk, lora_b[groups.slots].float())  # [G, m, d_out]
+    out = torch.zeros(n + 1, lora_b.shape[2], dtype=torch.float32, device=x.device)
+    out.index_copy_(0, groups.rows.flatten(), expanded.flatten(0, 1))  # padding lands on row n, dropped
+    return out[:n].to(x.dtype)
 
 
 # --- Triton ---------------------------------------------------------------------------------------------------

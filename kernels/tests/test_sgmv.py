@@ -317,3 +317,21 @@ def test_kernel_compiles_for_a_gpu(dtype):
     assert "sgmv_kernel" in compiled.asm["ptx"]
     if dtype == "bf16":
         assert "mma" in compiled.asm["ptx"]  # bfloat16 tiles go through the tensor cores
+
+
+def test_grouped_cpu_lora_delta_matches_the_reference():
+    from specula_kernels.sgmv import lora_delta_grouped, sgmv_reference, slot_groups
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(11, 24, generator=g)
+    a = torch.randn(4, 24, 8, generator=g)
+    b = torch.randn(4, 8, 40, generator=g)
+    seg_starts = torch.tensor([0, 2, 2, 5, 6, 9, 11], dtype=torch.int32)
+    seg_slots = torch.tensor([3, 0, -1, 1, 3, -1], dtype=torch.int32)
+    expected = sgmv_reference(sgmv_reference(x, a, seg_starts, seg_slots), b, seg_starts, seg_slots)
+    groups = slot_groups(seg_starts, seg_slots)
+    assert groups is not None and sorted(groups.slots.tolist()) == [1, 3]
+    got = lora_delta_grouped(x, a, b, groups)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert got[2:5].abs().sum() == 0 and got[9:].abs().sum() == 0  # rows without an adapter stay zero
+    assert slot_groups(seg_starts, torch.full((6,), -1, dtype=torch.int32)) is None

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from specula_kernels.sgmv import sgmv
+from specula_kernels.sgmv import SlotGroups, lora_delta_grouped, sgmv, slot_groups, triton_available
 from specula_server.adapters.lora import LoraWeights, load_lora
 from specula_server.adapters.medusa import MedusaHeads, load_medusa
 from specula_server.adapters.sources import AdapterError, detect_adapter_kind, resolve_adapter
@@ -64,6 +64,13 @@ class LoraBatch:
     stacks: LoraStacks
     seg_starts: torch.Tensor  # [num_segments + 1]
     seg_slots: dict[str, torch.Tensor] = field(default_factory=dict)  # projection -> [num_segments]
+    _grouped: dict[int, SlotGroups | None] = field(default_factory=dict)  # per seg_slots tensor, built once
+
+    def _groups(self, slots: torch.Tensor) -> SlotGroups | None:
+        key = id(slots)
+        if key not in self._grouped:
+            self._grouped[key] = slot_groups(self.seg_starts, slots)
+        return self._grouped[key]
 
     def delta(self, layer: int, projection: str, x: torch.Tensor) -> torch.Tensor | None:
         """`x @ A @ B` of each token's adapter for one projection (None when no token's adapter has it)."""
@@ -71,6 +78,11 @@ class LoraBatch:
         a = self.stacks.a.get((layer, projection))
         if slots is None or a is None:
             return None
+        if not (x.is_cuda and triton_available()):  # CPU: one batched product per side, whatever the adapters
+            groups = self._groups(slots)
+            if groups is None:
+                return None
+            return lora_delta_grouped(x, a, self.stacks.b[(layer, projection)], groups)
         shrunk = sgmv(x, a, self.seg_starts, slots)
         return sgmv(shrunk, self.stacks.b[(layer, projection)], self.seg_starts, slots)
 
