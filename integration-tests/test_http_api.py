@@ -357,7 +357,7 @@ def test_chunked_body_over_the_payload_limit_is_413(base_url):
 
 
 @pytest.mark.parametrize("path,stream", [("/generate", None), ("/generate_stream", None), ("/", False), ("/", True)])
-def test_adapter_requests_are_424_until_adapters_are_served(base_url, path, stream):
+def test_a_hub_adapter_that_cannot_be_fetched_is_424(base_url, path, stream):
     body = {"inputs": PROMPT, "parameters": {"adapter_id": "org/some-lora", "max_new_tokens": 2}}
     if stream is not None:
         body["stream"] = stream
