@@ -87,10 +87,7 @@ class StepCostModel:
         """A step that verified drafts: what it cost beyond a plain forward over as many tokens."""
         if not self.learning:
             return
-        predicted = self.predict(num_tokens)
-        # One slow step (a pause of the process, a cold cache) must not outweigh the rest: a single
-        # observation counts for at most one plain step's cost.
-        residual = min(max(seconds - predicted, 0.0), predicted)
+        residual = max(seconds - self.predict(num_tokens), 0.0)
         self.overhead = 0.9 * self.overhead + 0.1 * residual
 
     def declined(self) -> None:

@@ -85,15 +85,25 @@ def verify(
     scores = logits if plain else logprobs
     argmax = scores.argmax(dim=-1).tolist()
 
+    # Every request emits at least the root's token: those draws are made together, as a plain step makes
+    # them (each with the request's own generator, so still one draw per emitted token, in order).
+    first: dict[int, int] = {}
+    sampled_roots = [start for r, start in zip(requests, row_starts) if not r.spec.sampling.is_greedy]
+    if sampled_roots:
+        drawn = sampler.choose(logprobs[sampled_roots], [rows[i] for i in sampled_roots]).tolist()
+        first = dict(zip(sampled_roots, drawn))
+
     verdicts = []
     for r, d, start in zip(requests, drafts, row_starts):
-        children = _children(d)
+        children = _children(d) if len(d) else {}
         greedy = r.spec.sampling.is_greedy
         node, emitted, emitted_rows, path = -1, [], [], []
         while True:  # one emitted token per visited node, from that node's row
             row = start + 1 + node
             if greedy:
                 token = argmax[row]
+            elif node < 0:
+                token = first[row]
             else:
                 token = int(sampler.choose(logprobs[row : row + 1], [rows[row]])[0])
             emitted.append(token)
