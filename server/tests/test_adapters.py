@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import math
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from specula_server.testing.adapters import medusa_tensors as random_medusa_tensors
 from specula_server.adapters import (
     AdapterError,
     LoraConfig,
@@ -313,16 +313,7 @@ def test_hub_adapter_from_the_cache(adapters, monkeypatch, tmp_path):
 
 
 def medusa_tensors(config: ModelConfig, num_heads: int, num_layers: int, own_heads: bool, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    hidden, vocab = config.hidden_size, config.vocab_size
-    tensors = {}
-    for h in range(num_heads):
-        for l in range(num_layers):
-            tensors[f"{h}.{l}.linear.weight"] = torch.randn(hidden, hidden, generator=g) / math.sqrt(hidden)
-            tensors[f"{h}.{l}.linear.bias"] = torch.randn(hidden, generator=g) * 0.1
-        if own_heads:
-            tensors[f"{h}.{num_layers}.weight"] = torch.randn(vocab, hidden, generator=g) / math.sqrt(hidden)
-    return tensors
+    return random_medusa_tensors(config.hidden_size, config.vocab_size, num_heads, num_layers, own_heads, seed)
 
 
 def write_medusa(path, tensors, *, num_heads, num_layers, fmt="safetensors", version=None):

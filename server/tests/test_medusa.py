@@ -34,6 +34,16 @@ def run(generator, prompt, request_id=0, **kwargs):
     return generate_alone(generator, make_spec(request_id, prompt, BlockPool(256, 16), lookahead=8, **kwargs))
 
 
+def run_together(generator, specs):
+    """Runs the requests as one batch to completion; returns every step's outputs."""
+    result = generator.prefill(0, specs)
+    outputs = list(result.outputs)
+    while result.batch is not None:
+        result = generator.decode([0])
+        outputs += result.outputs
+    return outputs
+
+
 def test_best_first_tree_takes_the_most_likely_nodes_parents_first():
     logprobs = torch.log(torch.tensor([[0.9, 0.1], [0.5, 0.4], [0.99, 0.01]]))
     ids = torch.tensor([[10, 11], [20, 21], [30, 31]])
@@ -93,11 +103,7 @@ def test_tree_verification_with_off_branch_acceptance_is_exact(llama_dir, plain)
     pool = BlockPool(256, 16)
     specs = [make_spec(i, p, pool, max_new_tokens=24, lookahead=8) for i, p in enumerate(PROMPTS)]
     got = {i: [] for i in expected}
-    result = generator.prefill(0, specs)
-    outputs = list(result.outputs)
-    while result.batch is not None:
-        result = generator.decode([0])
-        outputs += result.outputs
+    outputs = run_together(generator, specs)
     for out in outputs:
         got[out.request_id] += [t.id for t in out.tokens]
     assert got == expected
@@ -132,12 +138,7 @@ def test_per_request_medusa_adapter_beside_prompt_lookup(llama_dir, plain, medus
              for i, p in enumerate(PROMPTS)]
     got = {i: [] for i in expected}
     methods = {i: set() for i in expected}
-    result = generator.prefill(0, specs)
-    outputs = list(result.outputs)
-    while result.batch is not None:
-        result = generator.decode([0])
-        outputs += result.outputs
-    for out in outputs:
+    for out in run_together(generator, specs):
         got[out.request_id] += [t.id for t in out.tokens]
         if out.num_drafted:
             methods[out.request_id].add(out.draft_method)

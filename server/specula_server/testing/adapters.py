@@ -52,20 +52,11 @@ def build_medusa_adapter(model_dir: Path, out_dir: Path, num_heads: int = 3, num
     """Random Medusa heads for the model at `model_dir` in the FasterDecoding layout (`config.json` +
     `medusa_lm_head.safetensors`), or the LoRAX v2 layout (heads on the base LM head) when not `own_heads`."""
     import json
-    import math
 
     from safetensors.torch import save_file
 
     config = json.loads((Path(model_dir) / "config.json").read_text())
-    hidden, vocab = config["hidden_size"], config["vocab_size"]
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for h in range(num_heads):
-        for layer in range(num_layers):
-            tensors[f"{h}.{layer}.linear.weight"] = torch.randn(hidden, hidden, generator=generator) / math.sqrt(hidden)
-            tensors[f"{h}.{layer}.linear.bias"] = torch.randn(hidden, generator=generator) * 0.1
-        if own_heads:
-            tensors[f"{h}.{num_layers}.weight"] = torch.randn(vocab, hidden, generator=generator) / math.sqrt(hidden)
+    tensors = medusa_tensors(config["hidden_size"], config["vocab_size"], num_heads, num_layers, own_heads, seed)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     medusa_config = {"base_model_name_or_path": str(model_dir), "medusa_num_heads": num_heads,
@@ -75,3 +66,20 @@ def build_medusa_adapter(model_dir: Path, out_dir: Path, num_heads: int = 3, num
     (out_dir / "config.json").write_text(json.dumps(medusa_config))
     save_file(tensors, out_dir / "medusa_lm_head.safetensors")
     return out_dir
+
+
+def medusa_tensors(hidden: int, vocab: int, num_heads: int, num_layers: int, own_heads: bool,
+                   seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random Medusa head tensors under their checkpoint names (`{head}.{layer}.linear.weight|bias`, and
+    `{head}.{num_layers}.weight` for heads with their own vocabulary projection)."""
+    import math
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for h in range(num_heads):
+        for layer in range(num_layers):
+            tensors[f"{h}.{layer}.linear.weight"] = torch.randn(hidden, hidden, generator=generator) / math.sqrt(hidden)
+            tensors[f"{h}.{layer}.linear.bias"] = torch.randn(hidden, generator=generator) * 0.1
+        if own_heads:
+            tensors[f"{h}.{num_layers}.weight"] = torch.randn(vocab, hidden, generator=generator) / math.sqrt(hidden)
+    return tensors
