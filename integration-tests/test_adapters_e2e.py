@@ -35,7 +35,9 @@ def test_lora_and_medusa_adapters_beside_the_base_model(base_url, adapter_server
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(generate, url, PROMPT, max_new_tokens=24, adapter_id=adapter)
                    for adapter in ("", "code-lora", "heads") * 2]
-        texts = [f.result().json()["generated_text"] for f in futures]
+        responses = [f.result() for f in futures]
+    assert all(r.status_code == 200 for r in responses), ([r.text for r in responses], adapter_server.output())
+    texts = [r.json()["generated_text"] for r in responses]
     assert texts[0] == texts[3] == base
     assert texts[1] == texts[4] != base  # the LoRA changes the model
     assert texts[2] == texts[5] == base  # Medusa heads only draft: greedy text is the base model's
@@ -47,6 +49,6 @@ def test_lora_and_medusa_adapters_beside_the_base_model(base_url, adapter_server
 def test_bad_adapters_fail_their_own_requests(adapter_server, adapter_id, status):
     r = httpx.post(f"{adapter_server.url}/generate", timeout=60,
                    json={"inputs": PROMPT, "parameters": {"adapter_id": adapter_id, "max_new_tokens": 2}})
-    assert r.status_code == status, r.text
+    assert r.status_code == status, (r.text, adapter_server.output())
     assert adapter_id in r.json()["error"]
     assert generate(adapter_server.url, PROMPT, max_new_tokens=2).status_code == 200

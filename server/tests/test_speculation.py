@@ -224,8 +224,9 @@ def test_the_distribution_test_detects_inexact_acceptance(llama_dir, copy_prompt
     def accept_all(logits, requests, drafts, row_starts, sampler):
         verdicts, processed = original(logits, requests, drafts, row_starts, sampler)
         for v, d, start in zip(verdicts, drafts, row_starts):
-            if d:  # emit the drafts as they are, whatever the target says
-                v.token_ids, v.logprobs, v.rows = list(d), [0.0] * len(d), list(range(start, start + len(d)))
+            if len(d):  # emit the drafts (chains) as they are, whatever the target says
+                v.token_ids, v.logprobs, v.rows = d.tokens.tolist(), [0.0] * len(d), list(range(start, start + len(d)))
+                v.path = list(range(len(d)))
         return verdicts, processed
 
     original = verify_module.verify
