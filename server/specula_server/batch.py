@@ -66,7 +66,9 @@ def build_step(
     the tree's nodes, stored (tokens and KV) at buffer indices `starts[i] + 1 + node` as a chain would be, but
     each node sits at position `starts[i] + depth` and attends to the context and its own ancestors only.
     """
-    trees = list(trees) if trees is not None else [None] * len(requests)
+    # Chains (one node, no node) need no tree mask; only real trees are kept.
+    trees = [t if t is not None and not t.is_chain else None for t in trees] if trees is not None \
+        else [None] * len(requests)
     spans = [(r, s, s + c) for r, s, c in zip(requests, starts, counts)]
     input_ids = torch.cat([r.token_ids[s:e] for r, s, e in spans]).to(device)
     positions = torch.cat([

@@ -164,3 +164,25 @@ def test_speculator_must_be_medusa_heads(llama_dir, tmp_path):
     lora = build_lora_adapter(llama_dir, tmp_path / "lora", rank=4)
     with pytest.raises(ValueError, match="--speculator .*: a lora adapter"):
         load_test_generator(llama_dir, speculative_tokens=2, speculator=str(lora))
+
+
+class UnevenTreeDrafter(OracleTreeDrafter):
+    """The oracle's trees cut to 0, 1 and many nodes in one batch, as the adaptive controller cuts them under
+    load: an empty tree and a one-node tree must verify like chains beside a real tree."""
+
+    def propose(self, requests, max_tokens):
+        drafts = super().propose(requests, [8] * len(requests))
+        return [d.truncated((0, 1, 8, 5)[r.id % 4]) for r, d in zip(requests, drafts)]
+
+
+def test_trees_cut_to_no_node_or_one_node_beside_real_trees(llama_dir, plain):
+    expected = {i: token_ids(run(plain, p, max_new_tokens=16)) for i, p in enumerate(PROMPTS)}
+    generator = speculative(llama_dir)
+    generator.speculation = type(generator.speculation)(
+        UnevenTreeDrafter(expected, generator.model.config.vocab_size), max_tokens=8, mode="fixed")
+    pool = BlockPool(256, 16)
+    specs = [make_spec(i, p, pool, max_new_tokens=16, lookahead=8) for i, p in enumerate(PROMPTS)]
+    got = {i: [] for i in expected}
+    for out in run_together(generator, specs):
+        got[out.request_id] += [t.id for t in out.tokens]
+    assert got == expected

@@ -35,7 +35,8 @@ class Draft:
 
     @property
     def is_chain(self) -> bool:
-        return self.parents is None
+        """Whether every node has one child at most (an empty tree, or one node, is a chain too)."""
+        return self.parents is None or len(self) <= 1
 
     def truncated(self, k: int) -> Draft:
         if k >= len(self):
