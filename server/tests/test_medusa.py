@@ -95,17 +95,24 @@ class OracleTreeDrafter:
         return drafts
 
 
-def test_tree_verification_with_off_branch_acceptance_is_exact(llama_dir, plain):
-    expected = {i: token_ids(run(plain, p, max_new_tokens=24)) for i, p in enumerate(PROMPTS)}
+def run_oracle(llama_dir, plain, drafter_class, max_new_tokens):
+    """Every prompt in one batch, drafted by an oracle tree drafter; returns the plain greedy tokens, the
+    tokens generated with the trees, and every step's outputs."""
+    expected = {i: token_ids(run(plain, p, max_new_tokens=max_new_tokens)) for i, p in enumerate(PROMPTS)}
     generator = speculative(llama_dir)
     generator.speculation = type(generator.speculation)(
-        OracleTreeDrafter(expected, generator.model.config.vocab_size), max_tokens=8, mode="fixed")
+        drafter_class(expected, generator.model.config.vocab_size), max_tokens=8, mode="fixed")
     pool = BlockPool(256, 16)
-    specs = [make_spec(i, p, pool, max_new_tokens=24, lookahead=8) for i, p in enumerate(PROMPTS)]
+    specs = [make_spec(i, p, pool, max_new_tokens=max_new_tokens, lookahead=8) for i, p in enumerate(PROMPTS)]
     got = {i: [] for i in expected}
     outputs = run_together(generator, specs)
     for out in outputs:
         got[out.request_id] += [t.id for t in out.tokens]
+    return expected, got, outputs
+
+
+def test_tree_verification_with_off_branch_acceptance_is_exact(llama_dir, plain):
+    expected, got, outputs = run_oracle(llama_dir, plain, OracleTreeDrafter, max_new_tokens=24)
     assert got == expected
     # Every tree holds the right continuation: each step accepts its whole right path.
     decodes = [o for o in outputs if o.num_drafted]
@@ -176,13 +183,5 @@ class UnevenTreeDrafter(OracleTreeDrafter):
 
 
 def test_trees_cut_to_no_node_or_one_node_beside_real_trees(llama_dir, plain):
-    expected = {i: token_ids(run(plain, p, max_new_tokens=16)) for i, p in enumerate(PROMPTS)}
-    generator = speculative(llama_dir)
-    generator.speculation = type(generator.speculation)(
-        UnevenTreeDrafter(expected, generator.model.config.vocab_size), max_tokens=8, mode="fixed")
-    pool = BlockPool(256, 16)
-    specs = [make_spec(i, p, pool, max_new_tokens=16, lookahead=8) for i, p in enumerate(PROMPTS)]
-    got = {i: [] for i in expected}
-    for out in run_together(generator, specs):
-        got[out.request_id] += [t.id for t in out.tokens]
+    expected, got, _ = run_oracle(llama_dir, plain, UnevenTreeDrafter, max_new_tokens=16)
     assert got == expected

@@ -64,7 +64,8 @@ class LoraBatch:
     stacks: LoraStacks
     seg_starts: torch.Tensor  # [num_segments + 1]
     seg_slots: dict[str, torch.Tensor] = field(default_factory=dict)  # projection -> [num_segments]
-    _grouped: dict[int, SlotGroups | None] = field(default_factory=dict)  # per seg_slots tensor, built once
+    # Per distinct seg_slots tensor (projections with the same slots share one), built once per step.
+    _grouped: dict[int, SlotGroups | None] = field(default_factory=dict)
 
     def _groups(self, slots: torch.Tensor) -> SlotGroups | None:
         key = id(slots)
@@ -223,8 +224,11 @@ class AdapterRegistry:
                 seg_starts.append(seg_starts[-1] + count)
         loaded = [self.adapters.get(a) if a else None for a in seg_ids]
         seg_slots = {}
+        shared: dict[tuple[int, ...], torch.Tensor] = {}  # projections with the same slots share one tensor
         for p in PROJECTIONS:
-            slots = [x.slot if x is not None and p in x.projections else -1 for x in loaded]
+            slots = tuple(x.slot if x is not None and p in x.projections else -1 for x in loaded)
             if any(s >= 0 for s in slots):
-                seg_slots[p] = torch.tensor(slots, dtype=torch.int32, device=self.device)
+                if slots not in shared:
+                    shared[slots] = torch.tensor(slots, dtype=torch.int32, device=self.device)
+                seg_slots[p] = shared[slots]
         return LoraBatch(self.stacks, torch.tensor(seg_starts, dtype=torch.int32, device=self.device), seg_slots)
