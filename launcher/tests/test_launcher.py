@@ -341,6 +341,7 @@ if behaviour == "crash":
     sys.exit(3)
 if rest:
     time.sleep(float(rest[1]))
+    event("bind")  # written before the socket exists, so it always precedes the router's start
     socket.socket(socket.AF_UNIX).bind(rest[0])
     print(f"{name} ready", flush=True)
 while True:
@@ -417,8 +418,10 @@ def test_output_is_prefixed_with_the_child_name(tmp_path: Path) -> None:
                  "[launcher] shard 1 ready (" + str(h.sockets[1]) + ")", "[launcher] starting router",
                  "[launcher] received SIGTERM: shutting down"):
         assert line in out
-    assert out.index("[launcher] starting router") > max(out.index("[shard-0] shard-0 ready"),
-                                                         out.index("[shard-1] shard-1 ready"))
+    # The children's output is relayed by threads, so only the launcher's own lines have a fixed order.
+    assert out.index("[launcher] starting router") > max(out.index(f"[launcher] shard {r} ready ({h.sockets[r]})")
+                                                         for r in range(2))
+    assert h.index("router start own_group=True") > max(h.index("shard-0 bind"), h.index("shard-1 bind"))
 
 
 def test_json_output_wraps_every_line(tmp_path: Path) -> None:
@@ -484,7 +487,8 @@ def test_waits_for_every_socket_and_removes_stale_ones(tmp_path: Path) -> None:
     assert "shard-0 start own_group=True stale=False" in h.event_lines()
     out = h.output()
     assert "[launcher] waiting for shard 0 (0s)" in out
-    assert out.index("[launcher] starting router") > out.index("[shard-0] shard-0 ready")
+    assert out.index("[launcher] starting router") > out.index(f"[launcher] shard 0 ready ({h.sockets[0]})")
+    assert h.index("router start own_group=True") > h.index("shard-0 bind")
 
 
 def test_stop_during_startup_never_starts_the_router(tmp_path: Path) -> None:
