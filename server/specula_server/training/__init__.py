@@ -1,0 +1,1 @@
+"""Training speculators (Medusa heads, MLP speculators) by self-distillation: `specula-train`."""

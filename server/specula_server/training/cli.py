@@ -1,0 +1,214 @@
+"""`specula-train`: trains speculators for any model the server can load, by self-distillation.
+
+    specula-train medusa --model-id MODEL --prompts prompts.jsonl --output medusa/
+    specula-train mlp    --model-id MODEL --prompts prompts.jsonl --output mlp-speculator/
+
+The base model (loaded as the server loads it) continues every prompt; the speculator learns those
+continuations from the base model's hidden states. The output directory is ready for the server: a Medusa
+adapter (`adapter_id` per request, or `--speculator` for all) or an MLP speculator (`--speculator`). It also
+holds `training.json`: the settings and the held-out top-1 accuracy of each head before and after training.
+Every option also reads an environment variable.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+import random
+import time
+import typing
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Train Medusa heads or an MLP speculator for a model, by self-distillation.")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _common(  # the options every command shares (see `_command`)
+    model_id: str = typer.Option(..., "--model-id", envvar="MODEL_ID",
+                                 help="Base model: a local directory or a Hugging Face Hub id."),
+    prompts: Path = typer.Option(..., "--prompts", envvar="PROMPTS", exists=True, dir_okay=False,
+                                 help="Prompt file: JSON lines ({\"prompt\": ...} or strings) or one prompt per line."),
+    output: Path = typer.Option(..., "--output", envvar="OUTPUT_DIR", file_okay=False,
+                                help="Directory the checkpoint is written to."),
+    revision: Optional[str] = typer.Option(None, envvar="REVISION", help="Hub revision of the base model."),
+    device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu", envvar="DEVICE",
+                               help="cpu or cuda."),
+    dtype: Optional[str] = typer.Option(None, envvar="DTYPE",
+                                        help="Base model dtype: float32 (CPU default), bfloat16 (CUDA default)."),
+    save_dtype: Optional[str] = typer.Option(None, envvar="SAVE_DTYPE",
+                                             help="Checkpoint dtype (default: the base model's)."),
+    max_prompts: Optional[int] = typer.Option(None, envvar="MAX_PROMPTS", min=1, help="Use the first N prompts."),
+    max_input_tokens: int = typer.Option(512, envvar="MAX_INPUT_TOKENS", min=1,
+                                         help="Prompts are cut to their last N tokens."),
+    max_new_tokens: int = typer.Option(128, envvar="MAX_NEW_TOKENS", min=8,
+                                       help="Tokens the base model generates per prompt."),
+    temperature: float = typer.Option(0.0, envvar="TEMPERATURE", min=0.0,
+                                      help="0: greedy continuations (what greedy verification accepts)."),
+    generation_batch_size: int = typer.Option(16, envvar="GENERATION_BATCH_SIZE", min=1,
+                                              help="Prompts continued at once."),
+    eval_fraction: float = typer.Option(0.1, envvar="EVAL_FRACTION", min=0.01, max=0.5,
+                                       help="Share of the prompts held out for evaluation."),
+    epochs: int = typer.Option(3, envvar="EPOCHS", min=1, help="Passes over the training samples."),
+    batch_size: int = typer.Option(16, envvar="BATCH_SIZE", min=1, help="Samples per training step."),
+    lr: float = typer.Option(1e-3, envvar="LR", min=0.0, help="Peak learning rate (AdamW, cosine decay)."),
+    seed: int = typer.Option(0, envvar="SEED", help="Seeds the split, the shuffling and the initialisation."),
+) -> None:
+    ...
+
+
+def _command(func: Callable[..., None]) -> Callable[..., None]:
+    """Registers `func(own options..., common)` as a command taking its own options and `_common`'s."""
+    def resolved(f: Callable) -> list[inspect.Parameter]:  # annotations are strings here (future import)
+        hints = typing.get_type_hints(f)
+        return [p.replace(annotation=hints[p.name]) for p in inspect.signature(f).parameters.values()
+                if p.name != "common"]
+
+    own, shared = resolved(func), resolved(_common)
+
+    @functools.wraps(func)
+    def command(**kwargs) -> None:
+        func(**{p.name: kwargs.pop(p.name) for p in own}, common=kwargs)
+
+    command.__signature__ = inspect.Signature(own + shared)  # what typer reads the options from
+    command.__annotations__ = {p.name: p.annotation for p in own + shared}
+    return app.command()(command)
+
+
+def _prepare(args: dict):
+    """Loads the base model, self-distills the prompts and splits them; returns what the trainers need."""
+    from specula_server.params import SamplingParams
+    from specula_server.server import DTYPES as SERVER_DTYPES, ServerConfig, load_generator
+    from specula_server.distributed import ShardGroup
+    from specula_server.training.data import HiddenStates, generate_samples, read_prompts
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    dtype = args["dtype"] or ("bfloat16" if args["device"] == "cuda" else "float32")
+    if dtype not in SERVER_DTYPES:
+        raise typer.BadParameter(f"--dtype must be one of {', '.join(SERVER_DTYPES)}; got {dtype!r}")
+    texts = read_prompts(args["prompts"])[: args["max_prompts"]]
+    if len(texts) < 4:
+        raise typer.BadParameter(f"--prompts {args['prompts']}: {len(texts)} prompts; at least 4 are needed")
+    config = ServerConfig(model_id=args["model_id"], uds_path="/tmp/unused", revision=args["revision"], dtype=dtype,
+                          device=args["device"])
+    generator, _ = load_generator(config, ShardGroup())
+    sampling = SamplingParams(do_sample=True, temperature=args["temperature"], seed=args["seed"]) \
+        if args["temperature"] > 0 else SamplingParams()
+    started = time.monotonic()
+    samples = generate_samples(generator, generator.tokenizer, texts, args["max_input_tokens"],
+                               args["max_new_tokens"], args["generation_batch_size"], sampling)
+    typer.echo(f"generated {sum(s.token_ids.numel() - s.prompt_len for s in samples)} tokens for {len(samples)} "
+               f"prompts in {time.monotonic() - started:.0f}s")
+    generator.kv_cache = None  # the training forwards use a scratch cache of their own
+    random.Random(args["seed"]).shuffle(samples)
+    held_out = max(1, int(len(samples) * args["eval_fraction"]))
+    model = generator.model
+    longest = max(s.token_ids.numel() for s in samples)
+    hidden_states = HiddenStates(model, longest * args["batch_size"])
+    hidden_size = model.config.hidden_size
+    eye = torch.eye(hidden_size, dtype=model.norm.weight.dtype, device=model.norm.weight.device)
+    with torch.inference_mode():
+        lm_head_weight = model.compute_logits(eye).T.contiguous()  # [vocab, hidden], whatever the head's packing
+    return samples[held_out:], samples[:held_out], hidden_states, lm_head_weight.clone(), dtype
+
+
+def _finish(args: dict, kind: str, trainee, report, dtype: str, extra: dict, save) -> None:
+    from specula_server.server import DTYPES as SERVER_DTYPES
+
+    save_dtype = args["save_dtype"] or dtype
+    if save_dtype not in SERVER_DTYPES:
+        raise typer.BadParameter(f"--save-dtype must be one of {', '.join(SERVER_DTYPES)}; got {save_dtype!r}")
+    output: Path = args["output"]
+    save(output, SERVER_DTYPES[save_dtype])
+    summary = {
+        "kind": kind, "base_model": args["model_id"], "steps": report.steps, "final_loss": report.final_loss,
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in args.items()} | extra,
+        "held_out": {
+            "top1_before": report.before.accuracy(), "top1_after": report.after.accuracy(),
+            "chained_before": report.before.chained_accuracy(), "chained_after": report.after.chained_accuracy(),
+            "mean_accepted_before": report.before.mean_accepted(),
+            "mean_accepted_after": report.after.mean_accepted(),
+        },
+    }
+    (output / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
+    held = summary["held_out"]
+    typer.echo("held-out top-1 per head: " + " ".join(f"{a:.3f}" for a in held["top1_before"]) + " untrained -> "
+               + " ".join(f"{a:.3f}" for a in held["top1_after"]) + " trained")
+    typer.echo(f"expected accepted drafts per step (chain): {held['mean_accepted_before']:.2f} -> "
+               f"{held['mean_accepted_after']:.2f}")
+    typer.echo(f"wrote {output}")
+
+
+@_command
+def medusa(
+    num_heads: int = typer.Option(3, "--num-heads", envvar="MEDUSA_NUM_HEADS", min=1, max=10,
+                                  help="Heads: head h guesses the token h + 2 places ahead."),
+    num_layers: int = typer.Option(1, "--num-layers", envvar="MEDUSA_NUM_LAYERS", min=1,
+                                   help="Residual blocks per head."),
+    layout: str = typer.Option("fasterdecoding", envvar="MEDUSA_LAYOUT",
+                               help="fasterdecoding: each head has its own LM head; lorax-v2: heads reuse the "
+                                    "base LM head (far smaller)."),
+    common: dict | None = None,
+) -> None:
+    """Medusa heads (FasterDecoding or LoRAX v2 layout)."""
+    from specula_server.training.speculators import MedusaTrainee
+    from specula_server.training.trainer import train
+
+    if layout not in ("fasterdecoding", "lorax-v2"):
+        raise typer.BadParameter(f"--layout must be fasterdecoding or lorax-v2; got {layout!r}")
+    train_samples, eval_samples, hidden_states, lm_head, dtype = _prepare(common)
+    trainee = MedusaTrainee(lm_head, num_heads, num_layers, own_lm_heads=layout == "fasterdecoding").to(lm_head.device)
+    report = train(trainee, train_samples, eval_samples, hidden_states, _settings(common))
+    _finish(common, "medusa", trainee, report, dtype, dict(num_heads=num_heads, num_layers=num_layers, layout=layout),
+            lambda out, save_dtype: trainee.save(out, common["model_id"], save_dtype))
+
+
+@_command
+def mlp(
+    n_predict: int = typer.Option(3, "--n-predict", envvar="MLP_N_PREDICT", min=1, max=10,
+                                  help="Stages: stage i guesses the token i + 1 places after the last one."),
+    inner_dim: Optional[int] = typer.Option(None, "--inner-dim", envvar="MLP_INNER_DIM", min=8,
+                                            help="Width of the speculator's state (default: the model's hidden size)."),
+    tie_weights: bool = typer.Option(False, "--tie-weights/--no-tie-weights", envvar="MLP_TIE_WEIGHTS",
+                                     help="Share embedding, norm and head over the stages (a much smaller file)."),
+    scale_input: bool = typer.Option(True, "--scale-input/--no-scale-input", envvar="MLP_SCALE_INPUT",
+                                     help="RMS-normalise the base hidden state first."),
+    top_k_tokens_per_head: str = typer.Option("4,3,2", envvar="MLP_TOP_K_TOKENS_PER_HEAD",
+                                              help="Candidates per stage for tree drafting (written to config.json)."),
+    n_candidates: int = typer.Option(5, envvar="MLP_N_CANDIDATES", min=1,
+                                     help="Candidate paths kept (written to config.json)."),
+    common: dict | None = None,
+) -> None:
+    """An MLP speculator (IBM layout, `model_type: mlp_speculator`)."""
+    from specula_server.training.speculators import MLPSpeculatorTrainee
+    from specula_server.training.trainer import train
+
+    try:
+        top_k = [int(k) for k in top_k_tokens_per_head.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"--top-k-tokens-per-head must be comma-separated integers; got "
+                                 f"{top_k_tokens_per_head!r}") from None
+    if len(top_k) < n_predict:
+        top_k += [top_k[-1]] * (n_predict - len(top_k))
+    train_samples, eval_samples, hidden_states, lm_head, dtype = _prepare(common)
+    trainee = MLPSpeculatorTrainee(lm_head, inner_dim or lm_head.shape[1], n_predict, tie_weights, scale_input,
+                                   seed=common["seed"]).to(lm_head.device)
+    report = train(trainee, train_samples, eval_samples, hidden_states, _settings(common))
+    extra = dict(n_predict=n_predict, inner_dim=trainee.inner_dim, tie_weights=tie_weights, scale_input=scale_input)
+    _finish(common, "mlp_speculator", trainee, report, dtype, extra,
+            lambda out, save_dtype: trainee.save(out, common["model_id"], save_dtype, top_k[:n_predict],
+                                                 n_candidates))
+
+
+def _settings(common: dict):
+    from specula_server.training.trainer import TrainingSettings
+
+    return TrainingSettings(epochs=common["epochs"], batch_size=common["batch_size"], lr=common["lr"],
+                            seed=common["seed"])
