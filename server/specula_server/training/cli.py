@@ -60,6 +60,10 @@ def _common(  # the options every command shares (see `_command`)
     batch_size: int = typer.Option(16, envvar="BATCH_SIZE", min=1, help="Samples per training step."),
     lr: float = typer.Option(1e-3, envvar="LR", min=0.0, help="Peak learning rate (AdamW, cosine decay)."),
     seed: int = typer.Option(0, envvar="SEED", help="Seeds the split, the shuffling and the initialisation."),
+    samples_cache: Optional[Path] = typer.Option(
+        None, envvar="SAMPLES_CACHE", dir_okay=False,
+        help="File keeping the generated continuations: reused when it exists and was made with the same model, "
+             "prompts and generation settings (to train several speculators on one generation)."),
 ) -> None:
     ...
 
@@ -87,10 +91,10 @@ def _prepare(args: dict):
     from specula_server.params import SamplingParams
     from specula_server.server import DTYPES as SERVER_DTYPES, ServerConfig, load_generator
     from specula_server.distributed import ShardGroup
-    from specula_server.training.data import HiddenStates, generate_samples, read_prompts
+    from specula_server.training.data import HiddenStates, Sample, generate_samples, read_prompts
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    dtype = args["dtype"] or ("bfloat16" if args["device"] == "cuda" else "float32")
+    dtype = args["dtype"] = args["dtype"] or ("bfloat16" if args["device"] == "cuda" else "float32")
     if dtype not in SERVER_DTYPES:
         raise typer.BadParameter(f"--dtype must be one of {', '.join(SERVER_DTYPES)}; got {dtype!r}")
     texts = read_prompts(args["prompts"])[: args["max_prompts"]]
@@ -101,11 +105,20 @@ def _prepare(args: dict):
     generator, _ = load_generator(config, ShardGroup())
     sampling = SamplingParams(do_sample=True, temperature=args["temperature"], seed=args["seed"]) \
         if args["temperature"] > 0 else SamplingParams()
-    started = time.monotonic()
-    samples = generate_samples(generator, generator.tokenizer, texts, args["max_input_tokens"],
-                               args["max_new_tokens"], args["generation_batch_size"], sampling)
-    typer.echo(f"generated {sum(s.token_ids.numel() - s.prompt_len for s in samples)} tokens for {len(samples)} "
-               f"prompts in {time.monotonic() - started:.0f}s")
+    key = {k: str(args[k]) for k in ("model_id", "revision", "dtype", "max_input_tokens", "max_new_tokens",
+                                     "temperature", "seed")} | {"prompts": texts}
+    cache: Path | None = args["samples_cache"]
+    if cache is not None and cache.is_file() and (saved := torch.load(cache))["key"] == key:
+        samples = [Sample(torch.tensor(ids), prompt_len) for ids, prompt_len in saved["samples"]]
+        typer.echo(f"reusing {len(samples)} continuations from {cache}")
+    else:
+        started = time.monotonic()
+        samples = generate_samples(generator, generator.tokenizer, texts, args["max_input_tokens"],
+                                   args["max_new_tokens"], args["generation_batch_size"], sampling)
+        typer.echo(f"generated {sum(s.token_ids.numel() - s.prompt_len for s in samples)} tokens for "
+                   f"{len(samples)} prompts in {time.monotonic() - started:.0f}s")
+        if cache is not None:
+            torch.save({"key": key, "samples": [(s.token_ids.tolist(), s.prompt_len) for s in samples]}, cache)
     generator.kv_cache = None  # the training forwards use a scratch cache of their own
     random.Random(args["seed"]).shuffle(samples)
     held_out = max(1, int(len(samples) * args["eval_fraction"]))
