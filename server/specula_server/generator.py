@@ -32,6 +32,7 @@ from specula_server.sampling import Sampler, SamplingRow
 from specula_server.speculation.controller import (
     StepCostModel, choose_draft_lengths, worth_drafting,
 )
+from specula_server.speculation.draft_model import DraftModelDrafter
 from specula_server.speculation.drafters import Draft, Drafter
 from specula_server.speculation.verify import Verdict, verify
 
@@ -40,11 +41,16 @@ logger = logging.getLogger("specula.generator")
 
 @dataclass(frozen=True)
 class SpeculationConfig:
-    """Speculative decoding of the worker: up to `max_tokens` drafts per request per step."""
+    """Speculative decoding of the worker: up to `max_tokens` drafts per request per step.
+
+    `draft_model`, when the server drafts with a draft model, is that drafter (also reachable through
+    `drafter`, which may be a composite): the generator sizes and allocates its KV cache beside the target's
+    and asks it for the tokens of the pending drafts it proposed."""
 
     drafter: Drafter
     max_tokens: int
     mode: str = "adaptive"  # "adaptive" (draft lengths follow acceptance and load) or "fixed"
+    draft_model: DraftModelDrafter | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0 or self.mode not in ("adaptive", "fixed"):
@@ -103,17 +109,33 @@ class TextGenerator:
 
     # --- KV cache -----------------------------------------------------------------------------------------
 
+    @property
+    def draft_model(self) -> DraftModelDrafter | None:
+        return self.speculation.draft_model if self.speculation is not None else None
+
     def bytes_per_block(self) -> int:
+        """Memory one KV block costs the worker: the target's keys and values, and the draft model's."""
         cfg = self.model.config
-        return KVCache.bytes_per_block(cfg.num_layers, self.model.num_kv_heads, cfg.head_dim, self.block_size, self.dtype)
+        size = KVCache.bytes_per_block(cfg.num_layers, self.model.num_kv_heads, cfg.head_dim, self.block_size,
+                                       self.dtype)
+        if self.draft_model is not None:
+            size += self.draft_model.bytes_per_block(self.block_size)
+        return size
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.clear()
-        self.kv_cache = None  # release the old cache before allocating the new one
+        self.release_kv_cache()  # release the old caches before allocating the new ones
         cfg = self.model.config
         self.kv_cache = KVCache.allocate(
             num_blocks, self.block_size, cfg.num_layers, self.model.num_kv_heads, cfg.head_dim, self.dtype, self.device
         )
+        if self.draft_model is not None:  # the same blocks, addressed by the same slots
+            self.draft_model.allocate_kv_cache(num_blocks, self.block_size)
+
+    def release_kv_cache(self) -> None:
+        self.kv_cache = None
+        if self.draft_model is not None:
+            self.draft_model.release_kv_cache()
 
     # --- requests -----------------------------------------------------------------------------------------
 
@@ -281,16 +303,16 @@ class TextGenerator:
         caps = [self._draft_cap(r) if not adaptive or worth_drafting(r.acceptance.value, len(reqs), self.step_cost)
                 else 0 for r in reqs]
         proposals = self.speculation.drafter.propose(reqs, caps)
-        lengths = choose_draft_lengths([len(p) for p in proposals], [r.acceptance.value for r in reqs],
+        lengths = choose_draft_lengths([p.available for p in proposals], [r.acceptance.value for r in reqs],
                                        self.step_cost, self.speculation.mode)
         if not any(lengths):  # nothing worth verifying: a plain step, at a plain step's cost
-            if any(len(p) for p in proposals):
+            if any(p.available for p in proposals):
                 self.step_cost.declined()
             for r in reqs:
                 r.acceptance.observe(0, 0)
             step = build_step(reqs, [r.num_tokens - 1 for r in reqs], [1] * len(reqs), self.device)
             return self._run(batch, step, start, with_prefill_logprobs=False)
-        drafts = [p.truncated(k) for p, k in zip(proposals, lengths)]
+        drafts = self._draft_pending(reqs, [p.truncated(k) for p, k in zip(proposals, lengths)])
         for r, d in zip(reqs, drafts):  # the buffer tail past num_tokens is free: drafts go there
             r.token_ids[r.num_tokens : r.num_tokens + len(d)] = d.tokens
         trees = [None if d.is_chain else d for d in drafts]
@@ -314,6 +336,9 @@ class TextGenerator:
                 if r.is_finished:
                     break  # nothing after a stop is emitted or counted
             r.acceptance.observe(v.num_drafted, v.num_accepted)
+            # The draft model's KV is valid up to the last accepted draft it ran over; the target's own token
+            # (correction or bonus) is run over before the next draft.
+            r.draft_cached = min(r.draft_cached, r.num_tokens - 1)
             tops = self._row_top_tokens(processed if processed is not None else logits, v.rows[: len(tokens)],
                                         r.spec.top_n_tokens, normalized=processed is not None)
             out = StepOutput(r.id, tokens, tops, num_drafted=v.num_drafted,
@@ -322,6 +347,17 @@ class TextGenerator:
                 out.generated_text = r.generated_text()
             outputs.append(out)
         return self._end_step(batch, outputs, start, forward_done)
+
+    def _draft_pending(self, reqs: Sequence[RequestState], drafts: list[Draft]) -> list[Draft]:
+        """Has the draft model draft the tokens of pending drafts, exactly as many as the controller granted."""
+        pending = [i for i, d in enumerate(drafts) if d.pending]
+        if not pending:
+            return drafts
+        assert self.draft_model is not None, "a drafter proposed pending drafts but the worker has no draft model"
+        drafted = self.draft_model.draft([reqs[i] for i in pending], [drafts[i].pending for i in pending])
+        for i, d in zip(pending, drafted):
+            drafts[i] = d
+        return drafts
 
     def _compact_accepted_paths(self, reqs: Sequence[RequestState], drafts: Sequence[Draft],
                                 verdicts: Sequence[Verdict]) -> None:

@@ -46,7 +46,7 @@ class StepOutput:
     generated_text: GeneratedText | None = None
     num_drafted: int = 0  # draft tokens verified this step
     num_accepted: int = 0  # of which accepted and emitted
-    draft_method: str = ""  # the drafter that proposed them ("ngram", "medusa"; "" when none)
+    draft_method: str = ""  # the drafter that proposed them ("ngram", "medusa", "draft_model"; "" when none)
 
 
 @dataclass(frozen=True)
@@ -77,6 +77,9 @@ class RequestState:
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # of its draft tokens
     # Final-normed hidden state of the position its last token was chosen from (what Medusa heads read).
     last_hidden: torch.Tensor | None = None
+    # Positions 0 .. draft_cached - 1 hold the draft model's KV of this request's own tokens (draft-model
+    # speculation); the draft model runs over the rest of its tokens before drafting again.
+    draft_cached: int = 0
 
     @classmethod
     def create(

@@ -43,7 +43,7 @@ def warmup(
         if generator.device.type != "cuda":
             raise InvalidRequestError("a KV cache memory budget is required on CPU")
         torch.cuda.synchronize(generator.device)
-        generator.kv_cache = None
+        generator.release_kv_cache()  # the draft model's cache too, so free memory is measured without them
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(generator.device)
         kv_cache_memory = int(free * 0.9)

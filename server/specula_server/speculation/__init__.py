@@ -6,7 +6,8 @@
              paged KV of every position (the generator's decode step)
     accept   the exact acceptance rule per request (`verify.py`): greedy keeps drafts while they equal the
              target's argmax; sampling draws the target's token at each position and keeps drafts while they
-             match, so the output distribution is exactly the model's
+             match, so the output distribution is exactly the model's; drafts sampled from a draft model's q
+             are accepted with probability min(1, p/q), a rejection resampled from norm(max(0, p - q))
     commit   accepted tokens (and the target's own next token) are appended one at a time through the
              stopping criteria; rejected positions' KV is never read and is overwritten by later steps
 

@@ -29,9 +29,24 @@ class Draft:
 
     tokens: torch.Tensor  # [n] long (CPU)
     parents: torch.Tensor | None = None  # [n] long, or None for a chain
+    # [n, vocab] probabilities each token was sampled from (a draft model's q), chains only; None for
+    # deterministic drafts. Verification then accepts token i with probability min(1, p_i(x) / q_i(x)).
+    q: torch.Tensor | None = None
+    # Tokens the drafter will produce on demand once the controller has chosen how many (a draft model,
+    # for which drafting is a forward per token): `tokens` is empty until `DraftModelDrafter.draft` fills it.
+    pending: int = 0
+
+    def __post_init__(self) -> None:
+        if self.q is not None and self.parents is not None:
+            raise ValueError("a draft with a distribution q must be a chain")
 
     def __len__(self) -> int:
         return self.tokens.numel()
+
+    @property
+    def available(self) -> int:
+        """Tokens this draft can verify: its nodes, or the tokens still to be drafted on demand."""
+        return self.pending if self.pending else len(self)
 
     @property
     def is_chain(self) -> bool:
@@ -39,9 +54,12 @@ class Draft:
         return self.parents is None or len(self) <= 1
 
     def truncated(self, k: int) -> Draft:
+        if self.pending:
+            return Draft(self.tokens, pending=max(0, min(k, self.pending)))
         if k >= len(self):
             return self
-        return Draft(self.tokens[:k], None if self.parents is None else self.parents[:k])
+        return Draft(self.tokens[:k], None if self.parents is None else self.parents[:k],
+                     None if self.q is None else self.q[:k])
 
     def node_parents(self) -> list[int]:
         """Every node's parent index (-1: the root), for chains too."""
@@ -69,7 +87,11 @@ class Draft:
 
 class Drafter(Protocol):
     """Proposes draft tokens. Deterministic drafters (no draft distribution q) are verified exactly by
-    sampling the target at every position and keeping drafts while they match.
+    sampling the target at every position and keeping drafts while they match; drafts that carry the
+    distribution q they were sampled from (a draft model's) by the rejection rule of speculative sampling.
+
+    A drafter for which each token costs a forward (the draft model) proposes `pending` drafts instead: the
+    controller first picks how many tokens each request verifies, then exactly that many are drafted.
 
     `name` labels the speculation metrics; `method_for(request)` may name another method for some requests
     (a composite drafter)."""

@@ -4,7 +4,7 @@ Request r verified `[last, d1 .. dk]` in one forward, so its logits rows j = 0..
 distribution p_j of the token after `d1 .. dj`. For a tree of drafts the rows are the root (`last`) and then
 the nodes, row 1 + i holding the distribution after the path to node i; acceptance walks down from the root,
 following the child whose token the rule picks, and the chain is the tree with one child per node.
-The rules (both exact):
+The rules (all exact):
 
 - greedy: keep drafts while `d_(j+1) == argmax p_j`; the first mismatch (or the bonus after all k) is the target's
   own argmax. Output identical to decoding without drafts.
@@ -14,6 +14,12 @@ The rules (both exact):
   lazily, one per emitted token, so a seed yields the same tokens whatever the draft lengths. In a tree the
   draw moves to the child holding the drawn token, if any (siblings are distinct tokens): still one draw from
   p per emitted token, so still exact.
+- sampling, drafts sampled from a distribution q (a draft model's: `Draft.q`, chains only): speculative
+  sampling (Leviathan et al. 2023, Chen et al. 2023). Draft x_(j+1) ~ q_j is accepted with probability
+  min(1, p_j(x) / q_j(x)) (one uniform per draft from the request's generator); at the first rejection the
+  emitted token is drawn from norm(max(0, p_j - q_j)), and after k acceptances the bonus from p_k. Each
+  emitted token is then distributed exactly as p given everything before it. Greedy requests ignore q: the
+  draft took its argmax and the greedy rule applies.
 
 p_j is the sampler's processed distribution (penalties, temperature, top-k/p, typical-p) computed with the draft
 prefix `d1 .. dj` in the history, so penalties see exactly the context each token is sampled in.
@@ -88,13 +94,17 @@ def verify(
     # Every request emits at least the root's token: those draws are made together, as a plain step makes
     # them (each with the request's own generator, so still one draw per emitted token, in order).
     first: dict[int, int] = {}
-    sampled_roots = [start for r, start in zip(requests, row_starts) if not r.spec.sampling.is_greedy]
+    sampled_roots = [start for r, d, start in zip(requests, drafts, row_starts)
+                     if not r.spec.sampling.is_greedy and not _rejection_sampled(r, d)]
     if sampled_roots:
         drawn = sampler.choose(logprobs[sampled_roots], [rows[i] for i in sampled_roots]).tolist()
         first = dict(zip(sampled_roots, drawn))
 
     verdicts = []
     for r, d, start in zip(requests, drafts, row_starts):
+        if _rejection_sampled(r, d):
+            verdicts.append(_speculative_sampling(logprobs, r, d, start, rows, sampler))
+            continue
         children = _children(d) if len(d) else {}
         greedy = r.spec.sampling.is_greedy
         node, emitted, emitted_rows, path = -1, [], [], []
@@ -128,3 +138,37 @@ def verify(
         v.logprobs = flat[offset : offset + len(v.token_ids)]
         offset += len(v.token_ids)
     return verdicts, logprobs
+
+
+def _rejection_sampled(r: RequestState, draft: Draft) -> bool:
+    """Whether the request's drafts are verified by the rejection rule: sampled drafts that carry q."""
+    return draft.q is not None and len(draft) > 0 and not r.spec.sampling.is_greedy
+
+
+def _speculative_sampling(logprobs: torch.Tensor, r: RequestState, draft: Draft, start: int,
+                          rows: Sequence[SamplingRow], sampler: Sampler) -> Verdict:
+    """Accepts x_(j+1) ~ q_j with probability min(1, p_j(x) / q_j(x)); at the first rejection emits a draw
+    from norm(max(0, p_j - q_j)), after k acceptances a draw from p_k. `logprobs` rows start .. start + k are
+    the target's processed log p_0 .. p_k."""
+    k = len(draft)
+    device = logprobs.device
+    tokens = draft.tokens.to(device)
+    index = torch.arange(k, device=device)
+    p = logprobs[start : start + k].exp()  # [k, vocab]
+    q = draft.q.to(device=device, dtype=p.dtype)  # [k, vocab]
+    generator = r.generator
+    assert generator is not None, f"request {r.id} samples but has no generator"
+    uniform = torch.rand(k, generator=generator, device=generator.device).to(device)
+    # u < p / q, written without the division (q(x) > 0: x was drawn from q).
+    accepted = (uniform * q[index, tokens] < p[index, tokens]).tolist()
+    m = accepted.index(False) if False in accepted else k
+    emitted = draft.tokens[:m].tolist()
+    if m < k:
+        residual = (p[m] - q[m]).clamp(min=0)
+        if not bool(residual.sum() > 0):  # a rejection means p(x) < q(x), so the residual has mass; this
+            residual = p[m]  # only guards against rounding
+        token = int(sampler.choose(residual.log().unsqueeze(0), [rows[start + m]])[0])
+    else:
+        token = int(sampler.choose(logprobs[start + k : start + k + 1], [rows[start + k]])[0])
+    emitted.append(token)
+    return Verdict(emitted, [], list(range(start, start + m + 1)), k, list(range(m)))
