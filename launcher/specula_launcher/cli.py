@@ -49,10 +49,13 @@ def main(
     ngram_match: str = typer.Option(
         "latest", envvar="NGRAM_MATCH", help="Which earlier occurrence prompt lookup copies: latest or earliest."),
     speculator: Optional[str] = typer.Option(
-        None, envvar="SPECULATOR", help="Speculator (Medusa, MLPSpeculator or draft model): path or Hub id."),
+        None, envvar="SPECULATOR",
+        help="Medusa heads, an MLP speculator or a draft model (a small causal LM with the model's tokenizer): "
+             "directory or Hub id, drafting for every request without Medusa heads of its own."),
     draft_tree_width: int = typer.Option(
         1, envvar="DRAFT_TREE_WIDTH",
-        help="Candidates per Medusa head: 1 verifies the top-1 chain, more verify a tree of the best nodes."),
+        help="Candidates per Medusa head or MLP speculator stage: 1 verifies the top-1 chain, more verify a tree "
+             "of the best nodes."),
     adapter_source: str = typer.Option(
         "hub", envvar="ADAPTER_SOURCE", help="Source of a request's adapter_id when it names none: hub or local."),
     adapter_dir: Optional[List[str]] = typer.Option(

@@ -62,10 +62,12 @@ def serve(
                                     help="Which earlier occurrence drafts: latest or earliest."),
     speculator: Optional[str] = typer.Option(
         None, envvar="SPECULATOR",
-        help="Medusa heads (directory or Hub id) drafting for every request that has none of its own."),
+        help="Medusa heads, an MLP speculator or a draft model (a small causal LM with the model's tokenizer): "
+             "directory or Hub id, drafting for every request that has no Medusa heads of its own."),
     draft_tree_width: int = typer.Option(
         1, envvar="DRAFT_TREE_WIDTH", min=1,
-        help="Candidates per Medusa head: 1 verifies the top-1 chain, more verify a tree of the best nodes."),
+        help="Candidates per Medusa head or MLP speculator stage: 1 verifies the top-1 chain, more verify a tree "
+             "of the best nodes."),
     adapter_dir: list[Path] = typer.Option(
         [], envvar="ADAPTER_DIR",
         help="Directory whose subdirectories are the `local` adapters requests may name (repeatable)."),

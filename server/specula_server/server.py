@@ -25,9 +25,13 @@ from specula_server.hub import resolve_model_dir, weight_files
 from specula_server.models import build_model
 from specula_server.models.config import ModelConfig
 from specula_server.adapters.medusa import MedusaHeads, load_medusa
-from specula_server.adapters.sources import detect_adapter_kind, resolve_adapter
+from specula_server.adapters.sources import AdapterError, detect_adapter_kind, resolve_adapter
+from specula_server.speculation.draft_model import DraftModelDrafter, find_draft_model, load_draft_model
 from specula_server.speculation.drafters import PromptLookupDrafter
 from specula_server.speculation.medusa import MedusaDrafter
+from specula_server.speculation.mlp_speculator import (
+    MLPSpeculator, MLPSpeculatorDrafter, find_mlp_speculator, load_mlp_speculator,
+)
 from specula_server.service import ExceptionInterceptor, TextGenerationService, WorkerInfo
 from specula_server.tokens import eos_token_ids, load_tokenizer
 from specula_server.weights import Weights
@@ -60,8 +64,8 @@ class ServerConfig:
     ngram_match: str = "latest"
     adapter_dirs: tuple[Path, ...] = ()  # where `local` adapters may be read from
     max_active_adapters: int = 8
-    speculator: str | None = None  # Medusa heads for every request without its own: a directory or Hub id
-    draft_tree_width: int = 1  # candidates per Medusa head (1: verify the top-1 chain only)
+    speculator: str | None = None  # Medusa heads or an MLP speculator for every request: a directory or Hub id
+    draft_tree_width: int = 1  # candidates per Medusa head / MLP speculator stage (1: the top-1 chain only)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -106,41 +110,66 @@ def load_generator(config: ServerConfig, group: ShardGroup) -> tuple[TextGenerat
     model = build_model(model_config, weights, group)
     tokenizer = load_tokenizer(model_dir)
     raw_config = {"eos_token_id": list(model_config.eos_token_ids)}
+    eos_ids = eos_token_ids(model_dir, raw_config)
     adapters = AdapterRegistry(model_config, rank=group.rank, world_size=group.world_size, dtype=dtype,
                                device=device, max_active=config.max_active_adapters,
                                local_roots=config.adapter_dirs, hub_cache=config.hub_cache)
     speculation = None
     if config.speculative_tokens > 0:
-        speculator = load_speculator(config, model_config, dtype, device)
+        speculator = load_speculator(config, model_config, dtype, device, group=group, tokenizer=tokenizer,
+                                     eos_ids=eos_ids)
         drafter = build_drafter(model, adapters, PromptLookupDrafter(config.ngram_min, config.ngram_max,
                                                                      config.ngram_match),
                                 speculator, config.draft_tree_width)
-        speculation = SpeculationConfig(drafter, config.speculative_tokens, config.speculation_mode)
-    generator = TextGenerator(model, tokenizer, eos_token_ids(model_dir, raw_config), config.block_size, device,
-                              speculation, adapters)
+        speculation = SpeculationConfig(drafter, config.speculative_tokens, config.speculation_mode,
+                                        draft_model=speculator if isinstance(speculator, DraftModelDrafter) else None)
+    generator = TextGenerator(model, tokenizer, eos_ids, config.block_size, device, speculation, adapters)
     sha = model_dir.name if "snapshots" in model_dir.parts else ""
     return generator, sha
 
 
-def load_speculator(config: ServerConfig, model_config: ModelConfig, dtype: torch.dtype,
-                    device: torch.device) -> MedusaHeads | None:
-    """The `--speculator` Medusa heads (a local directory or a Hub id), checked against the model."""
+def load_speculator(config: ServerConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                    group: ShardGroup = ShardGroup(), tokenizer=None,
+                    eos_ids: frozenset[int] = frozenset()) -> MedusaHeads | MLPSpeculator | DraftModelDrafter | None:
+    """The `--speculator` (a local directory or a Hub id): Medusa heads, an MLP speculator (`config.json` with
+    `model_type: mlp_speculator`) or a draft model (a causal LM the server loads, with the target's `tokenizer`:
+    checked before its weights are read, then loaded sharded over `group` like the target), checked against the
+    model. Anything else is refused."""
     if not config.speculator:
         return None
-    if Path(config.speculator).is_dir():
-        path = Path(config.speculator)
-    else:
-        path = resolve_adapter(config.speculator, "hub", cache_dir=config.hub_cache)
-    kind = detect_adapter_kind(path, config.speculator)
+    accepted = ("--speculator serves Medusa heads, an MLP speculator (config.json with model_type mlp_speculator) "
+                "or a draft model (a causal LM with the model's tokenizer)")
+    mlp_path = find_mlp_speculator(config.speculator, config.hub_cache)
+    if mlp_path is not None:
+        return load_mlp_speculator(mlp_path, model_config, dtype=dtype, device=device,
+                                   speculator_id=config.speculator)
+    draft_path = find_draft_model(config.speculator, config.hub_cache)
+    if draft_path is not None:  # a causal LM with the model's tokenizer (`tokenizer`, needed here)
+        return load_draft_model(draft_path, config.speculator, config.model_id, model_config, tokenizer, eos_ids,
+                                dtype, device, group)
+    try:
+        if Path(config.speculator).is_dir():
+            path = Path(config.speculator)
+        else:
+            path = resolve_adapter(config.speculator, "hub", local_roots=(), cache_dir=config.hub_cache)
+        kind = detect_adapter_kind(path, config.speculator)
+    except AdapterError as error:
+        raise ValueError(f"--speculator {config.speculator}: {error}; {accepted}") from error
     if kind != "medusa":
-        raise ValueError(f"--speculator {config.speculator}: a {kind} adapter; --speculator serves Medusa heads "
+        raise ValueError(f"--speculator {config.speculator}: a {kind} adapter; {accepted} "
                          "(LoRA adapters are chosen per request with adapter_id)")
     return load_medusa(path, model_config, dtype=dtype, device=device, adapter_id=config.speculator)
 
 
-def build_drafter(model, adapters: AdapterRegistry, fallback: PromptLookupDrafter, speculator: MedusaHeads | None,
-                  tree_width: int) -> MedusaDrafter:
+def build_drafter(model, adapters: AdapterRegistry, fallback: PromptLookupDrafter,
+                  speculator: MedusaHeads | MLPSpeculator | None, tree_width: int) -> MedusaDrafter:
     """Per request: its adapter's Medusa heads, else the server's speculator, else prompt lookup."""
+    if isinstance(speculator, DraftModelDrafter):  # drafts for every request without Medusa heads of its own
+        return MedusaDrafter(lambda request: adapters.medusa_heads(request.spec.adapter_id), model.compute_logits,
+                             speculator, tree_width)
+    if isinstance(speculator, MLPSpeculator):  # drafts for every request without Medusa heads of its own
+        return MedusaDrafter(lambda request: adapters.medusa_heads(request.spec.adapter_id), model.compute_logits,
+                             MLPSpeculatorDrafter(speculator, fallback, tree_width), tree_width)
 
     def heads_for(request):
         own = adapters.medusa_heads(request.spec.adapter_id)

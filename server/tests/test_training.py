@@ -14,7 +14,8 @@ from specula_server.models.config import ModelConfig
 from specula_server.testing.worker import BlockPool, load_test_generator, make_spec
 from specula_server.training.cli import app
 from specula_server.training.data import HiddenStates, Sample, batches, generate_samples, read_prompts
-from specula_server.training.speculators import MedusaTrainee
+from specula_server.speculation.mlp_speculator import load_mlp_speculator
+from specula_server.training.speculators import MedusaTrainee, MLPSpeculatorTrainee
 
 PROMPT_WORDS = ["def", "return", "class", "import", "value", "self", "for", "in", "range", "print", "if", "else"]
 
@@ -105,6 +106,24 @@ def test_medusa_checkpoints_load_in_the_server(tmp_path, llama_dir, own_lm_heads
     with torch.no_grad():
         trained = torch.stack(trainee.head_logits(hidden))
     torch.testing.assert_close(served, trained, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("tie_weights", [True, False])
+def test_mlp_speculator_checkpoints_load_in_the_server(tmp_path, llama_dir, tie_weights):
+    config = ModelConfig.from_dir(llama_dir)
+    lm_head = torch.randn(config.vocab_size, config.hidden_size)
+    trainee = MLPSpeculatorTrainee(lm_head, inner_dim=48, n_predict=3, tie_weights=tie_weights, scale_input=True)
+    with torch.no_grad():
+        for p in trainee.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    trainee.save(tmp_path / "mlp", "tiny", torch.float32, top_k_tokens_per_head=[3, 2, 2], n_candidates=4)
+    served = load_mlp_speculator(tmp_path / "mlp", config)
+    assert served.config.tie_weights == tie_weights and served.n_predict == 3
+    hidden = torch.randn(5, config.hidden_size)
+    tokens = torch.randint(0, config.vocab_size, (5, 3))
+    with torch.no_grad():
+        trained = torch.stack(trainee.stage_logits(hidden, tokens))
+    torch.testing.assert_close(served(hidden, tokens), trained, atol=1e-4, rtol=1e-4)
 
 
 def test_untrained_medusa_heads_pass_the_hidden_state_through(llama_dir):

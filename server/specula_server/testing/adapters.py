@@ -83,3 +83,64 @@ def medusa_tensors(hidden: int, vocab: int, num_heads: int, num_layers: int, own
         if own_heads:
             tensors[f"{h}.{num_layers}.weight"] = torch.randn(vocab, hidden, generator=generator) / math.sqrt(hidden)
     return tensors
+
+
+def build_mlp_speculator(model_dir: Path, out_dir: Path, n_predict: int = 3, inner_dim: int = 48,
+                         tie_weights: bool = False, scale_input: bool = False, prefix: str = "speculator.",
+                         top_k_tokens_per_head: Sequence[int] | None = None, n_candidates: int = 5,
+                         num_shards: int = 1, seed: int = 0) -> Path:
+    """A random MLP speculator for the model at `model_dir` in IBM's Hugging Face layout (`config.json` with
+    `model_type: mlp_speculator`, `model.safetensors`, or `num_shards` shards with `model.safetensors.index.json`);
+    a `tie_weights` one stores only emb.0, ln.0, head.0, proj.0 and proj.1. `prefix` "" writes the names
+    without `speculator.`, as some checkpoints do."""
+    import json
+
+    from safetensors.torch import save_file
+
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    tensors = mlp_speculator_tensors(hidden, inner_dim, vocab, n_predict, tie_weights, seed)
+    tensors = {prefix + name: t for name, t in tensors.items()}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps({
+        "architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": "mlp_speculator", "emb_dim": hidden,
+        "inner_dim": inner_dim, "n_predict": n_predict, "vocab_size": vocab,
+        "top_k_tokens_per_head": list(top_k_tokens_per_head or [4] * n_predict), "n_candidates": n_candidates,
+        "tie_weights": tie_weights, "scale_input": scale_input, "torch_dtype": "float32",
+    }))
+    if num_shards == 1:
+        save_file(tensors, out_dir / "model.safetensors")
+        return out_dir
+    names = sorted(tensors)
+    weight_map = {}
+    for shard in range(num_shards):
+        file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        part = {name: tensors[name] for name in names[shard::num_shards]}
+        save_file(part, out_dir / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return out_dir
+
+
+def mlp_speculator_tensors(emb_dim: int, inner_dim: int, vocab: int, n_predict: int, tie_weights: bool,
+                           seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random MLP speculator tensors under their names without the `speculator.` prefix; norms with random
+    scales and shifts, heads scaled so that each stage's distribution is peaked."""
+    import math
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, std: float) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * std
+
+    tensors = {}
+    for i in range(1 if tie_weights else n_predict):
+        tensors[f"emb.{i}.weight"] = normal(vocab, inner_dim, std=1 / math.sqrt(inner_dim))
+        tensors[f"ln.{i}.weight"] = 1 + normal(inner_dim, std=0.1)
+        tensors[f"ln.{i}.bias"] = normal(inner_dim, std=0.1)
+        tensors[f"head.{i}.weight"] = normal(vocab, inner_dim, std=3 / math.sqrt(inner_dim))
+    for i in range(min(2, n_predict) if tie_weights else n_predict):
+        fan_in = emb_dim if i == 0 else inner_dim
+        tensors[f"proj.{i}.weight"] = normal(inner_dim, fan_in, std=1 / math.sqrt(fan_in))
+    return tensors

@@ -55,6 +55,11 @@ class HeadScores:
         return sum(self.chained_accuracy())
 
 
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> None:
+    save_file({k: v.detach().to(dtype).contiguous() for k, v in tensors.items()}, str(path))
+    path.chmod(0o644)  # readable by the server's user, like the config next to it
+
+
 def _loss_and_scores(logits: list[torch.Tensor], batch: TrainingBatch, decay: float) -> tuple[torch.Tensor, HeadScores]:
     """`logits[h]`: `[b, n, vocab]` guesses of the token at t + 2 + h."""
     losses, correct, chained, total = [], [], [], []
@@ -111,8 +116,7 @@ class MedusaTrainee(nn.Module):
                 tensors[f"{h}.{layer}.linear.bias"] = self.linear_bias[h, layer]
             if self.head_weight is not None:
                 tensors[f"{h}.{self.num_layers}.weight"] = self.head_weight[h]
-        save_file({k: v.detach().to(dtype).contiguous() for k, v in tensors.items()},
-                  str(out_dir / "medusa_lm_head.safetensors"))
+        _save_tensors(tensors, out_dir / "medusa_lm_head.safetensors", dtype)
         config = {"base_model_name_or_path": base_model, "medusa_num_heads": self.num_heads,
                   "medusa_num_layers": self.num_layers}
         if not self.own_lm_heads:
@@ -191,8 +195,7 @@ class MLPSpeculatorTrainee(nn.Module):
         for i, ln in enumerate(self.ln):
             tensors[f"speculator.ln.{i}.weight"] = ln.weight
             tensors[f"speculator.ln.{i}.bias"] = ln.bias
-        save_file({k: v.detach().to(dtype).contiguous() for k, v in tensors.items()},
-                  str(out_dir / "model.safetensors"))
+        _save_tensors(tensors, out_dir / "model.safetensors", dtype)
         config = {
             "architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": "mlp_speculator",
             "base_model_name_or_path": base_model, "emb_dim": self.emb_dim, "inner_dim": self.inner_dim,
