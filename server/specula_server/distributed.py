@@ -24,10 +24,10 @@ class ShardGroup:
     rank: int = 0
     world_size: int = 1
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sums `tensor` over ranks in place (no-op on one rank)."""
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Sums (or takes the maximum, `op="max"`) `tensor` over ranks in place (no-op on one rank)."""
         if self.world_size > 1:
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:

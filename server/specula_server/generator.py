@@ -25,6 +25,7 @@ import torch
 from specula_server.adapters.registry import AdapterRegistry, LoraBatch
 from specula_server.adapters.sources import AdapterError
 from specula_server.batch import Batch, StepInputs, build_step
+from specula_server.distributed import ShardGroup
 from specula_server.kv_cache import KVCache, slots_for_blocks
 from specula_server.models.llama import LlamaForCausalLM
 from specula_server.request import RequestSpec, RequestState, StepOutput, TokenInfo
@@ -89,8 +90,10 @@ class TextGenerator:
         device: torch.device,
         speculation: SpeculationConfig | None = None,
         adapters: AdapterRegistry | None = None,
+        group: ShardGroup | None = None,
     ) -> None:
         self.model = model
+        self.group = group or ShardGroup()
         self.adapters = adapters
         self.speculation = speculation if speculation is not None and speculation.max_tokens > 0 else None
         self.step_cost = StepCostModel()
@@ -248,7 +251,8 @@ class TextGenerator:
         last_hidden = hidden[step.last_rows]
         logits = self.model.compute_logits(last_hidden)  # [num_seqs, vocab]
         forward_done = time.perf_counter_ns()
-        self.step_cost.observe(step.input_ids.numel(), (forward_done - start) / 1e9)
+        if self.speculation is not None:
+            self.step_cost.observe(step.input_ids.numel(), self.agreed_seconds(forward_done - start))
 
         requests = batch.requests
         rows = [SamplingRow(r.spec.sampling, r.history, r.generator) for r in requests]
@@ -284,6 +288,19 @@ class TextGenerator:
 
     # --- speculative decoding -------------------------------------------------------------------------------
 
+    def agreed_seconds(self, nanoseconds: int) -> float:
+        """A step's duration as every tensor-parallel rank records it: the slowest rank's.
+
+        The adaptive controller decides draft lengths from measured step costs; ranks that measured different
+        times would decide differently and run forwards of different shapes. With one value on every rank
+        (and the same acceptance, which verification already makes identical) every rank decides the same.
+        """
+        seconds = nanoseconds / 1e9
+        if self.group.world_size == 1:
+            return seconds
+        agreed = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+        return float(self.group.all_reduce(agreed, op="max"))
+
     def _draft_cap(self, r: RequestState) -> int:
         """Most drafts `r` may verify: its own cap, what it may still emit, and the positions it owns."""
         assert self.speculation is not None
@@ -302,17 +319,22 @@ class TextGenerator:
         adaptive = self.speculation.mode == "adaptive"
         caps = [self._draft_cap(r) if not adaptive or worth_drafting(r.acceptance.value, len(reqs), self.step_cost)
                 else 0 for r in reqs]
-        proposals = self.speculation.drafter.propose(reqs, caps)
+        try:
+            proposals = self.speculation.drafter.propose(reqs, caps)
+        except Exception:  # drafts only ever save time: a drafter's failure must not fail the requests
+            logger.exception("drafting failed; this step verifies no drafts")
+            return self._plain_step(batch, start)
         lengths = choose_draft_lengths([p.available for p in proposals], [r.acceptance.value for r in reqs],
                                        self.step_cost, self.speculation.mode)
         if not any(lengths):  # nothing worth verifying: a plain step, at a plain step's cost
             if any(p.available for p in proposals):
                 self.step_cost.declined()
-            for r in reqs:
-                r.acceptance.observe(0, 0)
-            step = build_step(reqs, [r.num_tokens - 1 for r in reqs], [1] * len(reqs), self.device)
-            return self._run(batch, step, start, with_prefill_logprobs=False)
-        drafts = self._draft_pending(reqs, [p.truncated(k) for p, k in zip(proposals, lengths)])
+            return self._plain_step(batch, start)
+        try:
+            drafts = self._draft_pending(reqs, [p.truncated(k) for p, k in zip(proposals, lengths)])
+        except Exception:
+            logger.exception("drafting failed; this step verifies no drafts")
+            return self._plain_step(batch, start)
         for r, d in zip(reqs, drafts):  # the buffer tail past num_tokens is free: drafts go there
             r.token_ids[r.num_tokens : r.num_tokens + len(d)] = d.tokens
         trees = [None if d.is_chain else d for d in drafts]
@@ -322,7 +344,7 @@ class TextGenerator:
                             self._lora(reqs, counts))
         logits = self.model.compute_logits(hidden)  # [sum(counts), vocab]
         forward_done = time.perf_counter_ns()
-        self.step_cost.observe_speculative(sum(counts), (forward_done - start) / 1e9)
+        self.step_cost.observe_speculative(sum(counts), self.agreed_seconds(forward_done - start))
 
         methods = [self.speculation.drafter.method_for(r) if len(d) else "" for r, d in zip(reqs, drafts)]
         verdicts, processed = verify(logits, reqs, drafts, step.row_starts, self.sampler)
@@ -347,6 +369,14 @@ class TextGenerator:
                 out.generated_text = r.generated_text()
             outputs.append(out)
         return self._end_step(batch, outputs, start, forward_done)
+
+    def _plain_step(self, batch: Batch, start: int) -> StepResult:
+        """A step that verifies no drafts (each request's acceptance estimate drifts back to the prior)."""
+        for r in batch.requests:
+            r.acceptance.observe(0, 0)
+        step = build_step(batch.requests, [r.num_tokens - 1 for r in batch.requests], [1] * len(batch.requests),
+                          self.device)
+        return self._run(batch, step, start, with_prefill_logprobs=False)
 
     def _draft_pending(self, reqs: Sequence[RequestState], drafts: list[Draft]) -> list[Draft]:
         """Has the draft model draft the tokens of pending drafts, exactly as many as the controller granted."""

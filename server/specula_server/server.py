@@ -123,7 +123,8 @@ def load_generator(config: ServerConfig, group: ShardGroup) -> tuple[TextGenerat
                                 speculator, config.draft_tree_width)
         speculation = SpeculationConfig(drafter, config.speculative_tokens, config.speculation_mode,
                                         draft_model=speculator if isinstance(speculator, DraftModelDrafter) else None)
-    generator = TextGenerator(model, tokenizer, eos_ids, config.block_size, device, speculation, adapters)
+    generator = TextGenerator(model, tokenizer, eos_ids, config.block_size, device, speculation, adapters,
+                              group)
     sha = model_dir.name if "snapshots" in model_dir.parts else ""
     return generator, sha
 

@@ -68,9 +68,9 @@ def calibrate_step_cost(generator: TextGenerator, sizes: Sequence[int] = (1, 4, 
     for size in sizes:
         spec = RequestSpec(-2, (0,) * size, SamplingParams(), StoppingParams(1, (), True), blocks)
         for _ in range(repeats + 1):  # the first run of a size warms caches up; not counted
-            start = time.perf_counter()
+            start = time.perf_counter_ns()
             generator.prefill(-2, [spec])
-            seconds = time.perf_counter() - start
+            seconds = generator.agreed_seconds(time.perf_counter_ns() - start)  # the same anchors on every rank
             generator.clear(-2)
         generator.step_cost.anchor(size, seconds)
 

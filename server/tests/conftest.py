@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,9 @@ from specula_server.testing.models import build_tiny_model
 
 @pytest.fixture(scope="session", autouse=True)
 def _threads():
-    torch.set_num_threads(2)
+    # Two threads, like the CI machine; OMP_NUM_THREADS=1 when the machine is shared (threads that spin on a
+    # busy machine slow every test down many times over).
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
 
 @pytest.fixture(scope="session")

@@ -74,6 +74,30 @@ def test_greedy_output_is_identical_with_speculation(plain, speculative):
     assert drafted > 0  # speculation really ran
 
 
+def test_a_failing_drafter_costs_only_its_drafts(llama_dir, plain, caplog):
+    """Drafts only save time: a drafter that raises leaves the step to run without them, and the request
+    gets exactly the tokens it would have got."""
+    generator = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="fixed")
+    drafter = generator.speculation.drafter
+    calls = {"n": 0}
+    real = drafter.propose
+
+    def flaky(requests, max_tokens):
+        calls["n"] += 1
+        if calls["n"] % 2:
+            raise RuntimeError("drafter bug")
+        return real(requests, max_tokens)
+
+    drafter.propose = flaky
+    drafted = 0
+    for prompt in PROMPTS:
+        got = run(generator, prompt, max_new_tokens=30)
+        assert token_ids(got) == token_ids(run(plain, prompt, max_new_tokens=30))
+        drafted += sum(o.num_drafted for o in got)
+    assert calls["n"] > 4 and drafted > 0  # drafts were verified on the other steps
+    assert "drafting failed; this step verifies no drafts" in caplog.text
+
+
 def test_several_tokens_per_step_are_accepted(speculative):
     outputs = run(speculative, PROMPTS[0], max_new_tokens=40)
     assert sum(o.num_accepted for o in outputs) > 0

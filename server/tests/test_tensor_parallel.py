@@ -29,6 +29,15 @@ def _rank_main(rank: int, world_size: int, port: int, model_dir, queue, settings
     from specula_server.distributed import init_distributed
 
     torch.set_num_threads(1)
+    settings = dict(settings)
+    if settings.pop("skew_clock", False) and rank == 1:
+        # Rank 1 measures every step 2 ms longer than it took: left to its own timings, the adaptive
+        # controller there would choose other draft lengths than rank 0 and the ranks' forwards would differ.
+        import itertools
+        import time
+
+        real, calls = time.perf_counter_ns, itertools.count()
+        time.perf_counter_ns = lambda: real() + next(calls) * 2_000_000
     group = init_distributed(rank, world_size, "127.0.0.1", port, torch.device("cpu"))
     try:
         queue.put((rank, run_requests(model_dir, group, **settings)))
@@ -46,9 +55,10 @@ def free_port() -> int:
     ("llama", {}),
     ("qwen2", {}),
     ("llama", {"speculative_tokens": 3, "speculation_mode": "fixed"}),  # ranks accept the same drafts
+    ("llama", {"speculative_tokens": 3, "speculation_mode": "adaptive", "skew_clock": True}),  # and agree on lengths
 ])
 def test_two_ranks_match_one_rank(model_dirs, kind, settings):
-    expected = run_requests(model_dirs[kind])
+    expected = run_requests(model_dirs[kind], **{k: v for k, v in settings.items() if k != "skew_clock"})
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
