@@ -146,13 +146,13 @@ class LauncherProcess:
 
     # --- inspection ----------------------------------------------------------------------------------------
 
-    def output(self, tail: int = LOG_TAIL_CHARS) -> str:
-        """The last `tail` characters of everything the launcher and its children printed."""
+    def output(self, tail: int | None = LOG_TAIL_CHARS) -> str:
+        """The last `tail` characters (all with None) of everything the launcher and its children printed."""
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
             return "<no output>"
-        return text[-tail:]
+        return text if tail is None else text[-tail:]
 
     def children(self) -> dict[str, int]:
         """The launcher's live children by their log name: {"shard-0": pid, ..., "router": pid}."""

@@ -74,7 +74,7 @@ def test_a_killed_shard_stops_the_launcher_with_an_error_naming_it(launch):
                 pass
             assert not any('"generated_text": "' in e for e in events), "the stream finished normally"
 
-    output = launcher.output()
+    output = launcher.output(tail=None)
     assert code == 1, output
     assert "shard-1 exited unexpectedly (killed by SIGKILL)" in output, output
     assert "shard-1 failed" in output  # followed by the tail of its output

@@ -475,4 +475,4 @@ class Scheduler:
         try:
             await self.client.clear_cache(batch_id)
         except ShardError as e:
-            logger.warning("could not clear batch %d: %s", batch_id, e)
+            logger.warning("could not clear %s: %s", "every batch" if batch_id is None else f"batch {batch_id}", e)
