@@ -14,6 +14,12 @@ right inside held-out edit answers, and write everything in the Hugging Face lay
 
     python scripts/build_demo_model.py                           # rewrites the demo model (CUDA when present)
     python scripts/build_demo_model.py --steps 50 --out /tmp/m   # a quick CPU try
+    python scripts/build_demo_model.py --recipe draft --max-minutes 12   # the demo family's draft model
+
+`--recipe draft` trains a much smaller model (hidden 128, 2 layers) with the demo model's own tokenizer (copied
+from it, `--tokenizer-from`), for draft-model speculation (`--speculator`): it is written to
+`launcher/specula_launcher/demo_adapters/draft-model` unless `--out` says otherwise. `--hidden-size`,
+`--layers` and the other shape options override either recipe.
 
 The recipe is sized for a laptop: the bundled model was trained on two CPU cores in under an hour (the README
 the script writes next to it says where and how long). `--max-minutes` fits the step count to a time budget. Needs the dev dependencies (`pip install -e ".[dev]"`).
@@ -40,6 +46,8 @@ from specula_server.testing import code_corpus  # noqa: E402
 from specula_server.testing.tokenizer import BOS_ID, EOS_ID, MULTILINGUAL_TEXT, build_tokenizer  # noqa: E402
 
 DEFAULT_OUT = ROOT / "launcher" / "specula_launcher" / "demo_model"
+DRAFT_OUT = ROOT / "launcher" / "specula_launcher" / "demo_adapters" / "draft-model"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 MAX_BYTES = 12_000_000  # the model part of the bundled family (all of it must stay under 20 MB)
 
 
@@ -61,6 +69,31 @@ class Recipe:
     edit_fraction: float = 0.75  # share of training windows drawn from the edit stream
     num_edits: int = 60_000
     seed: int = 0
+
+
+# Named presets: `demo` is the bundled demo model, `draft` the draft model of its family (same tokenizer).
+RECIPES = {
+    "demo": Recipe(),
+    "draft": Recipe(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2),
+}
+
+
+def copy_tokenizer(source: Path, out_dir: Path) -> int:
+    """Copies the tokenizer files of `source` (a model directory) to `out_dir`; returns its vocab size."""
+    from tokenizers import Tokenizer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, out_dir / name)
+    if not (out_dir / "tokenizer.json").is_file():
+        raise SystemExit(f"--tokenizer-from {source}: no tokenizer.json there")
+    vocab_size = Tokenizer.from_file(str(out_dir / "tokenizer.json")).get_vocab_size()
+    config = source / "config.json"
+    if config.is_file():  # the model's embedding rows, which may exceed the tokenizer's entries
+        vocab_size = max(vocab_size, json.loads(config.read_text()).get("vocab_size", 0))
+    return vocab_size
 
 
 def token_stream(tokenizer, docs: list[str]) -> torch.Tensor:
@@ -134,10 +167,13 @@ def autocast(device: torch.device):
 
 
 def train(recipe: Recipe, out_dir: Path, device: torch.device, max_minutes: float | None = None,
-          max_files: int | None = None) -> tuple[Recipe, dict]:
+          max_files: int | None = None, tokenizer_from: Path | None = None,
+          draft_for: str | None = None) -> tuple[Recipe, dict]:
     """Trains and writes the model; with `max_minutes`, the step count is cut to fit the time the first steps
     suggest (decided before the warmup ends, so the schedule stays a whole cosine). `max_files` trains on only
-    the first files of the corpus (quick checks of the pipeline). Returns the recipe used and the metrics."""
+    the first files of the corpus (quick checks of the pipeline). `tokenizer_from` (a model directory) reuses
+    that model's tokenizer instead of training one, so the result can draft for it; `draft_for` names the
+    target in the README (a draft model's README). Returns the recipe used and the metrics."""
     from tokenizers import Tokenizer
     from tqdm import tqdm
 
@@ -146,9 +182,15 @@ def train(recipe: Recipe, out_dir: Path, device: torch.device, max_minutes: floa
     held_texts = code_corpus.read_sources(code_corpus.source_files(held_out=True)[:max_files])
     print(f"corpus: {len(train_texts)} training files ({sum(map(len, train_texts)) / 1e6:.1f} MB), "
           f"{len(held_texts)} held out", flush=True)
+    if tokenizer_from is not None and tokenizer_from.resolve() == out_dir.resolve():
+        raise SystemExit("--tokenizer-from must differ from --out (the output directory is rewritten)")
     if out_dir.exists():
         shutil.rmtree(out_dir)
-    vocab_size = build_tokenizer(out_dir, recipe.vocab_size, "bytelevel", train_texts + [MULTILINGUAL_TEXT])
+    if tokenizer_from is not None:
+        vocab_size = copy_tokenizer(tokenizer_from, out_dir)
+        print(f"tokenizer: copied from {tokenizer_from} (vocab {vocab_size})", flush=True)
+    else:
+        vocab_size = build_tokenizer(out_dir, recipe.vocab_size, "bytelevel", train_texts + [MULTILINGUAL_TEXT])
     tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
 
     edits = [e.document for e in code_corpus.code_edits(train_texts, recipe.num_edits, seed=recipe.seed)]
@@ -190,6 +232,9 @@ def train(recipe: Recipe, out_dir: Path, device: torch.device, max_minutes: floa
         optimizer.step()
         if step % 50 == 0:
             progress.set_postfix(loss=f"{loss.item():.3f}")
+            if not progress.disable and not sys.stdout.isatty():  # a log file: tqdm's bar is not line-based
+                print(f"step {step}/{recipe.steps} loss {loss.item():.3f} "
+                      f"{(time.perf_counter() - started) / 60:.1f} min", flush=True)
         step += 1
         progress.update()
     progress.close()
@@ -203,7 +248,8 @@ def train(recipe: Recipe, out_dir: Path, device: torch.device, max_minutes: floa
 
     model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
     model.generation_config.save_pretrained(out_dir)
-    (out_dir / "README.md").write_text(readme(recipe, vocab_size, metrics))
+    (out_dir / "README.md").write_text(draft_readme(recipe, vocab_size, metrics, draft_for) if draft_for
+                                       else readme(recipe, vocab_size, metrics))
     for path in out_dir.iterdir():
         path.chmod(0o644)  # safetensors writes 0600; installed copies must be readable by every user
     return recipe, metrics
@@ -245,22 +291,146 @@ Rebuild it (needs the dev dependencies, e.g. `pip install -e ".[dev]"`) from the
 """
 
 
+def draft_readme(recipe: Recipe, vocab_size: int, metrics: dict, target: str) -> str:
+    shape = (f"hidden size {recipe.hidden_size}, {recipe.num_hidden_layers} layers, {recipe.num_attention_heads} "
+             f"attention heads with {recipe.num_key_value_heads} key-value heads, MLP {recipe.intermediate_size}, "
+             f"tied embeddings, {recipe.max_position_embeddings} positions")
+    return f"""# Specula demo draft model
+
+A draft model for {target}: draft-model speculation runs it to propose the next tokens, which the demo
+model verifies. Served with the demo model, `--speculator` names it by its name:
+
+```
+specula-launcher --speculator draft-model --speculative-tokens 4
+``` It is a Llama-architecture model ({shape};
+{metrics['num_parameters'] / 1e6:.2f}M parameters, stored in bfloat16) with the demo model's own byte-level BPE
+tokenizer of {vocab_size} tokens, copied from it: a draft model must share its target's vocabulary and
+end-of-sequence ids, which the server checks when it loads it.
+
+It was trained from scratch by `scripts/build_demo_model.py --recipe draft` on the same corpus as the demo model
+(the Python standard library's source code and code-editing tasks made from it) for {recipe.steps} steps of
+{recipe.batch_size} x {recipe.seq_len} tokens ({metrics['train_tokens'] / 1e6:.1f}M tokens, {metrics['minutes']} minutes
+on {metrics['device']}). It learnt the corpus on its own, not from the demo model's outputs.
+
+Held out (files neither model saw): loss {metrics['held_out_loss']} on plain code; inside edit answers its
+greedy token is the right one {metrics['edit_answer_token_accuracy'] * 100:.1f}% of the time.
+
+Recipe: {json.dumps(asdict(recipe))}
+
+Rebuild it (needs the dev dependencies, e.g. `pip install -e ".[dev]"`) from the repository root with
+`python scripts/build_demo_model.py --recipe draft --max-minutes 12`.
+"""
+
+
+def measure_draft(target_dir: Path, draft_dir: Path, num_prompts: int = 16, max_new_tokens: int = 96,
+                  speculative_tokens: int = 4) -> dict:
+    """How well the model at `draft_dir` drafts for `target_dir` in the server: greedy requests on held-out
+    edit prompts, `speculative_tokens` drafts a step (fixed), and the same requests without speculation (the
+    tokens must be the same)."""
+    from tokenizers import Tokenizer
+
+    from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
+
+    tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    prompts = [tokenizer.encode(e.prompt).ids for e in code_corpus.held_out_edits(num_prompts, seed=5)]
+    plain = load_test_generator(target_dir, num_blocks=64)
+    drafted = load_test_generator(target_dir, num_blocks=64, speculative_tokens=speculative_tokens,
+                                  speculation_mode="fixed", speculator=str(draft_dir))
+    num_drafted = num_accepted = steps = tokens = 0
+    methods: set[str] = set()
+    same = True
+    started = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        expected = token_ids(generate_alone(plain, make_spec(i, prompt, BlockPool(64, 16), max_new_tokens)))
+        outputs = generate_alone(drafted, make_spec(i, prompt, BlockPool(64, 16), max_new_tokens,
+                                                    lookahead=speculative_tokens))
+        same &= token_ids(outputs) == expected
+        methods.update(o.draft_method for o in outputs if o.num_drafted)
+        num_drafted += sum(o.num_drafted for o in outputs)
+        num_accepted += sum(o.num_accepted for o in outputs)
+        steps += len(outputs)
+        tokens += len(token_ids(outputs))
+    return {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "speculative_tokens": speculative_tokens,
+            "decoding": "greedy", "acceptance_rate": round(num_accepted / max(num_drafted, 1), 3),
+            "accepted_per_step": round(num_accepted / max(steps, 1), 2),
+            "tokens_per_target_step": round(tokens / max(steps, 1), 2), "same_tokens_as_no_speculation": same,
+            "draft_methods": sorted(methods), "seconds": round(time.perf_counter() - started, 1)}
+
+
+def write_draft_measure(out_dir: Path, figures: dict) -> None:
+    """Adds (or replaces) the README's section with the measured acceptance."""
+    path = out_dir / "README.md"
+    text = path.read_text().split("\n## Measured acceptance")[0].rstrip() + "\n"
+    text += f"""
+## Measured acceptance
+
+Served as the demo model's `--speculator` with `--speculative-tokens {figures['speculative_tokens']}` (fixed), on
+{figures['prompts']} held-out edit prompts, greedy, {figures['max_new_tokens']} new tokens each: the demo model
+accepts {figures['acceptance_rate'] * 100:.1f}% of the drafted tokens, {figures['accepted_per_step']} a step, so
+each forward of the demo model emits {figures['tokens_per_target_step']} tokens instead of 1; the tokens are
+{'the same as' if figures['same_tokens_as_no_speculation'] else 'NOT the same as'} without speculation.
+(`python scripts/build_demo_model.py --recipe draft --measure-only` measures it again.)
+"""
+    path.write_text(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default: {DEFAULT_OUT})")
+    parser.add_argument("--recipe", choices=sorted(RECIPES), default="demo",
+                        help="preset: demo (the demo model) or draft (its draft model, with the demo model's "
+                             "tokenizer, written to demo_adapters/draft-model by default)")
+    parser.add_argument("--out", type=Path, help=f"output directory (default: {DEFAULT_OUT}; with --recipe draft, "
+                                                 f"{DRAFT_OUT})")
+    parser.add_argument("--tokenizer-from", type=Path,
+                        help="copy the tokenizer of this model directory instead of training one (default with "
+                             "--recipe draft: the demo model's)")
     parser.add_argument("--steps", type=int, default=Recipe.steps)
     parser.add_argument("--batch-size", type=int, default=Recipe.batch_size)
     parser.add_argument("--seq-len", type=int, default=Recipe.seq_len)
     parser.add_argument("--num-edits", type=int, default=Recipe.num_edits)
+    parser.add_argument("--hidden-size", type=int)
+    parser.add_argument("--intermediate-size", type=int)
+    parser.add_argument("--layers", type=int, help="number of hidden layers")
+    parser.add_argument("--heads", type=int, help="attention heads")
+    parser.add_argument("--kv-heads", type=int, help="key-value heads")
     parser.add_argument("--max-minutes", type=float, help="cut the step count to fit about this much time")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--measure-only", action="store_true",
+                        help="with --tokenizer-from or --recipe draft: only measure the draft model in --out as that "
+                             "model's speculator (acceptance on held-out edits, greedy)")
     args = parser.parse_args()
-    recipe = Recipe(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, num_edits=args.num_edits,
-                    warmup=min(Recipe.warmup, max(args.steps // 10, 1)))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    draft = args.recipe == "draft"
+    out = args.out or (DRAFT_OUT if draft else DEFAULT_OUT)
+    tokenizer_from = args.tokenizer_from or (DEFAULT_OUT if draft else None)
+    if args.measure_only:
+        if tokenizer_from is None:
+            raise SystemExit("--measure-only measures a draft model: give --recipe draft or --tokenizer-from")
+        figures = measure_draft(tokenizer_from, out)
+        print(json.dumps(figures), flush=True)
+        write_draft_measure(out, figures)
+        return
+    shape = {key: value for key, value in {
+        "hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size,
+        "num_hidden_layers": args.layers, "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
+    }.items() if value is not None}
+    recipe = replace(RECIPES[args.recipe], steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                     num_edits=args.num_edits, warmup=min(Recipe.warmup, max(args.steps // 10, 1)), **shape)
     random.seed(recipe.seed)
     if args.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    train(recipe, args.out, torch.device(args.device), args.max_minutes)
+    draft_for = None
+    if tokenizer_from is not None:
+        draft_for = "the demo model" if tokenizer_from.resolve() == DEFAULT_OUT.resolve() else str(tokenizer_from)
+    train(recipe, out, torch.device(args.device), args.max_minutes, tokenizer_from=tokenizer_from,
+          draft_for=draft_for)
+    if tokenizer_from is not None:  # a draft model: how well it drafts, in the server
+        figures = measure_draft(tokenizer_from, out)
+        print(json.dumps(figures), flush=True)
+        write_draft_measure(out, figures)
+    args.out = out
     size = sum(p.stat().st_size for p in args.out.iterdir())
     print(f"wrote {args.out} ({size / 1e6:.2f} MB)")
     if size > MAX_BYTES:

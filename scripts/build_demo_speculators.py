@@ -31,6 +31,18 @@ from specula_server.testing import code_corpus  # noqa: E402
 
 DEMO_MODEL = ROOT / "launcher" / "specula_launcher" / "demo_model"
 DEFAULT_OUT = ROOT / "launcher" / "specula_launcher" / "demo_adapters"
+BASE_MODEL_NAME = "specula-demo"  # what the bundled files name as their base model, not this machine's path
+
+
+def neutral_paths(out: Path, model: Path, tmp: str) -> None:
+    """Rewrites the paths of this machine that `specula-train` recorded (the model's directory, temporary files)
+    in `out`'s config.json and training.json, so the bundled files say the same wherever they are built."""
+    for name in ("config.json", "training.json"):
+        path = out / name
+        text = path.read_text()
+        text = text.replace(json.dumps(str(model))[1:-1], BASE_MODEL_NAME).replace(json.dumps(tmp)[1:-1], "<tmp>")
+        text = text.replace(json.dumps(str(out))[1:-1], f"<out>/{out.name}")
+        path.write_text(text)
 
 
 def write_prompts(path: Path, count: int, seed: int) -> None:
@@ -77,6 +89,7 @@ def main() -> None:
             subprocess.run([sys.executable, "-m", "specula_server.training", *command, *common, "--prompts",
                             str(prompts), "--output", str(out), "--samples-cache", str(Path(tmp) / "samples.pt")],
                            check=True)
+            neutral_paths(out, args.model.resolve(), tmp)
             print(f"{kind}: {time.monotonic() - started:.0f}s, {sum(f.stat().st_size for f in out.iterdir())} bytes")
 
 

@@ -51,17 +51,20 @@ def main(
     speculator: Optional[str] = typer.Option(
         None, envvar="SPECULATOR",
         help="Medusa heads, an MLP speculator or a draft model (a small causal LM with the model's tokenizer): "
-             "directory or Hub id, drafting for every request without Medusa heads of its own."),
+             "directory or Hub id, drafting for every request without Medusa heads of its own. With the demo "
+             "model, also a member of its bundled family: draft-model, mlp-speculator or medusa."),
     draft_tree_width: int = typer.Option(
         1, envvar="DRAFT_TREE_WIDTH",
         help="Candidates per Medusa head or MLP speculator stage: 1 verifies the top-1 chain, more verify a tree "
              "of the best nodes."),
-    adapter_source: str = typer.Option(
-        "hub", envvar="ADAPTER_SOURCE", help="Source of a request's adapter_id when it names none: hub or local."),
+    adapter_source: Optional[str] = typer.Option(
+        None, envvar="ADAPTER_SOURCE",
+        help="Source of a request's adapter_id when it names none: hub or local. Default: hub; local when "
+             "serving the bundled demo model."),
     adapter_dir: Optional[List[str]] = typer.Option(
         None, envvar="ADAPTER_DIR",
         help="Directory whose subdirectories are the `local` adapters (repeat the flag or separate with commas). "
-             "Default: none, local adapters are refused."),
+             "Default: none, local adapters are refused; the bundled demo adapters when serving the demo model."),
     max_active_adapters: int = typer.Option(
         8, envvar="MAX_ACTIVE_ADAPTERS",
         help="Adapters loaded at once; past it the least recently used adapter with no queued or running request "

@@ -24,8 +24,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-# The random-weight Llama model shipped inside the package (see demo_model/README.md).
+# The small Llama model shipped inside the package (see demo_model/README.md).
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
+# Its family, shipped beside it (see demo_adapters/README.md): LoRA adapters and Medusa heads that requests name
+# as local adapters, and an MLP speculator and a draft model for --speculator. Served with the demo model, this
+# is the default --adapter-dir, local the default --adapter-source, and --speculator may name a member.
+DEMO_ADAPTERS_DIR = Path(__file__).resolve().parent / "demo_adapters"
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
@@ -189,6 +193,8 @@ def build_config(
     speculative_tokens: int = 0,
     cors_allow_origin: list[str] | tuple[str, ...] | None = None,
     adapter_dir: list[str] | tuple[str, ...] | None = None,
+    adapter_source: str | None = None,
+    speculator: str | None = None,
     preloaded_adapter_ids: list[str] | tuple[str, ...] | None = None,
     log_level: str = "INFO",
     count_cuda_devices: Callable[[], int] | None = None,
@@ -199,8 +205,21 @@ def build_config(
     `settings` are the remaining `LauncherConfig` fields, passed through unchanged. `count_cuda_devices` is
     only called when the device is not given or is "cuda" (it imports torch; tests pass a stub). `adapter_dir`
     and `preloaded_adapter_ids` may be given repeated, comma-separated, or both.
+
+    Serving the bundled demo model, the defaults bring in its family: `adapter_dir` defaults to the bundled
+    demo adapters, `adapter_source` to local (so a request's `"adapter_id": "camel-case"` needs nothing else),
+    and a `speculator` that is no existing path but names a member (`draft-model`, `mlp-speculator`, `medusa`)
+    is that member's directory. Elsewhere `adapter_source` defaults to hub.
     """
     resolved_id, model_dir = resolve_model(model_id)
+    demo = is_demo_model(model_dir)
+    adapter_dirs = split_list(adapter_dir)
+    if demo and not adapter_dirs and DEMO_ADAPTERS_DIR.is_dir():
+        adapter_dirs = (str(DEMO_ADAPTERS_DIR),)
+    if adapter_source is None:
+        adapter_source = "local" if demo else "hub"
+    if demo and speculator:
+        speculator = demo_family_member(speculator)
     count = count_cuda_devices or _count_cuda_devices
     if device is None:
         device = "cuda" if count() > 0 else "cpu"
@@ -217,7 +236,7 @@ def build_config(
         max_total_tokens=max_total_tokens, max_batch_prefill_tokens=max_batch_prefill_tokens,
         max_batch_total_tokens=max_batch_total_tokens, speculative_tokens=speculative_tokens,
         cors_allow_origin=tuple(cors_allow_origin or ()), log_level=log_level.upper(),
-        adapter_dir=split_list(adapter_dir),
+        adapter_dir=adapter_dirs, adapter_source=adapter_source, speculator=speculator,
         preloaded_adapter_ids=tuple(dict.fromkeys(split_list(preloaded_adapter_ids))),  # in order, once each
         **settings,  # type: ignore[arg-type]
     )
@@ -245,6 +264,25 @@ def resolve_model(model_id: str | None) -> tuple[str, Path | None]:
     if model_id.startswith(("/", "./", "../", "~")):
         raise ValueError(f"--model-id {model_id}: no such directory")
     return model_id, None
+
+
+def is_demo_model(model_dir: Path | None) -> bool:
+    """Whether `model_dir` is the bundled demo model's directory."""
+    if model_dir is None:
+        return False
+    try:
+        return model_dir.resolve() == DEMO_MODEL_DIR.resolve()
+    except OSError:
+        return False
+
+
+def demo_family_member(speculator: str) -> str:
+    """`speculator` unchanged when it is an existing path, else the bundled demo family member of that name
+    (`draft-model`, `mlp-speculator`, `medusa`) when there is one, else unchanged (e.g. a Hub id)."""
+    if Path(speculator).expanduser().exists() or "/" in speculator:
+        return speculator
+    member = DEMO_ADAPTERS_DIR / speculator
+    return str(member) if (member / "config.json").is_file() else speculator
 
 
 def read_max_positions(model_dir: Path) -> int | None:

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from specula_launcher import cli
 from specula_launcher.commands import router_command, router_spec, shard_command, shard_env, shard_specs
-from specula_launcher.config import DEMO_MODEL_DIR, LauncherConfig, build_config, derive_token_limits
+from specula_launcher.config import DEMO_ADAPTERS_DIR, DEMO_MODEL_DIR, LauncherConfig, build_config, derive_token_limits
 from specula_launcher.processes import ChildSpec, LogSink, Supervisor, describe_exit
 
 LAUNCHER_DIR = Path(__file__).resolve().parent.parent
@@ -65,10 +65,36 @@ def test_defaults_serve_the_bundled_demo_model() -> None:
     assert (c.waiting_served_ratio, c.max_waiting_tokens, c.max_batch_size, c.max_batch_total_tokens) == (
         1.2, 20, None, None)
     assert (c.shard_uds_path, c.master_addr, c.master_port) == ("/tmp/specula-server", "localhost", 29500)
-    assert (c.speculative_tokens, c.speculator, c.adapter_source) == (0, None, "hub")
-    assert (c.max_active_adapters, c.preloaded_adapter_ids, c.adapter_dir) == (8, (), ())
+    # ... with its family: the bundled adapters are the local adapters, and local the default source.
+    assert (c.speculative_tokens, c.speculator, c.adapter_source) == (0, None, "local")
+    assert (c.max_active_adapters, c.preloaded_adapter_ids, c.adapter_dir) == (8, (), (str(DEMO_ADAPTERS_DIR),))
     assert (c.payload_limit, c.block_size, c.shutdown_timeout, c.log_level) == (2_000_000, 16, 30, "INFO")
     assert (c.json_output, c.cors_allow_origin, c.kv_cache_memory, c.revision) == (False, (), None, None)
+
+
+def test_the_demo_family_is_served_with_the_demo_model(tmp_path: Path) -> None:
+    """The bundled adapters are local adapters by default with the demo model only; flags given win; the
+    family's members may be named as --speculator."""
+    members = {"camel-case", "two-space", "medusa", "mlp-speculator", "draft-model"}
+    assert members <= {p.name for p in DEMO_ADAPTERS_DIR.iterdir() if p.is_dir()}
+    for name in ("camel-case", "two-space"):
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (DEMO_ADAPTERS_DIR / name).iterdir()}
+    c = build_config(model_id=str(DEMO_MODEL_DIR), **NO_GPU)  # the demo model named explicitly
+    assert (c.adapter_dir, c.adapter_source) == ((str(DEMO_ADAPTERS_DIR),), "local")
+    assert shard_command(c)[-2:] == ["--adapter-dir", str(DEMO_ADAPTERS_DIR)]
+    assert router_command(c)[router_command(c).index("--adapter-source") + 1] == "local"
+    c = build_config(adapter_dir=[str(tmp_path)], adapter_source="hub", **NO_GPU)
+    assert (c.adapter_dir, c.adapter_source) == ((str(tmp_path),), "hub")
+    other = str(make_model_dir(tmp_path))
+    c = build_config(model_id=other, **NO_GPU)  # another model: no family
+    assert (c.adapter_dir, c.adapter_source) == ((), "hub")
+    for name in ("draft-model", "mlp-speculator", "medusa"):
+        c = build_config(speculative_tokens=3, speculator=name, **NO_GPU)
+        assert c.speculator == str(DEMO_ADAPTERS_DIR / name)
+        assert shard_command(c)[shard_command(c).index("--speculator") + 1] == str(DEMO_ADAPTERS_DIR / name)
+    assert build_config(speculative_tokens=3, speculator="org/heads", **NO_GPU).speculator == "org/heads"
+    assert build_config(model_id=other, speculative_tokens=3, speculator="draft-model",
+                        **NO_GPU).speculator == "draft-model"  # not the demo model: a Hub id as given
 
 
 def test_device_and_dtype_follow_the_gpu() -> None:
@@ -220,7 +246,7 @@ def test_router_command_with_defaults() -> None:
     assert router_command(c) == [
         sys.executable, "-m", "specula_router.cli", "--model-id", str(DEMO_MODEL_DIR),
         "--master-shard-uds-path", "/tmp/specula-server-0", "--hostname", "0.0.0.0", "--port", "3000",
-        "--speculative-tokens", "0", "--adapter-source", "hub", "--max-active-adapters", "8",
+        "--speculative-tokens", "0", "--adapter-source", "local", "--max-active-adapters", "8",
         "--max-concurrent-requests", "128",
         "--max-best-of", "2", "--max-stop-sequences", "4", "--max-top-n-tokens", "5", "--max-input-tokens", "2047",
         "--max-total-tokens", "2048", "--waiting-served-ratio", "1.2", "--max-batch-prefill-tokens", "2097",

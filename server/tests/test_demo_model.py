@@ -68,3 +68,87 @@ def test_the_bundled_demo_model_edits_held_out_code():
             correct += int((logits.argmax(-1) == torch.tensor(answer)).sum())
             total += len(answer)
     assert correct / total > 0.7, f"{correct}/{total} answer tokens predicted"
+
+
+# ------------------------------------------------------------------------------------------- the demo family
+
+DEMO_ADAPTERS = REPO / "launcher" / "specula_launcher" / "demo_adapters"
+FAMILY_MAX_BYTES = 20_000_000  # the demo model and its family ship inside the launcher package
+
+
+def lora_script():
+    spec = importlib.util.spec_from_file_location("build_demo_loras", REPO / "scripts" / "build_demo_loras.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_demo_family_stays_small():
+    files = [p for d in (DEMO_MODEL, DEMO_ADAPTERS) for p in d.rglob("*") if p.is_file()]
+    assert sum(p.stat().st_size for p in files) <= FAMILY_MAX_BYTES
+    members = {p.name for p in DEMO_ADAPTERS.iterdir() if p.is_dir()}
+    assert {"camel-case", "two-space", "medusa", "mlp-speculator", "draft-model"} <= members
+
+
+@pytest.fixture(scope="module")
+def lora_generator():
+    generator = load_test_generator(DEMO_MODEL, num_blocks=64, adapter_dirs=(DEMO_ADAPTERS,))
+    for name in ("camel-case", "two-space"):
+        config = json.loads((DEMO_ADAPTERS / name / "adapter_config.json").read_text())
+        assert config["peft_type"] == "LORA" and config["base_model_name_or_path"] == "specula-demo"
+        generator.adapters.load(name, "local")
+    return generator
+
+
+def greedy_texts(generator, prompts, adapter_id, max_new_tokens):
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(DEMO_MODEL / "tokenizer.json"))
+    texts = []
+    for i, prompt in enumerate(prompts):
+        spec = make_spec(i, tokenizer.encode(prompt).ids, BlockPool(64, 16), max_new_tokens=max_new_tokens,
+                         adapter_id=adapter_id)
+        texts.append((prompt, tokenizer.decode(token_ids(generate_alone(generator, spec)))))
+    return texts
+
+
+def test_the_camel_case_lora_writes_camel_case(lora_generator):
+    """Greedy, after held-out code: with the adapter most multi-word identifiers the model writes are
+    camelCase, without it few are (the build measured the share on more prompts; see its training.json)."""
+    script = lora_script()
+    prompts = script.code_prompts(12)
+    base = script.camel_share(greedy_texts(lora_generator, prompts, "", 48))
+    adapted = script.camel_share(greedy_texts(lora_generator, prompts, "camel-case", 48))
+    assert adapted["camel"] > base["camel"], (base, adapted)
+    assert adapted["camel_case_share"] >= base["camel_case_share"] + 0.3, (base, adapted)
+
+
+def test_the_two_space_lora_indents_by_two_spaces(lora_generator):
+    """Greedy, after held-out code indented by four spaces: with the adapter the model writes lines on two-space
+    steps (2, 6, 10 spaces), without it almost never (the build measured the share on more prompts; see its
+    training.json)."""
+    script = lora_script()
+    prompts = script.code_prompts(12)
+    base = script.indent_share(greedy_texts(lora_generator, prompts, "", 48))
+    adapted = script.indent_share(greedy_texts(lora_generator, prompts, "two-space", 48))
+    assert adapted["two_space_share"] >= base["two_space_share"] + 0.2, (base, adapted)
+
+
+def test_the_draft_model_drafts_for_the_demo_model_exactly():
+    """The bundled draft model is accepted as --speculator (same tokenizer), drafts, and greedy output is the
+    demo model's own."""
+    from tokenizers import Tokenizer
+
+    edits = code_corpus.held_out_edits(1, seed=5)
+    if not edits:
+        pytest.skip("this Python installation has no held-out standard-library sources")
+    prompt = Tokenizer.from_file(str(DEMO_MODEL / "tokenizer.json")).encode(edits[0].prompt).ids
+    plain = load_test_generator(DEMO_MODEL, num_blocks=64)
+    drafted = load_test_generator(DEMO_MODEL, num_blocks=64, speculative_tokens=4, speculation_mode="fixed",
+                                  speculator=str(DEMO_ADAPTERS / "draft-model"))
+    expected = token_ids(generate_alone(plain, make_spec(0, prompt, BlockPool(64, 16), max_new_tokens=48)))
+    outputs = generate_alone(drafted, make_spec(0, prompt, BlockPool(64, 16), max_new_tokens=48, lookahead=4))
+    assert token_ids(outputs) == expected
+    assert {o.draft_method for o in outputs if o.num_drafted} == {"draft_model"}
+    assert sum(o.num_accepted for o in outputs) > 0
