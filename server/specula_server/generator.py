@@ -344,7 +344,8 @@ class TextGenerator:
                             self._lora(reqs, counts))
         logits = self.model.compute_logits(hidden)  # [sum(counts), vocab]
         forward_done = time.perf_counter_ns()
-        self.step_cost.observe_speculative(sum(counts), self.agreed_seconds(forward_done - start))
+        self.step_cost.observe_speculative(sum(counts), self.agreed_seconds(forward_done - start),
+                                          sum(len(d) for d in drafts))
 
         methods = [self.speculation.drafter.method_for(r) if len(d) else "" for r, d in zip(reqs, drafts)]
         verdicts, processed = verify(logits, reqs, drafts, step.row_starts, self.sampler)

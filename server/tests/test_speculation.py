@@ -61,6 +61,38 @@ def test_drafter_finds_the_longest_latest_match():
     assert drafter.lookup(torch.tensor([4] + [5] * 8), 3).tolist() == [5, 5, 5]
 
 
+def reference_lookup(history: torch.Tensor, max_tokens: int, min_n: int, max_n: int, match: str) -> list[int]:
+    """Prompt lookup by its definition: every window compared, in tensors."""
+    length = history.numel()
+    if max_tokens <= 0:
+        return []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        windows = history[: length - 1].unfold(0, n, 1)
+        hits = (windows == history[length - n :]).all(dim=1).nonzero().flatten()
+        if hits.numel():
+            start = int(hits[0]) + n
+            full = hits[hits + n + max_tokens <= length]
+            if match == "latest" and full.numel():
+                start = int(full[-1]) + n
+            return history[start : start + max_tokens].tolist()
+    return []
+
+
+def test_drafter_matches_the_definition_on_random_sequences():
+    """The byte search finds the same drafts as comparing every window, including where token ids' bytes
+    match across token boundaries (small ids with zero high bytes, ids sharing bytes)."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(400):
+        vocab = [2, 3, 5, 300, 70000][trial % 5]
+        length = int(torch.randint(1, 60, (), generator=gen))
+        history = torch.randint(0, vocab, (length,), generator=gen) * [1, 256, 65536][trial % 3]
+        k = int(torch.randint(0, 7, (), generator=gen))
+        for min_n, max_n, match in ((1, 3, "latest"), (1, 3, "earliest"), (2, 4, "latest")):
+            drafter = PromptLookupDrafter(min_n, max_n, match)
+            expected = reference_lookup(history, k, min_n, max_n, match)
+            assert drafter.lookup(history, k).tolist() == expected, (history.tolist(), k, min_n, max_n, match)
+
+
 def test_greedy_output_is_identical_with_speculation(plain, speculative):
     drafted = 0
     for i, prompt in enumerate(PROMPTS):

@@ -13,11 +13,18 @@ emitted tokens per second of forward time, using two measured quantities:
 - the cost of a forward over N tokens, `T(N) = t0 + t1 * N`, fitted online from the worker's own steps.
   Decode on a memory-bound device has t1 << t0 (extra tokens are nearly free); at large batch t1 grows.
 
+- what verifying drafts costs beyond a plain forward over as many tokens, `V(d) = v0 + v1 * d` for d drafts in
+  the step: a fixed part (the verification path's bookkeeping, masks, a drafter's own setup) and a part per
+  draft (attention of each draft row over its whole context, per-row sampling and checks, a draft model's
+  forwards). It is fitted on the steps that verify, by recency-weighted least squares over their draft counts.
+  Calibration forwards are single sequences whose extra tokens are nearly free, so without this term a draft
+  looks several times cheaper than it is on a batch with long contexts.
+
 Starting from k = 0 for everyone, draft tokens are granted one at a time to the request with the largest
-marginal gain `a^(k+1)` while that gain per unit of extra cost beats the current goodput
-`sum E / T(N)`. A step that verifies any draft also pays a measured fixed overhead (the verification path's
-own bookkeeping); if the chosen drafts do not beat a plain step after it, none are verified. With nothing to copy (no drafts or low acceptance) this grants nothing, so speculation can
-never cost more than the drafting itself; under load the bar rises with `T(N)` and drafts are trimmed.
+marginal gain `a^(k+1)` while that gain per unit of extra cost (`t1 + v1` per draft) beats the current goodput
+`sum E / (T(N) + V(d))`. If the chosen drafts do not beat a plain step once `v0` is paid, none are verified.
+With nothing to copy (no drafts or low acceptance) this grants nothing, so speculation can never cost more than
+the drafting itself; under load the bar rises with `T(N)` and drafts are trimmed.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 ACCEPTANCE_DECAY = 0.8  # per drafting step, the weight of earlier trials in the acceptance estimate
-OVERHEAD_DECAY = 0.95  # per declined step, the fraction of the verification overhead estimate kept
+OVERHEAD_DECAY = 0.95  # per declined step, the fraction of the verification cost estimate kept
+VERIFY_DECAY = 0.9  # per verifying step, the weight of earlier steps in the verification cost fit
+MAX_EXTRA_STEPS = 4.0  # a step's measured verification cost counts as at most this many plain forwards (spikes)
 RETRY_DRIFT = 0.02  # per step without drafts, the fraction of the evidence forgotten (back toward the prior)
 
 
@@ -65,13 +74,14 @@ class StepCostModel:
 
     decay: float = 0.95
     prior_ratio: float = 1 / 16
-    overhead: float = 0.0  # extra seconds a step spends because it verifies drafts at all (bookkeeping, masks)
     learning: bool = True  # False: the anchors alone (a fixed cost profile, e.g. for reproducible tests)
     _anchors: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, N, T, N*N, N*T
     _recent: list[float] = field(default_factory=lambda: [0.0] * 5)
+    _verify: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, d, V, d*d, d*V
+    _trust: float = 1.0  # decays on declined steps, back to 1 on a measured one
 
     @staticmethod
-    def _point(num_tokens: int, seconds: float) -> tuple[float, ...]:
+    def _point(num_tokens: float, seconds: float) -> tuple[float, ...]:
         n = float(num_tokens)
         return 1.0, n, seconds, n * n, n * seconds
 
@@ -83,20 +93,43 @@ class StepCostModel:
             return
         self._recent = [self.decay * s + x for s, x in zip(self._recent, self._point(num_tokens, seconds))]
 
-    def observe_speculative(self, num_tokens: int, seconds: float) -> None:
-        """A step that verified drafts: what it cost beyond a plain forward over as many tokens."""
+    def observe_speculative(self, num_tokens: int, seconds: float, num_drafts: int | None = None) -> None:
+        """A step that verified `num_drafts` drafts among `num_tokens` tokens: what it cost beyond a plain
+        forward over as many tokens (capped at a few plain forwards, so a pause does not read as a cost)."""
         if not self.learning:
             return
-        residual = max(seconds - self.predict(num_tokens), 0.0)
-        self.overhead = 0.9 * self.overhead + 0.1 * residual
+        plain = self.predict(num_tokens)
+        extra = min(max(seconds - plain, 0.0), MAX_EXTRA_STEPS * plain)
+        drafts = float(num_drafts if num_drafts is not None else num_tokens)
+        self._verify = [VERIFY_DECAY * s + x for s, x in zip(self._verify, self._point(drafts, extra))]
+        self._trust = 1.0
 
     def declined(self) -> None:
-        """A step that could have verified drafts but was judged not worth it. The overhead is only measured
-        on steps that verify, so an estimate left too high would stop speculation for good; it decays here
-        until drafting is tried again and measured anew (one probing step in a few dozen, when it truly
+        """A step that could have verified drafts but was judged not worth it. The verification cost is only
+        measured on steps that verify, so an estimate left too high would stop speculation for good; it decays
+        here until drafting is tried again and measured anew (one probing step in a few dozen, when it truly
         does not pay)."""
         if self.learning:
-            self.overhead *= OVERHEAD_DECAY
+            self._trust *= OVERHEAD_DECAY
+
+    def verification_cost(self) -> tuple[float, float]:
+        """(v0, v1): a verifying step costs `v0 + v1 * d` seconds more than a plain forward over as many tokens.
+        Steps whose draft counts barely vary cannot tell the two apart; then it all counts as fixed."""
+        weight, sum_d, sum_v, sum_dd, sum_dv = self._verify
+        if weight == 0:
+            return 0.0, 0.0
+        mean_d, mean_v = sum_d / weight, sum_v / weight
+        variance = sum_dd / weight - mean_d**2
+        v0, v1 = mean_v, 0.0
+        if variance > 0.5:
+            v1 = max((sum_dv / weight - mean_d * mean_v) / variance, 0.0)
+            v0 = max(mean_v - v1 * mean_d, 0.0)
+        return self._trust * v0, self._trust * v1
+
+    @property
+    def overhead(self) -> float:
+        """The fixed part of the verification cost, in seconds."""
+        return self.verification_cost()[0]
 
     def coefficients(self) -> tuple[float, float]:
         weight, sum_n, sum_t, sum_nn, sum_nt = (a + r for a, r in zip(self._anchors, self._recent))
@@ -116,12 +149,13 @@ class StepCostModel:
 
 
 def worth_drafting(acceptance: float, batch_size: int, cost: StepCostModel) -> bool:
-    """Whether even one draft token could raise goodput: gain `a` must beat `B * t1 / T(B)`.
+    """Whether even one draft token could raise goodput: gain `a` must beat `B * (t1 + v1) / T(B)`.
 
     Requests below the bar skip drafting altogether (their estimate drifts back toward the prior, so they
     try again later)."""
     t0, t1 = cost.coefficients()
-    return acceptance > batch_size * t1 / (t0 + t1 * batch_size)
+    v1 = cost.verification_cost()[1]
+    return acceptance > batch_size * (t1 + v1) / (t0 + t1 * batch_size)
 
 
 def choose_draft_lengths(
@@ -130,8 +164,10 @@ def choose_draft_lengths(
     """Draft tokens each request verifies; `available[i]` is how many its drafter proposed (already capped)."""
     if mode == "fixed":
         return list(available)
+    v0, v1 = cost.verification_cost()
     lengths = [0] * len(available)
     num_tokens = len(available)
+    num_drafts = 0
     expected = float(len(available))  # every request emits at least its own token
     heap = [(-acceptance[i], i) for i in range(len(available)) if available[i] > 0 and acceptance[i] > 0]
     heapq.heapify(heap)
@@ -139,15 +175,18 @@ def choose_draft_lengths(
         neg_gain, i = heapq.heappop(heap)
         gain = -neg_gain
         # Grant one more draft token when expected tokens per second improve.
-        if (expected + gain) / cost.predict(num_tokens + 1) <= expected / cost.predict(num_tokens):
+        before = cost.predict(num_tokens) + v1 * num_drafts
+        after = cost.predict(num_tokens + 1) + v1 * (num_drafts + 1)
+        if (expected + gain) / after <= expected / before:
             break
         lengths[i] += 1
         expected += gain
         num_tokens += 1
+        num_drafts += 1
         if lengths[i] < available[i]:
             heapq.heappush(heap, (-gain * acceptance[i], i))
     # Verifying anything at all has a fixed cost: draft only when the whole step still beats a plain one.
     plain = len(available) / cost.predict(len(available))
-    if any(lengths) and expected / (cost.predict(num_tokens) + cost.overhead) <= plain:
+    if num_drafts and expected / (cost.predict(num_tokens) + v1 * num_drafts + v0) <= plain:
         return [0] * len(available)
     return lengths

@@ -137,20 +137,43 @@ class PromptLookupDrafter:
         return self.name
 
     def lookup(self, history: torch.Tensor, max_tokens: int) -> torch.Tensor:
-        """Draft for one token sequence; each n is one vectorised comparison over all earlier windows."""
+        """Draft for one token sequence (a CPU tensor).
+
+        The search runs over the sequence's bytes (8 per token id) with `bytes.find` / `rfind`, a C substring
+        search: a few microseconds for thousands of tokens, where tensor comparisons cost a dozen operator calls
+        per n-gram length. A match must start on a token boundary; an unaligned one is skipped.
+        """
         length = history.numel()
-        if max_tokens <= 0:
+        if max_tokens <= 0 or length < 2:
             return history[:0]
+        data = history.numpy().tobytes()
+        width = history.element_size()
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            suffix = history[length - n :]
-            # Windows starting at 0 .. length-n-1: each has at least one token after it.
-            windows = history[: length - 1].unfold(0, n, 1)  # [length - n, n]
-            hits = (windows == suffix).all(dim=1).nonzero().flatten()
-            if hits.numel():
-                start = int(hits[0]) + n
-                if self.match == "latest":
-                    full = hits[hits + n + max_tokens <= length]
-                    if full.numel():
-                        start = int(full[-1]) + n
-                return history[start : start + max_tokens]
+            suffix = data[(length - n) * width :]
+            # Matches lie inside the first length - 1 tokens, so each has at least one token after it.
+            first = _find(data, suffix, (length - 1) * width, width, last=False)
+            if first < 0:
+                continue
+            start = first + n
+            if self.match == "latest":  # the latest match with max_tokens tokens after it, if any
+                full = _find(data, suffix, (length - max_tokens) * width, width, last=True)
+                if full >= 0:
+                    start = full + n
+            return history[start : start + max_tokens]
         return history[:0]
+
+
+def _find(data: bytes, pattern: bytes, end: int, width: int, last: bool) -> int:
+    """Token index of the first (or last) occurrence of `pattern` in `data[:end]` that starts on a token
+    boundary, or -1."""
+    lo, hi = 0, end
+    while True:
+        at = data.rfind(pattern, lo, hi) if last else data.find(pattern, lo, hi)
+        if at < 0:
+            return -1
+        if at % width == 0:
+            return at // width
+        if last:
+            hi = at + len(pattern) - 1
+        else:
+            lo = at + 1
