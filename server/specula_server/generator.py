@@ -31,7 +31,7 @@ from specula_server.models.llama import LlamaForCausalLM
 from specula_server.request import RequestSpec, RequestState, StepOutput, TokenInfo
 from specula_server.sampling import Sampler, SamplingRow
 from specula_server.speculation.controller import (
-    StepCostModel, choose_draft_lengths, worth_drafting,
+    AcceptancePriors, StepCostModel, choose_draft_lengths, worth_drafting,
 )
 from specula_server.speculation.draft_model import DraftModelDrafter
 from specula_server.speculation.drafters import Draft, Drafter
@@ -97,6 +97,7 @@ class TextGenerator:
         self.adapters = adapters
         self.speculation = speculation if speculation is not None and speculation.max_tokens > 0 else None
         self.step_cost = StepCostModel()
+        self.acceptance_priors = AcceptancePriors()
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.special_ids = frozenset(
@@ -317,15 +318,18 @@ class TextGenerator:
         assert self.speculation is not None and self.kv_cache is not None
         reqs = batch.requests
         adaptive = self.speculation.mode == "adaptive"
-        caps = [self._draft_cap(r) if not adaptive or worth_drafting(r.acceptance.value, len(reqs), self.step_cost)
-                else 0 for r in reqs]
+        drafter = self.speculation.drafter
+        methods = [drafter.method_for(r) for r in reqs]
+        acceptance = [r.acceptance.estimate(self.acceptance_priors.value(m)) for r, m in zip(reqs, methods)]
+        caps = [self._draft_cap(r) if not adaptive or worth_drafting(a, len(reqs), self.step_cost) else 0
+                for r, a in zip(reqs, acceptance)]
         try:
             proposals = self.speculation.drafter.propose(reqs, caps)
         except Exception:  # drafts only ever save time: a drafter's failure must not fail the requests
             logger.exception("drafting failed; this step verifies no drafts")
             return self._plain_step(batch, start)
-        lengths = choose_draft_lengths([p.available for p in proposals], [r.acceptance.value for r in reqs],
-                                       self.step_cost, self.speculation.mode)
+        lengths = choose_draft_lengths([p.available for p in proposals], acceptance, self.step_cost,
+                                       self.speculation.mode)
         if not any(lengths):  # nothing worth verifying: a plain step, at a plain step's cost
             if any(p.available for p in proposals):
                 self.step_cost.declined()
@@ -347,7 +351,7 @@ class TextGenerator:
         self.step_cost.observe_speculative(sum(counts), self.agreed_seconds(forward_done - start),
                                           sum(len(d) for d in drafts))
 
-        methods = [self.speculation.drafter.method_for(r) if len(d) else "" for r, d in zip(reqs, drafts)]
+        methods = [m if len(d) else "" for m, d in zip(methods, drafts)]
         verdicts, processed = verify(logits, reqs, drafts, step.row_starts, self.sampler)
         self._compact_accepted_paths(reqs, drafts, verdicts)
         outputs = []
@@ -359,6 +363,7 @@ class TextGenerator:
                 if r.is_finished:
                     break  # nothing after a stop is emitted or counted
             r.acceptance.observe(v.num_drafted, v.num_accepted)
+            self.acceptance_priors.observe(method, v.num_drafted, v.num_accepted)
             # The draft model's KV is valid up to the last accepted draft it ran over; the target's own token
             # (correction or bonus) is run over before the next draft.
             r.draft_cached = min(r.draft_cached, r.num_tokens - 1)

@@ -5,8 +5,9 @@ emitted tokens per second of forward time, using two measured quantities:
 
 - per request, the probability `a` that a draft token is accepted given the ones before it were. Verification
   is a run of trials that stops at the first rejection: accepting m of k drafts is m successes and, when
-  m < k, one failure. `a` is the smoothed ratio of recent successes to trials, (S + 1) / (S + F + 2), with
-  S and F decayed each drafting step (a prior of 0.5 for a new request). Counting trials this way, and not
+  m < k, one failure. `a` is the smoothed ratio of recent successes to trials, (S + 2p) / (S + F + 2), with
+  S and F decayed each drafting step; the prior p is the drafting method's recent acceptance over all
+  requests (0.5 before it has any). Counting trials this way, and not
   averaging m / k, matters for copying: a block copied in full after one mismatch is 6 successes, 1 failure
   (a = 0.86), where the ratio average would have had "0 of 6" drag it to 0.4. With k drafts a request emits
   on average `E(k) = 1 + a + a^2 + ... + a^k` tokens (the last one being the target's own token);
@@ -34,9 +35,10 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 ACCEPTANCE_DECAY = 0.8  # per drafting step, the weight of earlier trials in the acceptance estimate
-OVERHEAD_DECAY = 0.95  # per declined step, the fraction of the verification cost estimate kept
+OVERHEAD_DECAY = 0.98  # per declined step, the fraction of the verification cost estimate kept
 VERIFY_DECAY = 0.9  # per verifying step, the weight of earlier steps in the verification cost fit
 MAX_EXTRA_STEPS = 4.0  # a step's measured verification cost counts as at most this many plain forwards (spikes)
+PRIOR_DECAY = 0.98  # per verified request, the weight of earlier ones in a method's acceptance prior
 RETRY_DRIFT = 0.02  # per step without drafts, the fraction of the evidence forgotten (back toward the prior)
 
 
@@ -49,7 +51,11 @@ class AcceptanceEstimate:
 
     @property
     def value(self) -> float:
-        return (self.successes + 1.0) / (self.successes + self.failures + 2.0)
+        return self.estimate(0.5)
+
+    def estimate(self, prior: float) -> float:
+        """`a` with `prior` as the value before any evidence (weighted as two trials)."""
+        return (self.successes + 2.0 * prior) / (self.successes + self.failures + 2.0)
 
     def observe(self, drafted: int, accepted: int) -> None:
         """One step's verification: `accepted` of `drafted` drafts (0 drafted: no evidence, the estimate
@@ -60,6 +66,28 @@ class AcceptanceEstimate:
             return
         self.successes = ACCEPTANCE_DECAY * self.successes + accepted
         self.failures = ACCEPTANCE_DECAY * self.failures + (accepted < drafted)
+
+
+@dataclass
+class AcceptancePriors:
+    """Per drafting method, the acceptance of recent verifications across all requests: the prior of a request
+    with little evidence of its own (a new one, or one whose evidence faded while it did not draft). With 0.5
+    as every request's prior, requests with nothing to copy kept coming back to try drafts that do not pay;
+    with the method's own record they start, and return to, what that method has recently achieved here."""
+
+    decay: float = PRIOR_DECAY
+    _methods: dict[str, AcceptanceEstimate] = field(default_factory=dict)
+
+    def value(self, method: str) -> float:
+        estimate = self._methods.get(method)
+        return estimate.value if estimate is not None else 0.5
+
+    def observe(self, method: str, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        estimate = self._methods.setdefault(method, AcceptanceEstimate())
+        estimate.successes = self.decay * estimate.successes + accepted
+        estimate.failures = self.decay * estimate.failures + (accepted < drafted)
 
 
 @dataclass
