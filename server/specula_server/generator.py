@@ -31,7 +31,7 @@ from specula_server.models.llama import LlamaForCausalLM
 from specula_server.request import RequestSpec, RequestState, StepOutput, TokenInfo
 from specula_server.sampling import Sampler, SamplingRow
 from specula_server.speculation.controller import (
-    AcceptancePriors, StepCostModel, choose_draft_lengths, worth_drafting,
+    AcceptancePriors, StepCostModel, choose_draft_lengths, drafting_bar,
 )
 from specula_server.speculation.draft_model import DraftModelDrafter
 from specula_server.speculation.drafters import Draft, Drafter
@@ -321,8 +321,8 @@ class TextGenerator:
         drafter = self.speculation.drafter
         methods = [drafter.method_for(r) for r in reqs]
         acceptance = [r.acceptance.estimate(self.acceptance_priors.value(m)) for r, m in zip(reqs, methods)]
-        caps = [self._draft_cap(r) if not adaptive or worth_drafting(a, len(reqs), self.step_cost) else 0
-                for r, a in zip(reqs, acceptance)]
+        bar = drafting_bar(len(reqs), self.step_cost) if adaptive else -1.0
+        caps = [self._draft_cap(r) if a > bar else 0 for r, a in zip(reqs, acceptance)]
         try:
             proposals = self.speculation.drafter.propose(reqs, caps)
         except Exception:  # drafts only ever save time: a drafter's failure must not fail the requests

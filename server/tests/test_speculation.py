@@ -10,7 +10,7 @@ import torch
 
 from specula_server.params import FinishReason, SamplingParams
 from specula_server.speculation.controller import (
-    AcceptanceEstimate, StepCostModel, choose_draft_lengths, worth_drafting,
+    AcceptanceEstimate, StepCostModel, choose_draft_lengths, drafting_bar,
 )
 from specula_server.speculation.drafters import PromptLookupDrafter
 from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
@@ -306,8 +306,8 @@ def fitted(t0: float, t1: float) -> StepCostModel:
 
 def test_adaptive_controller_grants_drafts_only_when_they_pay():
     cost = fitted(0.020, 0.002)
-    assert worth_drafting(0.5, 1, cost) and not worth_drafting(0.05, 1, cost)
-    assert not worth_drafting(0.5, 64, fitted(0.020, 0.002))  # at batch 64 a token costs 0.128 / 0.148 of a step
+    assert 0.5 > drafting_bar(1, cost) and not 0.05 > drafting_bar(1, cost)
+    assert not 0.5 > drafting_bar(64, fitted(0.020, 0.002))  # at batch 64 a token costs 0.128 / 0.148 of a step
     assert choose_draft_lengths([4, 4], [0.9, 0.05], cost, "adaptive") == [4, 0]
     assert choose_draft_lengths([4, 4], [0.9, 0.05], cost, "fixed") == [4, 4]
     assert choose_draft_lengths([0, 0], [0.9, 0.9], cost, "adaptive") == [0, 0]

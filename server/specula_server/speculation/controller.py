@@ -57,15 +57,16 @@ class AcceptanceEstimate:
         """`a` with `prior` as the value before any evidence (weighted as two trials)."""
         return (self.successes + 2.0 * prior) / (self.successes + self.failures + 2.0)
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """One step's verification: `accepted` of `drafted` drafts (0 drafted: no evidence, the estimate
-        drifts back toward the prior so a request that stopped drafting tries again later)."""
+    def observe(self, drafted: int, accepted: int, decay: float = ACCEPTANCE_DECAY) -> None:
+        """One step's verification: `accepted` of `drafted` drafts, earlier evidence weighted by `decay` (0
+        drafted: no evidence, the estimate drifts back toward the prior so a request that stopped drafting
+        tries again later)."""
         if drafted == 0:
             self.successes *= 1 - RETRY_DRIFT
             self.failures *= 1 - RETRY_DRIFT
             return
-        self.successes = ACCEPTANCE_DECAY * self.successes + accepted
-        self.failures = ACCEPTANCE_DECAY * self.failures + (accepted < drafted)
+        self.successes = decay * self.successes + accepted
+        self.failures = decay * self.failures + (accepted < drafted)
 
 
 @dataclass
@@ -83,11 +84,8 @@ class AcceptancePriors:
         return estimate.value if estimate is not None else 0.5
 
     def observe(self, method: str, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            return
-        estimate = self._methods.setdefault(method, AcceptanceEstimate())
-        estimate.successes = self.decay * estimate.successes + accepted
-        estimate.failures = self.decay * estimate.failures + (accepted < drafted)
+        if drafted:  # a method's record only changes when it drafts
+            self._methods.setdefault(method, AcceptanceEstimate()).observe(drafted, accepted, self.decay)
 
 
 @dataclass
@@ -176,14 +174,14 @@ class StepCostModel:
         return t0 + t1 * num_tokens
 
 
-def worth_drafting(acceptance: float, batch_size: int, cost: StepCostModel) -> bool:
-    """Whether even one draft token could raise goodput: gain `a` must beat `B * (t1 + v1) / T(B)`.
+def drafting_bar(batch_size: int, cost: StepCostModel) -> float:
+    """The acceptance a request needs for even one draft token to raise goodput: `B * (t1 + v1) / T(B)`.
 
-    Requests below the bar skip drafting altogether (their estimate drifts back toward the prior, so they
+    Requests at or below it skip drafting altogether (their estimate drifts back toward the prior, so they
     try again later)."""
     t0, t1 = cost.coefficients()
     v1 = cost.verification_cost()[1]
-    return acceptance > batch_size * (t1 + v1) / (t0 + t1 * batch_size)
+    return batch_size * (t1 + v1) / (t0 + t1 * batch_size)
 
 
 def choose_draft_lengths(
