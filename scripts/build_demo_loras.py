@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import re
 import sys
 import time
@@ -36,10 +35,11 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "server"))  # runnable from a checkout without installing
+sys.path[:0] = [str(ROOT / "server"), str(ROOT / "scripts")]  # runnable from a checkout without installing
 
 import torch  # noqa: E402
 
+from build_demo_model import sample_windows, token_stream  # noqa: E402  (the demo model's own training data)
 from specula_server.testing import code_corpus  # noqa: E402
 
 DEMO_MODEL = ROOT / "launcher" / "specula_launcher" / "demo_model"
@@ -141,22 +141,6 @@ def training_documents(transform: Callable[[str], str | None], num_edits: int, s
     return texts, edits
 
 
-def token_stream(tokenizer, docs: list[str]) -> torch.Tensor:
-    ids: list[int] = []
-    eos = tokenizer.eos_token_id
-    for doc_ids in tokenizer(docs)["input_ids"]:
-        ids.extend(doc_ids)
-        ids.append(eos)
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def sample_windows(stream: torch.Tensor, count: int, length: int, gen: torch.Generator) -> torch.Tensor:
-    if count == 0:
-        return stream.new_empty((0, length + 1))
-    starts = torch.randint(0, stream.numel() - length - 1, (count,), generator=gen)
-    return torch.stack([stream[s : s + length + 1] for s in starts.tolist()])
-
-
 def train_adapter(name: str, args: argparse.Namespace) -> dict:
     import peft
     import transformers
@@ -165,7 +149,7 @@ def train_adapter(name: str, args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     texts, edits = training_documents(spec["transform"], args.num_edits, args.seed)
-    plain, edit_stream = token_stream(tokenizer, texts), token_stream(tokenizer, edits)
+    plain, edit_stream = (token_stream(tokenizer.backend_tokenizer, docs) for docs in (texts, edits))
     print(f"{name}: {len(texts)} training files ({plain.numel() / 1e6:.1f}M tokens), {len(edits)} edits "
           f"({edit_stream.numel() / 1e6:.1f}M tokens)", flush=True)
 
