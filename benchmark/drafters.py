@@ -26,7 +26,7 @@ sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "benchmark
 
 import torch  # noqa: E402
 
-from speculation import DEMO_MODEL, run_requests, workload_requests  # noqa: E402
+from speculation import DEMO_MODEL, add_run_arguments, run_requests, workload_requests  # noqa: E402
 from specula_server.testing.worker import load_test_generator  # noqa: E402
 
 DEMO_ADAPTERS = REPO / "launcher" / "specula_launcher" / "demo_adapters"
@@ -61,12 +61,7 @@ def main() -> None:
     parser.add_argument("--speculative-tokens", type=int, default=4)
     parser.add_argument("--tree-width", type=int, default=3, help="candidates per head for the tree methods")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (novel)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA by default")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path)
+    add_run_arguments(parser)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")

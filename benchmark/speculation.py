@@ -68,6 +68,16 @@ def workload_requests(workload: str, model_dir: Path, count: int, args) -> list[
             for t in texts]
 
 
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options every speculation benchmark takes: rounds, threads, device, dtype, seed, JSON output."""
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA by default")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+
+
 def run_requests(generator, requests: list[dict], concurrency: int, seed: int, lookahead: int):
     """Runs `requests` in batches of `concurrency`; returns seconds, generated tokens, per-request decode steps."""
     seconds = tokens = steps = 0
@@ -123,12 +133,7 @@ def main() -> None:
     parser.add_argument("--speculative-tokens", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (novel, repetitive)")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (repetitive)")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None, help="float32 on CPU, bfloat16 on CUDA by default")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path)
+    add_run_arguments(parser)
     parser.add_argument("--plot", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -24,7 +24,9 @@ from specula_server.speculation.draft_model import DraftModelDrafter
 from specula_server.speculation.verify import Verdict
 from specula_server.testing.adapters import build_medusa_adapter
 from specula_server.testing.models import build_tiny_model
-from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
+from specula_server.testing.worker import (
+    BlockPool, assert_same_greedy_output, generate_alone, load_test_generator, make_spec, token_ids,
+)
 
 from test_speculation import PROMPTS, chi_square_p_value, memory_bound_costs
 
@@ -111,13 +113,7 @@ def test_greedy_output_is_identical_with_a_draft_model(llama_dir, drafts, plain,
     generator = with_draft(llama_dir, drafts[draft])
     assert generator.speculation.drafter.name == "draft_model"
     drafted = accepted = 0
-    for prompt in PROMPTS:
-        expected = run(plain, prompt, max_new_tokens=24)
-        got = run(generator, prompt, max_new_tokens=24)
-        assert token_ids(got) == token_ids(expected)
-        assert [t.logprob for o in got for t in o.tokens] == pytest.approx(
-            [t.logprob for o in expected for t in o.tokens], abs=1e-4)
-        assert got[-1].generated_text.text == expected[-1].generated_text.text
+    for got in assert_same_greedy_output(plain, generator, PROMPTS, run, max_new_tokens=24):
         assert {o.draft_method for o in got if o.num_drafted} == {"draft_model"}
         drafted += sum(o.num_drafted for o in got)
         accepted += sum(o.num_accepted for o in got)
@@ -400,20 +396,9 @@ def test_the_memory_budget_includes_the_draft_models_kv(llama_dir, drafts):
 def test_two_ranks_draft_and_accept_the_same_tokens(llama_dir, drafts):
     """The draft model is sharded like the target; greedy and seeded sampled requests give the same tokens on
     both ranks as on one rank."""
-    import torch.multiprocessing as mp
-
-    from test_tensor_parallel import _rank_main, free_port, run_requests
+    from test_tensor_parallel import run_requests, run_two_ranks
 
     settings = {"speculative_tokens": K, "speculation_mode": "fixed", "speculator": str(drafts["noisy"])}
     expected = run_requests(llama_dir, **settings)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, llama_dir, queue, settings)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    results = run_two_ranks(llama_dir, settings)
     assert results[0] == results[1] == expected

@@ -9,7 +9,9 @@ from specula_server.params import SamplingParams
 from specula_server.speculation.drafters import Draft
 from specula_server.speculation.medusa import best_first_tree
 from specula_server.testing.adapters import build_medusa_adapter
-from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
+from specula_server.testing.worker import (
+    BlockPool, assert_same_greedy_output, generate_alone, load_test_generator, make_spec, token_ids,
+)
 
 from test_speculation import PROMPTS, memory_bound_costs
 
@@ -124,12 +126,7 @@ def test_server_wide_medusa_keeps_greedy_output(llama_dir, plain, medusa_dir, wi
     generator = speculative(llama_dir, speculator=str(medusa_dir), draft_tree_width=width)
     assert generator.speculation.drafter.name == "medusa"
     drafted = 0
-    for prompt in PROMPTS:
-        expected = run(plain, prompt, max_new_tokens=20)
-        got = run(generator, prompt, max_new_tokens=20)
-        assert token_ids(got) == token_ids(expected)
-        assert [t.logprob for o in got for t in o.tokens] == pytest.approx(
-            [t.logprob for o in expected for t in o.tokens], abs=1e-4)
+    for got in assert_same_greedy_output(plain, generator, PROMPTS, run, max_new_tokens=20):
         drafted += sum(o.num_drafted for o in got)
         assert {o.draft_method for o in got if o.num_drafted} <= {"medusa"}
     assert drafted > 0

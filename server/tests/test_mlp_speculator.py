@@ -20,7 +20,9 @@ from specula_server.speculation.mlp_speculator import (
     MLPSpeculatorDrafter, MLPSpeculatorError, find_mlp_speculator, load_mlp_speculator,
 )
 from specula_server.testing.adapters import build_medusa_adapter, build_mlp_speculator
-from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
+from specula_server.testing.worker import (
+    BlockPool, assert_same_greedy_output, generate_alone, load_test_generator, make_spec, token_ids,
+)
 
 from test_medusa import run, run_together, speculative
 from test_speculation import PROMPTS
@@ -263,12 +265,7 @@ def test_greedy_output_is_unchanged(llama_dir, plain, mlp_dir, tied_dir, which, 
     generator = speculative(llama_dir, speculator=str(directory), draft_tree_width=width)
     assert generator.speculation.drafter.name == "mlp"
     drafted = 0
-    for prompt in PROMPTS:
-        expected = run(plain, prompt, max_new_tokens=16)
-        got = run(generator, prompt, max_new_tokens=16)
-        assert token_ids(got) == token_ids(expected)
-        assert [t.logprob for o in got for t in o.tokens] == pytest.approx(
-            [t.logprob for o in expected for t in o.tokens], abs=1e-4)
+    for got in assert_same_greedy_output(plain, generator, PROMPTS, run, max_new_tokens=16):
         drafted += sum(o.num_drafted for o in got)
         assert {o.draft_method for o in got if o.num_drafted} == {"mlp"}
     assert drafted > 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,6 +52,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_two_ranks(model_dir: Path, settings: dict) -> dict[int, object]:
+    """`run_requests` on two spawned tensor-parallel ranks over gloo; each rank's result by rank."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, model_dir, queue, settings)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    return results
+
+
 @pytest.mark.parametrize("kind,settings", [
     ("llama", {}),
     ("qwen2", {}),
@@ -59,15 +75,6 @@ def free_port() -> int:
 ])
 def test_two_ranks_match_one_rank(model_dirs, kind, settings):
     expected = run_requests(model_dirs[kind], **{k: v for k, v in settings.items() if k != "skew_clock"})
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, model_dirs[kind], queue, settings)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    results = run_two_ranks(model_dirs[kind], settings)
     assert results[0] == expected
     assert results[1] == expected  # every rank accepts the same tokens

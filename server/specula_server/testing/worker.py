@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from specula_server.distributed import ShardGroup
 from specula_server.generator import TextGenerator
@@ -76,3 +76,22 @@ def generate_alone(generator: TextGenerator, spec: RequestSpec, batch_id: int = 
 
 def token_ids(outputs: Sequence[StepOutput]) -> list[int]:
     return [t.id for o in outputs for t in o.tokens]
+
+
+def assert_same_greedy_output(
+    plain: TextGenerator, drafted: TextGenerator, prompts: Sequence[Sequence[int]],
+    run: Callable[..., list[StepOutput]], **kwargs,
+) -> list[list[StepOutput]]:
+    """Runs each prompt alone on both generators with `run(generator, prompt, **kwargs)` and asserts that
+    `drafted` (speculating) emits exactly `plain`'s tokens, log-probabilities (to 1e-4) and text; returns
+    `drafted`'s outputs, one list per prompt."""
+    results = []
+    for prompt in prompts:
+        expected, got = run(plain, prompt, **kwargs), run(drafted, prompt, **kwargs)
+        assert token_ids(got) == token_ids(expected), prompt
+        logprobs = [(t.logprob, e.logprob) for t, e in zip((t for o in got for t in o.tokens),
+                                                              (t for o in expected for t in o.tokens))]
+        assert all(abs(a - b) <= 1e-4 for a, b in logprobs), logprobs
+        assert got[-1].generated_text.text == expected[-1].generated_text.text
+        results.append(got)
+    return results
