@@ -32,7 +32,7 @@ from specula_server.speculation.medusa import MedusaDrafter
 from specula_server.speculation.mlp_speculator import (
     MLPSpeculator, MLPSpeculatorDrafter, find_mlp_speculator, load_mlp_speculator,
 )
-from specula_server.service import ExceptionInterceptor, TextGenerationService, WorkerInfo
+from specula_server.service import ExceptionInterceptor, TextGenerationService, WorkerInfo, fault_policy
 from specula_server.tokens import eos_token_ids, load_tokenizer
 from specula_server.weights import Weights
 
@@ -202,7 +202,7 @@ async def serve(config: ServerConfig) -> int:
         failures.append(error)
         loop.call_soon_threadsafe(stop.set)
 
-    server = grpc.aio.server(interceptors=[ExceptionInterceptor(on_fatal)])
+    server = grpc.aio.server(interceptors=[ExceptionInterceptor(on_fatal, fault_policy(info))])
     generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(TextGenerationService(generator, info), server)
     socket_path = f"{config.uds_path}-{config.rank}"
     if os.path.exists(socket_path):

@@ -51,11 +51,15 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
     """Logs worker exceptions and maps them to gRPC status codes.
 
     Request errors (bad ids, unknown batches) become INVALID_ARGUMENT / NOT_FOUND and the worker keeps serving.
-    Anything else is INTERNAL; `on_fatal` then ends the process, since the shards may now disagree.
+    Anything else is INTERNAL. When `recoverable(error)` says the shard can go on (see `fault_policy`), it
+    does: the router fails the requests of the failed step and clears their batches. Otherwise `on_fatal`
+    ends the process.
     """
 
-    def __init__(self, on_fatal: Callable[[BaseException], None]) -> None:
+    def __init__(self, on_fatal: Callable[[BaseException], None],
+                 recoverable: Callable[[BaseException], bool] = lambda error: False) -> None:
         self.on_fatal = on_fatal
+        self.recoverable = recoverable
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -74,9 +78,12 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
             except torch.cuda.OutOfMemoryError as e:
                 logger.exception("%s ran out of device memory", method)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory: {e}")
-            except Exception as e:  # an unrecoverable worker fault: report it, then stop the process
-                logger.exception("%s failed", method)
-                self.on_fatal(e)
+            except Exception as e:
+                if self.recoverable(e):
+                    logger.exception("%s failed; its requests fail and the shard keeps serving", method)
+                else:  # an unrecoverable worker fault: report it, then stop the process
+                    logger.exception("%s failed", method)
+                    self.on_fatal(e)
                 await context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
 
         return grpc.unary_unary_rpc_method_handler(
@@ -84,6 +91,29 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+
+
+def fault_policy(info: WorkerInfo) -> Callable[[BaseException], bool]:
+    """Whether the shard may keep serving after an unexpected error in an RPC (a bug met by one batch, a
+    kernel refusing a shape): the failed step's requests fail, the router clears their batches, later
+    requests run as usual.
+
+    Only a shard that runs alone may. With tensor-parallel peers, the others may be blocked in a collective
+    the failed rank never reached, or have committed a step it did not; only restarting them all is safe. And
+    only while its device still works: a CUDA fault poisons the context, and every later step would fail.
+    """
+
+    def recoverable(error: BaseException) -> bool:
+        if info.world_size > 1:
+            return False
+        if info.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(info.device)
+            except Exception:
+                return False
+        return True
+
+    return recoverable
 
 
 class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):

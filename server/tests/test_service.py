@@ -17,7 +17,7 @@ from specula_proto import generate_pb2 as pb
 from specula_proto import generate_pb2_grpc
 from specula_server.distributed import ShardGroup
 from specula_server.server import ServerConfig, load_generator
-from specula_server.service import ExceptionInterceptor, TextGenerationService, WorkerInfo
+from specula_server.service import ExceptionInterceptor, TextGenerationService, WorkerInfo, fault_policy
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,7 +51,7 @@ def stub_factory(llama_dir, tmp_path):
 
 async def serve_in_process(generator, info: WorkerInfo, fatal: list, body) -> None:
     """Serves the worker on its unix socket for the duration of `body(stub)`."""
-    server = grpc.aio.server(interceptors=[ExceptionInterceptor(fatal.append)])
+    server = grpc.aio.server(interceptors=[ExceptionInterceptor(fatal.append, fault_policy(info))])
     generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(TextGenerationService(generator, info), server)
     server.add_insecure_port(info.uds_urls[0])
     await server.start()
@@ -154,16 +154,56 @@ def test_cli_help_lists_every_option():
         assert flag in out
 
 
-def test_unexpected_worker_fault_is_internal_and_fatal(llama_dir, tmp_path):
+def broken_once(generator):
+    """Makes the generator's next decode fail as an unexpected fault would, and the ones after work."""
+    decode = generator.decode
+
+    def fail_then_restore(batch_ids):
+        generator.decode = decode
+        raise RuntimeError("device fell over")
+
+    generator.decode = fail_then_restore
+
+
+def test_a_fault_in_a_step_fails_that_step_and_a_lone_shard_keeps_serving(llama_dir, tmp_path):
     config = ServerConfig(model_id=str(llama_dir), uds_path=str(tmp_path / "sock"), kv_cache_memory=2**22)
     generator, _ = load_generator(config, ShardGroup())
+    generator.allocate_kv_cache(64)
     info = WorkerInfo(str(llama_dir), "", config.torch_device, 1, (config.uds_url(0),), config.kv_cache_memory)
     fatal: list[BaseException] = []
 
-    def broken(batch_ids):
-        raise RuntimeError("device fell over")
+    async def generate(stub, batch_id: int, blocks: list[int]) -> list[int]:
+        batch = pb.Batch(id=batch_id, requests=[request(batch_id, [1, 5, 9, 13], blocks, max_new=3)])
+        tokens = [t for g in (await stub.Prefill(pb.PrefillRequest(batch=batch))).generations for t in g.tokens.ids]
+        while True:
+            response = await stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=batch_id)]))
+            tokens += [t for g in response.generations for t in g.tokens.ids]
+            if not response.HasField("batch"):
+                return tokens
 
-    generator.decode = broken
+    async def body(stub):
+        expected = await generate(stub, 1, [0])
+        broken_once(generator)
+        await stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=2, requests=[request(2, [1, 5, 9, 13], [1])])))
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=2)]))
+        assert err.value.code() == grpc.StatusCode.INTERNAL
+        assert "device fell over" in err.value.details()
+        await stub.ClearCache(pb.ClearCacheRequest())  # what the router does after a failed step
+        assert await generate(stub, 3, [2]) == expected
+        await stub.Health(pb.HealthRequest())
+
+    asyncio.run(serve_in_process(generator, info, fatal, body))
+    assert not fatal
+
+
+def test_a_fault_in_a_step_stops_a_tensor_parallel_shard(llama_dir, tmp_path):
+    """A rank that failed may have left its peers in a collective or a step behind: only a restart is safe."""
+    config = ServerConfig(model_id=str(llama_dir), uds_path=str(tmp_path / "sock"), kv_cache_memory=2**22)
+    generator, _ = load_generator(config, ShardGroup())
+    info = WorkerInfo(str(llama_dir), "", config.torch_device, 2, (config.uds_url(0),), config.kv_cache_memory)
+    fatal: list[BaseException] = []
+    broken_once(generator)
 
     async def body(stub):
         with pytest.raises(grpc.aio.AioRpcError) as err:
