@@ -1,8 +1,8 @@
 """Drafters side by side: prompt lookup, Medusa chain / tree, MLP speculator chain / tree, draft model.
 
-Runs the worker in-process once per method on the same model, prompts and thread count, in alternating
-order (round after round), and reports per method and concurrency: generated tokens/s, the ratio to
-speculation off, and mean tokens emitted per decode step of a request (1 without speculation; accepted drafts
+Runs the worker in-process once per method on the same model, prompts and thread count, taking turns
+batch by batch (`speculation.side_by_side`), and reports per method and concurrency: generated tokens/s, the
+ratio to speculation off, and mean tokens emitted per decode step of a request (1 without speculation; accepted drafts
 + 1 with it). Draft lengths are fixed (`--speculative-tokens`) so the drafters are compared, not the
 controller. Workloads are those of `speculation.py` (`copy`: held-out code edits, greedy; `novel`: sampling
 after held-out code beginnings).
@@ -26,7 +26,7 @@ sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "benchmark
 
 import torch  # noqa: E402
 
-from speculation import DEMO_MODEL, add_run_arguments, run_requests, workload_requests  # noqa: E402
+from speculation import DEMO_MODEL, add_run_arguments, paired_ratio, side_by_side, workload_requests  # noqa: E402
 from specula_server.testing.worker import load_test_generator  # noqa: E402
 
 DEMO_ADAPTERS = REPO / "launcher" / "specula_launcher" / "demo_adapters"
@@ -83,19 +83,14 @@ def main() -> None:
     for workload in args.workload:
         for c in args.concurrency:
             batch = requests[workload][: max(c, args.min_requests)]
-            samples = {name: [] for name in generators}
-            for r in range(args.rounds):
-                for name, g in generators.items():
-                    seconds, tokens, steps = run_requests(g, batch, c, 1000 * r, args.speculative_tokens + 1)
-                    samples[name].append((tokens / seconds, tokens / max(steps, 1)))
+            samples = side_by_side(generators, batch, c, args.rounds, args.speculative_tokens + 1)
             for name, values in samples.items():
                 row = {"workload": workload, "concurrency": c, "method": name,
                        "tok_s": statistics.median(v[0] for v in values),
                        "tokens_per_step": statistics.median(v[1] for v in values)}
                 results.append(row)
-            off = next((row["tok_s"] for row in results[-len(samples):] if row["method"] == "off"), None)
             for row in results[-len(samples):]:
-                row["vs_off"] = row["tok_s"] / off if off else None
+                row["vs_off"] = paired_ratio(samples[row["method"]], samples["off"]) if "off" in samples else None
                 print(json.dumps(row), flush=True)
 
     print("| workload | concurrency | method | tok/s | vs off | tokens/step |")

@@ -1,8 +1,8 @@
 """Speculative decoding in the worker, side by side: off vs fixed vs adaptive over concurrency.
 
-Runs the worker in-process for each speculation setting on the same model, prompts and thread count, in
-alternating order, and reports generated tokens/s, mean emitted tokens per decode step and the ratio to
-speculation off. At each concurrency c the prompts are run in batches of c, each batch to completion.
+Runs the worker in-process for each speculation setting on the same model, prompts and thread count, taking
+turns batch by batch (`side_by_side`), and reports generated tokens/s, mean emitted tokens per decode step and
+the ratio to speculation off. At each concurrency c the prompts are run in batches of c, each batch to completion.
 Workloads:
 
 - `copy`: held-out code-editing tasks (a block of code from a standard-library file the model never saw, then
@@ -99,6 +99,37 @@ def run_requests(generator, requests: list[dict], concurrency: int, seed: int, l
     return seconds, tokens, steps
 
 
+def side_by_side(generators: dict, requests: list[dict], concurrency: int, rounds: int,
+                 lookahead: int) -> dict[str, list[tuple[float, float]]]:
+    """Per setting and round: (generated tokens/s, tokens per request per decode step).
+
+    The settings take turns batch by batch, in an order that rotates from one batch to the next, so a change
+    in the machine's speed (these machines drift by tens of percent over minutes) hits them all alike; a
+    round's figure sums its batches. Each batch sees the same prompts and sampling seeds in every setting.
+    """
+    names = list(generators)
+    samples = {name: [] for name in names}
+    for r in range(rounds):
+        totals = {name: [0.0, 0, 0] for name in names}
+        for turn, first in enumerate(range(0, len(requests), concurrency)):
+            chunk = requests[first : first + concurrency]
+            for j in range(len(names)):
+                name = names[(turn + r + j) % len(names)]
+                seconds, tokens, steps = run_requests(generators[name], chunk, concurrency,
+                                                      1000 * r + first, lookahead)
+                for k, value in enumerate((seconds, tokens, steps)):
+                    totals[name][k] += value
+        for name, (seconds, tokens, steps) in totals.items():
+            samples[name].append((tokens / seconds, tokens / max(steps, 1)))
+    return samples
+
+
+def paired_ratio(samples: list[tuple[float, float]], baseline: list[tuple[float, float]]) -> float:
+    """Median over rounds of a setting's tokens/s over the baseline's in the same round (the two took turns
+    batch by batch, so each round's ratio is a paired measurement)."""
+    return statistics.median(a[0] / b[0] for a, b in zip(samples, baseline))
+
+
 def transformers_baseline(model_dir: Path, requests: list[dict], num_tokens: int, rounds: int, device) -> dict:
     """transformers `generate()` alone and with prompt lookup, one request at a time, greedy."""
     import transformers
@@ -157,17 +188,13 @@ def main() -> None:
         for workload in args.workload:
             for c in args.concurrency:
                 batch = requests[workload][: max(c, args.min_requests)]
-                samples = {name: [] for name in configs}
-                for r in range(args.rounds):
-                    for name, g in generators.items():
-                        seconds, tokens, steps = run_requests(g, batch, c, 1000 * r, args.speculative_tokens + 1)
-                        samples[name].append((tokens / seconds, tokens / max(steps, 1)))
+                samples = side_by_side(generators, batch, c, args.rounds, args.speculative_tokens + 1)
                 row = {"workload": workload, "concurrency": c, "requests": len(batch)}
                 for name, values in samples.items():
                     row[f"{name}_tok_s"] = statistics.median(v[0] for v in values)
                     row[f"{name}_tokens_per_step"] = statistics.median(v[1] for v in values)
                 for name in ("fixed", "adaptive"):
-                    row[f"{name}_vs_off"] = row[f"{name}_tok_s"] / row["off_tok_s"]
+                    row[f"{name}_vs_off"] = paired_ratio(samples[name], samples["off"])
                 results.append(row)
                 print(json.dumps(row), flush=True)
         baselines = {}
