@@ -153,8 +153,9 @@ class SlotGroups:
     of a LoRA instead of one per slot. Built once per step and segment layout (`slot_groups`)."""
 
     rows: torch.Tensor  # [num_groups, max_rows] long: row indices of each slot's tokens, n marks padding
-    slots: torch.Tensor  # [num_groups] long
+    slots: torch.Tensor  # [num_groups] long, ascending
     num_rows: int  # n
+    first_slot: int | None = None  # set when the slots are consecutive: the weights are a slice, not a gather
 
 
 def slot_groups(seg_starts: torch.Tensor, seg_slots: torch.Tensor) -> SlotGroups | None:
@@ -167,12 +168,15 @@ def slot_groups(seg_starts: torch.Tensor, seg_slots: torch.Tensor) -> SlotGroups
     if not members:
         return None
     n = starts[-1]
+    order = sorted(members)
     width = max(len(rows) for rows in members.values())
     rows = torch.full((len(members), width), n, dtype=torch.long)
-    for g, group_rows in enumerate(members.values()):
-        rows[g, : len(group_rows)] = torch.tensor(group_rows, dtype=torch.long)
+    for g, slot in enumerate(order):
+        rows[g, : len(members[slot])] = torch.tensor(members[slot], dtype=torch.long)
     device = seg_starts.device
-    return SlotGroups(rows.to(device), torch.tensor(list(members), dtype=torch.long, device=device), n)
+    consecutive = order == list(range(order[0], order[0] + len(order)))
+    return SlotGroups(rows.to(device), torch.tensor(order, dtype=torch.long, device=device), n,
+                      order[0] if consecutive else None)
 
 
 def lora_delta_grouped(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, groups: SlotGroups) -> torch.Tensor:
@@ -185,8 +189,13 @@ def lora_delta_grouped(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tens
     n, d_in = x.shape
     padded = torch.cat([x, x.new_zeros(1, d_in)])  # row n: the padding rows read zeros
     gathered = padded[groups.rows].float()  # [G, m, d_in]
-    shrunk = torch.bmm(gathered, lora_a[groups.slots].float())  # [G, m, r]
-    expanded = torch.bmm(shrunk, lora_b[groups.slots].float())  # [G, m, d_out]
+    if groups.first_slot is not None:  # e.g. every loaded adapter in the step: views, no copy of the weights
+        a = lora_a[groups.first_slot : groups.first_slot + len(groups.slots)]
+        b = lora_b[groups.first_slot : groups.first_slot + len(groups.slots)]
+    else:
+        a, b = lora_a[groups.slots], lora_b[groups.slots]
+    shrunk = torch.bmm(gathered, a.float())  # [G, m, r]
+    expanded = torch.bmm(shrunk, b.float())  # [G, m, d_out]
     out = torch.zeros(n + 1, lora_b.shape[2], dtype=torch.float32, device=x.device)
     out.index_copy_(0, groups.rows.flatten(), expanded.flatten(0, 1))  # padding lands on row n, dropped
     return out[:n].to(x.dtype)

@@ -335,3 +335,9 @@ def test_grouped_cpu_lora_delta_matches_the_reference():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert got[2:5].abs().sum() == 0 and got[9:].abs().sum() == 0  # rows without an adapter stay zero
     assert slot_groups(seg_starts, torch.full((6,), -1, dtype=torch.int32)) is None
+    # Consecutive slots take the weights as a slice instead of a gather: the same result.
+    consecutive = torch.tensor([1, 0, -1, 2, 1, -1], dtype=torch.int32)  # slot 0's segment is empty
+    groups = slot_groups(seg_starts, consecutive)
+    assert groups is not None and groups.first_slot == 1 and groups.slots.tolist() == [1, 2]
+    expected = sgmv_reference(sgmv_reference(x, a, seg_starts, consecutive), b, seg_starts, consecutive)
+    torch.testing.assert_close(lora_delta_grouped(x, a, b, groups), expected, rtol=1e-5, atol=1e-5)
