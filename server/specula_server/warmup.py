@@ -7,7 +7,6 @@ send (so an out-of-memory shows now, not under load), then gives the KV cache th
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from typing import Sequence
 
@@ -61,24 +60,19 @@ def warmup(
                 num_blocks * generator.bytes_per_block())
     return num_blocks
 
-def calibrate_step_cost(generator: TextGenerator, sizes: Sequence[int] = (1, 4, 16, 64), repeats: int = 3) -> None:
+def calibrate_step_cost(generator: TextGenerator, sizes: Sequence[int] = (1, 4, 16, 64), repeats: int = 2) -> None:
     """Times forwards over N tokens for several N (one dummy sequence each, blocks 0..) as the cost anchors
-    of adaptive speculation: the median of `repeats` runs per size, sizes interleaved, so a burst of load
-    on the machine bends no single anchor. Needs a KV cache holding max(sizes) tokens."""
+    of adaptive speculation. Needs a KV cache holding max(sizes) tokens."""
     assert generator.kv_cache is not None
     blocks = tuple(range(-(-(max(sizes) + 1) // generator.block_size)))
-    specs = [RequestSpec(-2, (0,) * size, SamplingParams(), StoppingParams(1, (), True), blocks) for size in sizes]
-    timings: list[list[float]] = [[] for _ in sizes]
-    for round_ in range(repeats + 1):  # the first round warms caches up; not counted
-        for spec, seconds in zip(specs, timings):
+    for size in sizes:
+        spec = RequestSpec(-2, (0,) * size, SamplingParams(), StoppingParams(1, (), True), blocks)
+        for _ in range(repeats + 1):  # the first run of a size warms caches up; not counted
             start = time.perf_counter_ns()
             generator.prefill(-2, [spec])
-            elapsed = generator.agreed_seconds(time.perf_counter_ns() - start)  # the same anchors on every rank
+            seconds = generator.agreed_seconds(time.perf_counter_ns() - start)  # the same anchors on every rank
             generator.clear(-2)
-            if round_:
-                seconds.append(elapsed)
-    for size, seconds in zip(sizes, timings):
-        generator.step_cost.anchor(size, statistics.median(seconds))
+        generator.step_cost.anchor(size, seconds)
 
 def _warmup_prefill(generator: TextGenerator, max_input_tokens: int, max_prefill_tokens: int, blocks_per_request: int) -> None:
     specs, remaining, next_block = [], max_prefill_tokens, 0

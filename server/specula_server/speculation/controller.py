@@ -11,11 +11,9 @@ emitted tokens per second of forward time, using two measured quantities:
   averaging m / k, matters for copying: a block copied in full after one mismatch is 6 successes, 1 failure
   (a = 0.86), where the ratio average would have had "0 of 6" drag it to 0.4. With k drafts a request emits
   on average `E(k) = 1 + a + a^2 + ... + a^k` tokens (the last one being the target's own token);
-- the cost of a forward over S sequences and N tokens, `T(S, N) = t0 + ts * S + tn * N`, fitted online from
-  the worker's own steps and calibration forwards. A draft adds a token, not a sequence: it costs `tn`.
-  Decode on a memory-bound device has tn << t0 (extra tokens are nearly free); on a compute-bound one tn is
-  what limits drafting, while `ts` (attention over each sequence's context, its sampling) grows the step
-  without making drafts any dearer;
+- the cost of a forward over N tokens, `T(N) = t0 + t1 * N`, fitted online from the worker's own steps.
+  Decode on a memory-bound device has t1 << t0 (extra tokens are nearly free); at large batch t1 grows.
+
 - what verifying drafts costs beyond a plain forward over as many tokens, `V(d) = v0 + v1 * d` for d drafts in
   the step: a fixed part (the verification path's bookkeeping, masks, a drafter's own setup) and a part per
   draft (attention of each draft row over its whole context, per-row sampling and checks, a draft model's
@@ -24,11 +22,10 @@ emitted tokens per second of forward time, using two measured quantities:
   looks several times cheaper than it is on a batch with long contexts.
 
 Starting from k = 0 for everyone, draft tokens are granted one at a time to the request with the largest
-marginal gain `a^(k+1)` while that gain per unit of extra cost (`tn + v1` per draft) beats the current
-goodput `sum E / (T(S, S + d) + V(d))`. If the chosen drafts do not beat a plain step once `v0` is paid, none
-are verified. With nothing to copy (no drafts or low acceptance) this grants nothing, so speculation can never
-cost more than the drafting itself; under load the bar rises with the batch's share of per-token work and
-drafts are trimmed.
+marginal gain `a^(k+1)` while that gain per unit of extra cost (`t1 + v1` per draft) beats the current goodput
+`sum E / (T(N) + V(d))`. If the chosen drafts do not beat a plain step once `v0` is paid, none are verified.
+With nothing to copy (no drafts or low acceptance) this grants nothing, so speculation can never cost more than
+the drafting itself; under load the bar rises with `T(N)` and drafts are trimmed.
 """
 
 from __future__ import annotations
@@ -37,11 +34,10 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
-
 ACCEPTANCE_DECAY = 0.8  # per drafting step, the weight of earlier trials in the acceptance estimate
 OVERHEAD_DECAY = 0.98  # per declined step, the fraction of the verification cost estimate kept
-MAX_EXTRA_STEPS = 4.0  # a step's time counts as at most this many plain forwards more than predicted (pauses)
+VERIFY_DECAY = 0.9  # per verifying step, the weight of earlier steps in the verification cost fit
+MAX_EXTRA_STEPS = 4.0  # a step's measured verification cost counts as at most this many plain forwards (spikes)
 PRIOR_DECAY = 0.98  # per verified request, the weight of earlier ones in a method's acceptance prior
 RETRY_DRIFT = 0.02  # per step without drafts, the fraction of the evidence forgotten (back toward the prior)
 
@@ -92,74 +88,47 @@ class AcceptancePriors:
             self._methods.setdefault(method, AcceptanceEstimate()).observe(drafted, accepted, self.decay)
 
 
-FEATURES = 5  # a step's cost is linear in (1, sequences, tokens, verifies, drafts)
-T0, TS, TN, V0, V1 = range(FEATURES)
-
-
 @dataclass
 class StepCostModel:
-    """What a step costs, fitted by least squares on the worker's own steps:
+    """T(N) = t0 + t1 * N seconds for a forward over N tokens: a least-squares fit.
 
-        T(S, N) = t0 + ts * S + tn * N           a forward over S sequences and N tokens
-        V(d)    = v0 + v1 * d                     more, when it verifies d drafts
-
-    Two costs grow differently with a batch. Per sequence (`ts`): reading its context's keys and values,
-    attending over them, sampling its token, the bookkeeping of a request. Per token (`tn`): the matrix
-    products. Drafts add tokens, not sequences, so a draft costs `tn + v1`; a model in N alone charges them
-    the per-sequence cost too, which at batch 32 on the demo model (where attention over the contexts is half
-    of a step) made drafts look several times dearer than they are. `V` is what verifying adds besides the
-    tokens: a fixed part (the verification inputs, masks, a drafter's setup) and a part per draft (each draft
-    row's attention over its whole context, its sampling and checks, a draft model's forwards).
-
-    One fit over all points: anchors, single sequences over a range of N timed once at calibration and never
-    forgotten (N varies while S does not: they tell `tn` apart), and the decode steps run, plain or verifying,
-    weighted by recency (`decay` per step) so the fit follows the machine's current speed. What the points
-    leave undetermined is pinned in turn (`_solve`): no per-sequence cost when S never varies apart from N;
-    a token at `prior_ratio` of the fixed cost when N never varies; a fixed verification cost when draft
-    counts never vary; none when there is nothing to compare verifying steps with.
+    Two kinds of points: anchors, measured once at calibration over a range of N and never forgotten, and the
+    steps actually run, weighted by recency (`decay` per step) so the fit follows the machine's current speed.
+    Decode steps alone all have about the same N and cannot tell the slope; the anchors can. Without anchors
+    or spread, an extra token is assumed to cost `prior_ratio` of a step's fixed cost.
     """
 
     decay: float = 0.95
     prior_ratio: float = 1 / 16
     learning: bool = True  # False: the anchors alone (a fixed cost profile, e.g. for reproducible tests)
-    # Weighted sums of x x^T and x T over the points, x = (1, S, N, verifies, drafts).
-    _anchors: np.ndarray = field(default_factory=lambda: np.zeros((FEATURES, FEATURES + 1)))
-    _recent: np.ndarray = field(default_factory=lambda: np.zeros((FEATURES, FEATURES + 1)))
-    _trust: float = 1.0  # scales V; decays on declined steps, back to 1 on a measured one
-    _fit: np.ndarray | None = None  # the coefficients, dropped by every new point
+    _anchors: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, N, T, N*N, N*T
+    _recent: list[float] = field(default_factory=lambda: [0.0] * 5)
+    _verify: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, d, V, d*d, d*V
+    _trust: float = 1.0  # decays on declined steps, back to 1 on a measured one
 
     @staticmethod
-    def _point(num_sequences: int, num_tokens: int, seconds: float, num_drafts: int | None = None) -> np.ndarray:
-        verifies = num_drafts is not None
-        x = np.array([1.0, num_sequences, num_tokens, float(verifies), num_drafts or 0.0])
-        return np.outer(x, np.append(x, seconds))
+    def _point(num_tokens: float, seconds: float) -> tuple[float, ...]:
+        n = float(num_tokens)
+        return 1.0, n, seconds, n * n, n * seconds
 
     def anchor(self, num_tokens: int, seconds: float) -> None:
-        """A forward over one sequence of `num_tokens` tokens took `seconds`."""
-        self._anchors += self._point(1, num_tokens, seconds)
-        self._fit = None
+        self._anchors = [s + x for s, x in zip(self._anchors, self._point(num_tokens, seconds))]
 
-    def observe(self, num_sequences: int, num_tokens: int, seconds: float) -> None:
-        """A step without drafts over `num_sequences` sequences and `num_tokens` tokens took `seconds`."""
-        self._add(self._point(num_sequences, num_tokens, self._capped(num_sequences, num_tokens, seconds)))
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        if not self.learning:
+            return
+        self._recent = [self.decay * s + x for s, x in zip(self._recent, self._point(num_tokens, seconds))]
 
-    def observe_speculative(self, num_sequences: int, num_tokens: int, seconds: float, num_drafts: int) -> None:
-        """A step that verified `num_drafts` drafts among `num_tokens` tokens took `seconds`."""
-        seconds = self._capped(num_sequences, num_tokens, seconds)
-        self._add(self._point(num_sequences, num_tokens, seconds, num_drafts))
-        if self.learning:
-            self._trust = 1.0
-
-    def _capped(self, num_sequences: int, num_tokens: int, seconds: float) -> float:
-        """A step counts as at most a few plain forwards: a pause must not read as a cost."""
-        if self._fit is None and not (self._anchors[0, 0] or self._recent[0, 0]):
-            return seconds
-        return min(seconds, (1 + MAX_EXTRA_STEPS) * self.predict(num_sequences, num_tokens))
-
-    def _add(self, point: np.ndarray) -> None:
-        if self.learning:
-            self._recent = self.decay * self._recent + point
-            self._fit = None
+    def observe_speculative(self, num_tokens: int, seconds: float, num_drafts: int | None = None) -> None:
+        """A step that verified `num_drafts` drafts among `num_tokens` tokens: what it cost beyond a plain
+        forward over as many tokens (capped at a few plain forwards, so a pause does not read as a cost)."""
+        if not self.learning:
+            return
+        plain = self.predict(num_tokens)
+        extra = min(max(seconds - plain, 0.0), MAX_EXTRA_STEPS * plain)
+        drafts = float(num_drafts if num_drafts is not None else num_tokens)
+        self._verify = [VERIFY_DECAY * s + x for s, x in zip(self._verify, self._point(drafts, extra))]
+        self._trust = 1.0
 
     def declined(self) -> None:
         """A step that could have verified drafts but was judged not worth it. The verification cost is only
@@ -169,90 +138,50 @@ class StepCostModel:
         if self.learning:
             self._trust *= OVERHEAD_DECAY
 
-    def _coefficients(self) -> np.ndarray:
-        if self._fit is None:
-            self._fit = self._solve(self._anchors + self._recent)
-        return self._fit
-
-    def coefficients(self) -> tuple[float, float, float]:
-        """(t0, ts, tn) in seconds."""
-        t0, ts, tn = self._coefficients()[[T0, TS, TN]]
-        return float(t0), float(ts), float(tn)
-
     def verification_cost(self) -> tuple[float, float]:
-        """(v0, v1) in seconds: a verifying step costs `v0 + v1 * d` more than a plain forward over as many
-        sequences and tokens."""
-        v0, v1 = self._coefficients()[[V0, V1]]
-        return self._trust * float(v0), self._trust * float(v1)
+        """(v0, v1): a verifying step costs `v0 + v1 * d` seconds more than a plain forward over as many tokens.
+        Steps whose draft counts barely vary cannot tell the two apart; then it all counts as fixed."""
+        weight, sum_d, sum_v, sum_dd, sum_dv = self._verify
+        if weight == 0:
+            return 0.0, 0.0
+        mean_d, mean_v = sum_d / weight, sum_v / weight
+        variance = sum_dd / weight - mean_d**2
+        v0, v1 = mean_v, 0.0
+        if variance > 0.5:
+            v1 = max((sum_dv / weight - mean_d * mean_v) / variance, 0.0)
+            v0 = max(mean_v - v1 * mean_d, 0.0)
+        return self._trust * v0, self._trust * v1
 
     @property
     def overhead(self) -> float:
         """The fixed part of the verification cost, in seconds."""
         return self.verification_cost()[0]
 
-    @property
-    def token_cost(self) -> float:
-        """`tn`: what one more token in a forward costs, in seconds."""
-        return self.coefficients()[2]
+    def coefficients(self) -> tuple[float, float]:
+        weight, sum_n, sum_t, sum_nn, sum_nt = (a + r for a, r in zip(self._anchors, self._recent))
+        if weight == 0:
+            return 0.02, 0.02 * self.prior_ratio
+        mean_n, mean_t = sum_n / weight, sum_t / weight
+        variance = sum_nn / weight - mean_n**2
+        if variance > 0.25:
+            t1 = max((sum_nt / weight - mean_n * mean_t) / variance, 1e-7)
+            return max(mean_t - t1 * mean_n, 1e-6), t1
+        t0 = mean_t / (1 + self.prior_ratio * mean_n)
+        return t0, t0 * self.prior_ratio
 
-    def predict(self, num_sequences: int, num_tokens: int) -> float:
-        """T(S, N): a plain forward's cost."""
-        t0, ts, tn = self.coefficients()
-        return t0 + ts * num_sequences + tn * num_tokens
-
-    def _solve(self, sums: np.ndarray) -> np.ndarray:
-        gram, moments = sums[:, :FEATURES], sums[:, FEATURES]
-        if gram[T0, T0] == 0:
-            return np.array([0.02, 0.0, 0.02 * self.prior_ratio, 0.0, 0.0])
-        # The coefficients are basis^T z, z fitted on the features basis @ x. Each coefficient the points leave
-        # free is pinned in turn: ts to 0 (the cost that grows with the batch is all the tokens'), tn to
-        # prior_ratio * t0, v1 to 0 (draft counts that never vary: verifying costs a fixed amount), v0 to 0.
-        basis = np.eye(FEATURES)
-        for index in (TS, TN, V1, V0):
-            if not _undetermined(gram, basis, index):
-                continue
-            keep = [row for row in basis if not row[index]]
-            if index == TN:  # t0's row carries tn along
-                keep = [row + self.prior_ratio * np.eye(FEATURES)[TN] if row[T0] else row for row in keep]
-            basis = np.array(keep)
-        z = _least_squares(basis @ gram @ basis.T, basis @ moments)
-        coefficients = basis.T @ z
-        coefficients[TN] = max(coefficients[TN], 1e-7)  # a token is never free
-        return np.maximum(coefficients, 0.0)
-
-
-def _scaled(gram: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The Gram matrix scaled to a unit diagonal (so features as different as 1 and N = 4096 compare), and
-    the scale."""
-    scale = 1.0 / np.sqrt(np.maximum(np.diag(gram), 1e-30))
-    return gram * np.outer(scale, scale), scale
-
-
-def _undetermined(gram: np.ndarray, basis: np.ndarray, index: int) -> bool:
-    """Whether the points leave coefficient `index` free: some direction the fit on `basis @ x` cannot see
-    moves it."""
-    scaled, scale = _scaled(basis @ gram @ basis.T)
-    values, vectors = np.linalg.eigh(scaled)
-    for value, vector in zip(values, vectors.T):
-        if value <= 1e-9 * values.max():
-            move = basis.T @ (scale * vector)
-            if abs(move[index]) > 1e-6 * np.abs(move).max():
-                return True
-    return False
-
-
-def _least_squares(gram: np.ndarray, moments: np.ndarray) -> np.ndarray:
-    scaled, scale = _scaled(gram)
-    return scale * (np.linalg.pinv(scaled, rcond=1e-9) @ (moments * scale))
+    def predict(self, num_tokens: int) -> float:
+        t0, t1 = self.coefficients()
+        return t0 + t1 * num_tokens
 
 
 def drafting_bar(batch_size: int, cost: StepCostModel) -> float:
-    """The acceptance a request needs for even one draft token to raise goodput: `B * (tn + v1) / T(B, B)`.
+    """The acceptance a request needs for even one draft token to raise goodput: `B * (t1 + v1) / T(B)`.
 
     Requests at or below it skip drafting altogether (their estimate drifts back toward the prior, so they
     try again later)."""
-    marginal = cost.token_cost + cost.verification_cost()[1]
-    return batch_size * marginal / cost.predict(batch_size, batch_size)
+    t0, t1 = cost.coefficients()
+    v1 = cost.verification_cost()[1]
+    return batch_size * (t1 + v1) / (t0 + t1 * batch_size)
 
 
 def choose_draft_lengths(
@@ -262,27 +191,28 @@ def choose_draft_lengths(
     if mode == "fixed":
         return list(available)
     v0, v1 = cost.verification_cost()
-    num_sequences = len(available)
-    lengths = [0] * num_sequences
-    plain = cost.predict(num_sequences, num_sequences)
-    marginal = cost.token_cost + v1  # seconds per verified draft
+    lengths = [0] * len(available)
+    num_tokens = len(available)
     num_drafts = 0
-    expected = float(num_sequences)  # every request emits at least its own token
-    heap = [(-acceptance[i], i) for i in range(num_sequences) if available[i] > 0 and acceptance[i] > 0]
+    expected = float(len(available))  # every request emits at least its own token
+    heap = [(-acceptance[i], i) for i in range(len(available)) if available[i] > 0 and acceptance[i] > 0]
     heapq.heapify(heap)
     while heap:
         neg_gain, i = heapq.heappop(heap)
         gain = -neg_gain
         # Grant one more draft token when expected tokens per second improve.
-        before = plain + marginal * num_drafts
-        if (expected + gain) / (before + marginal) <= expected / before:
+        before = cost.predict(num_tokens) + v1 * num_drafts
+        after = cost.predict(num_tokens + 1) + v1 * (num_drafts + 1)
+        if (expected + gain) / after <= expected / before:
             break
         lengths[i] += 1
         expected += gain
+        num_tokens += 1
         num_drafts += 1
         if lengths[i] < available[i]:
             heapq.heappush(heap, (-gain * acceptance[i], i))
     # Verifying anything at all has a fixed cost: draft only when the whole step still beats a plain one.
-    if num_drafts and expected / (plain + marginal * num_drafts + v0) <= num_sequences / plain:
-        return [0] * num_sequences
+    plain = len(available) / cost.predict(len(available))
+    if num_drafts and expected / (cost.predict(num_tokens) + v1 * num_drafts + v0) <= plain:
+        return [0] * len(available)
     return lengths
