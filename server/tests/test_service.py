@@ -34,12 +34,19 @@ def request(rid: int, ids: list[int], blocks: list[int], max_new: int = 4, top_n
     )
 
 
+def in_process_worker(llama_dir, tmp_path, world_size: int = 1) -> tuple:
+    """A generator and the WorkerInfo of a shard serving it on a socket under `tmp_path`."""
+    config = ServerConfig(model_id=str(llama_dir), uds_path=str(tmp_path / "sock"), kv_cache_memory=2**22)
+    generator, _ = load_generator(config, ShardGroup())
+    info = WorkerInfo(str(llama_dir), "", config.torch_device, world_size, (config.uds_url(0),),
+                      config.kv_cache_memory)
+    return generator, info
+
+
 @pytest.fixture
 def stub_factory(llama_dir, tmp_path):
     """Runs the service in-process on a unix socket and yields an async client stub."""
-    config = ServerConfig(model_id=str(llama_dir), uds_path=str(tmp_path / "sock"), kv_cache_memory=2**22)
-    generator, _ = load_generator(config, ShardGroup())
-    info = WorkerInfo(str(llama_dir), "", config.torch_device, 1, (config.uds_url(0),), config.kv_cache_memory)
+    generator, info = in_process_worker(llama_dir, tmp_path)
     fatal: list[BaseException] = []
 
     async def run(body):
@@ -166,10 +173,8 @@ def broken_once(generator):
 
 
 def test_a_fault_in_a_step_fails_that_step_and_a_lone_shard_keeps_serving(llama_dir, tmp_path):
-    config = ServerConfig(model_id=str(llama_dir), uds_path=str(tmp_path / "sock"), kv_cache_memory=2**22)
-    generator, _ = load_generator(config, ShardGroup())
+    generator, info = in_process_worker(llama_dir, tmp_path)
     generator.allocate_kv_cache(64)
-    info = WorkerInfo(str(llama_dir), "", config.torch_device, 1, (config.uds_url(0),), config.kv_cache_memory)
     fatal: list[BaseException] = []
 
     async def generate(stub, batch_id: int, blocks: list[int]) -> list[int]:
@@ -199,9 +204,7 @@ def test_a_fault_in_a_step_fails_that_step_and_a_lone_shard_keeps_serving(llama_
 
 def test_a_fault_in_a_step_stops_a_tensor_parallel_shard(llama_dir, tmp_path):
     """A rank that failed may have left its peers in a collective or a step behind: only a restart is safe."""
-    config = ServerConfig(model_id=str(llama_dir), uds_path=str(tmp_path / "sock"), kv_cache_memory=2**22)
-    generator, _ = load_generator(config, ShardGroup())
-    info = WorkerInfo(str(llama_dir), "", config.torch_device, 2, (config.uds_url(0),), config.kv_cache_memory)
+    generator, info = in_process_worker(llama_dir, tmp_path, world_size=2)
     fatal: list[BaseException] = []
     broken_once(generator)
 
