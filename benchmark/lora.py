@@ -7,8 +7,9 @@ PEFT LoRA adapters (rank 16 on all seven projections by default), then decodes a
 - `mixed`: request i uses adapter i mod N (so a step runs N adapters and the batch has N segments per
   projection), the case LoRAX users report at half the base throughput.
 
-Rounds alternate between the two in one process; reported: median generated tokens/s of the decode steps
-and the ratio mixed / base.
+Rounds alternate between the two in one process, the order swapping each round; reported: median generated
+tokens/s of the decode steps and the median over rounds of each round's mixed / base (a paired ratio, so a
+round in which the machine ran fast or slow counts as one round, not as a shift of either median).
 
     python benchmark/lora.py --adapters 8 --batch 32 --rounds 5 --json benchmark/results/lora.json
 """
@@ -88,11 +89,15 @@ def main() -> None:
             print(json.dumps({"round": r, **{k: round(v[-1], 1) for k, v in samples.items()}}), flush=True)
 
     base, mixed = statistics.median(samples["base"]), statistics.median(samples["mixed"])
+    ratios = [m / b for m, b in zip(samples["mixed"], samples["base"])]
+    ratio = statistics.median(ratios)
     summary = {"adapters": args.adapters, "rank": args.rank, "targets": args.targets, "batch": args.batch,
                "device": args.device, "dtype": dtype, "threads": args.threads, "rounds": args.rounds,
-               "base_tok_s": base, "mixed_tok_s": mixed, "ratio": mixed / base, "samples": samples}
+               "base_tok_s": base, "mixed_tok_s": mixed, "ratio": ratio, "round_ratios": ratios,
+               "samples": samples}
     print(f"batch {args.batch}, {args.adapters} adapters of rank {args.rank} on {len(args.targets)} projections: "
-          f"base {base:.1f} tok/s, mixed {mixed:.1f} tok/s, ratio {mixed / base:.3f}")
+          f"base {base:.1f} tok/s, mixed {mixed:.1f} tok/s, ratio {ratio:.3f} "
+          f"(rounds: {', '.join(f'{x:.2f}' for x in ratios)})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2))
