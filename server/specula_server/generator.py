@@ -252,8 +252,8 @@ class TextGenerator:
         last_hidden = hidden[step.last_rows]
         logits = self.model.compute_logits(last_hidden)  # [num_seqs, vocab]
         forward_done = time.perf_counter_ns()
-        if self.speculation is not None:
-            self.step_cost.observe(step.input_ids.numel(), self.agreed_seconds(forward_done - start))
+        if self.speculation is not None and step.input_ids.numel() == len(batch.requests):  # decode steps only
+            self.step_cost.observe(len(batch.requests), self.agreed_seconds(forward_done - start))
 
         requests = batch.requests
         rows = [SamplingRow(r.spec.sampling, r.history, r.generator) for r in requests]
@@ -348,7 +348,7 @@ class TextGenerator:
                             self._lora(reqs, counts))
         logits = self.model.compute_logits(hidden)  # [sum(counts), vocab]
         forward_done = time.perf_counter_ns()
-        self.step_cost.observe_speculative(sum(counts), self.agreed_seconds(forward_done - start),
+        self.step_cost.observe_speculative(len(reqs), self.agreed_seconds(forward_done - start),
                                           sum(len(d) for d in drafts))
 
         methods = [m if len(d) else "" for m, d in zip(methods, drafts)]

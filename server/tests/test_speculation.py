@@ -298,7 +298,10 @@ def test_the_distribution_test_detects_inexact_acceptance(llama_dir, copy_prompt
 
 
 def fitted(t0: float, t1: float) -> StepCostModel:
+    """Plain steps over 1..8 sequences cost `t0 + t1 * S`, and a token in a calibration forward `t1`."""
     cost = StepCostModel()
+    for n in (1, 4, 16, 64):
+        cost.anchor(n, t0 + t1 * n)
     for n in (1, 2, 4, 8) * 10:
         cost.observe(n, t0 + t1 * n)
     return cost
@@ -339,9 +342,8 @@ def test_acceptance_counts_trials_up_to_the_first_rejection():
 def test_a_fixed_verification_overhead_turns_marginal_drafts_off():
     cost = fitted(0.020, 0.002)
     assert choose_draft_lengths([2, 2], [0.5, 0.5], cost, "adaptive") != [0, 0]
-    cost.observe_speculative(6, cost.predict(6) + 0.05)  # verifying costs 50 ms more than a plain forward
-    for _ in range(30):
-        cost.observe_speculative(6, cost.predict(6) + 0.05)
+    for _ in range(30):  # verifying 4 drafts costs 50 ms more than a plain step over the 2 sequences
+        cost.observe_speculative(2, cost.plain(2) + 0.05, 4)
     assert cost.overhead > 0.04
     assert choose_draft_lengths([2, 2], [0.5, 0.5], cost, "adaptive") == [0, 0]
     assert choose_draft_lengths([4], [0.99], cost, "adaptive") == [4]  # near-certain drafts still pay
@@ -354,7 +356,7 @@ def test_anchors_give_the_slope_that_decode_steps_cannot():
     for _ in range(200):  # many recent steps, all of one size, on a machine 20% slower now
         cost.observe(32, 1.2 * (0.010 + 0.002 * 32))
     t0, t1 = cost.coefficients()
-    assert 0.0015 < t1 < 0.003 and cost.predict(32) > 0.074
+    assert 0.0015 < t1 < 0.003 and cost.plain(32) > 0.074
 
 
 def test_calibration_anchors_the_cost_model(speculative):
@@ -372,18 +374,35 @@ def test_calibration_anchors_the_cost_model(speculative):
 def test_cost_model_fits_the_slope_and_falls_back_to_a_prior():
     t0, t1 = fitted(0.020, 0.001).coefficients()
     assert math.isclose(t1, 0.001, rel_tol=1e-6) and math.isclose(t0, 0.020, rel_tol=1e-6)
-    same_size = StepCostModel()
+    same_size = StepCostModel()  # one batch size, no anchors
     for _ in range(10):
         same_size.observe(1, 0.017)
     t0, t1 = same_size.coefficients()
     assert math.isclose(t0 + t1, 0.017) and math.isclose(t1, t0 * same_size.prior_ratio)
 
 
+def test_a_draft_is_priced_apart_from_a_sequence():
+    """Concurrency 32 on the demo model: a sequence's share of a plain step is several times what a draft adds
+    (attention over its context), so drafts that a per-token price would decline pay."""
+    cost = StepCostModel()
+    for n in (1, 4, 16, 64):
+        cost.anchor(n, 0.004 + 0.0001 * n)
+    for s in range(32, 0, -1):  # a batch draining: plain steps over 32 .. 1 sequences
+        cost.observe(s, 0.004 + 0.0006 * s)
+    for d in (10, 20, 40, 15, 30) * 4:  # verifying d drafts adds 4 ms + 0.13 ms per draft
+        cost.observe_speculative(32, cost.plain(32) + 0.004 + 0.00013 * d, d)
+    v0, per_draft = cost.verification_cost()
+    assert math.isclose(cost.plain(32), 0.0232, rel_tol=1e-6)
+    assert math.isclose(v0, 0.004, rel_tol=1e-6) and math.isclose(per_draft, 0.00013, rel_tol=1e-6)
+    assert all(k > 0 for k in choose_draft_lengths([16] * 32, [0.5] * 32, cost, "adaptive"))
+    assert choose_draft_lengths([16] * 32, [0.2] * 32, cost, "adaptive") == [0] * 32  # v0 is not covered
+
+
 def test_a_spike_in_verification_overhead_does_not_stop_speculation_for_good():
     cost = StepCostModel()
     for n in (1, 4, 16, 64):
         cost.anchor(n, 0.004 + 0.0001 * n)
-    cost.observe_speculative(7, 10.0)  # one step paused for seconds: the overhead estimate jumps
+    cost.observe_speculative(1, 10.0, 6)  # one step paused for seconds: the overhead estimate jumps
     assert choose_draft_lengths([6], [0.85], cost, "adaptive") == [0]
     # Declined steps bring it back until drafting is tried (and measured) again.
     steps = 0

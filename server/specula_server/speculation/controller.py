@@ -11,21 +11,20 @@ emitted tokens per second of forward time, using two measured quantities:
   averaging m / k, matters for copying: a block copied in full after one mismatch is 6 successes, 1 failure
   (a = 0.86), where the ratio average would have had "0 of 6" drag it to 0.4. With k drafts a request emits
   on average `E(k) = 1 + a + a^2 + ... + a^k` tokens (the last one being the target's own token);
-- the cost of a forward over N tokens, `T(N) = t0 + t1 * N`, fitted online from the worker's own steps.
-  Decode on a memory-bound device has t1 << t0 (extra tokens are nearly free); at large batch t1 grows.
-
-- what verifying drafts costs beyond a plain forward over as many tokens, `V(d) = v0 + v1 * d` for d drafts in
-  the step: a fixed part (the verification path's bookkeeping, masks, a drafter's own setup) and a part per
-  draft (attention of each draft row over its whole context, per-row sampling and checks, a draft model's
+- the cost of a plain decode step over S sequences, `P(S) = p0 + p1 * S`, fitted online from the worker's plain
+  decode steps, with the warmup's calibration forwards as the prior;
+- what verifying d drafts adds to a step, `V(d) = v0 + c * d`: a fixed part (the verification inputs and masks,
+  the per-row sampling set-up, a drafter's own setup) and a part per draft (one more row through the matrix
+  products, its attention over a context the step reads anyway, its sampling and checks, a draft model's
   forwards). It is fitted on the steps that verify, by recency-weighted least squares over their draft counts.
-  Calibration forwards are single sequences whose extra tokens are nearly free, so without this term a draft
-  looks several times cheaper than it is on a batch with long contexts.
+  A draft is priced apart from a sequence: at concurrency 32 on the demo model a sequence's share of a plain
+  step is six times what a draft adds (attention over its context is the difference).
 
 Starting from k = 0 for everyone, draft tokens are granted one at a time to the request with the largest
-marginal gain `a^(k+1)` while that gain per unit of extra cost (`t1 + v1` per draft) beats the current goodput
-`sum E / (T(N) + V(d))`. If the chosen drafts do not beat a plain step once `v0` is paid, none are verified.
+marginal gain `a^(k+1)` while that gain per unit of extra cost (`c` per draft) beats the current goodput
+`sum E / (P(S) + c * d)`. If the chosen drafts do not beat a plain step once `v0` is paid, none are verified.
 With nothing to copy (no drafts or low acceptance) this grants nothing, so speculation can never cost more than
-the drafting itself; under load the bar rises with `T(N)` and drafts are trimmed.
+the drafting itself; under load the bar `S * c / P(S)` rises with the batch's share of per-row work and drafts are trimmed.
 """
 
 from __future__ import annotations
@@ -88,46 +87,67 @@ class AcceptancePriors:
             self._methods.setdefault(method, AcceptanceEstimate()).observe(drafted, accepted, self.decay)
 
 
+def _line(sums: Sequence[float], min_variance: float) -> tuple[float, float, float] | None:
+    """(mean x, mean y, slope) of weighted sums (weight, x, y, x*x, x*y); slope NaN when x barely varies."""
+    weight, sum_x, sum_y, sum_xx, sum_xy = sums
+    if weight <= 0:
+        return None
+    mean_x, mean_y = sum_x / weight, sum_y / weight
+    variance = sum_xx / weight - mean_x**2
+    slope = (sum_xy / weight - mean_x * mean_y) / variance if variance > min_variance else float("nan")
+    return mean_x, mean_y, slope
+
+
+def _point(x: float, y: float) -> tuple[float, ...]:
+    return 1.0, float(x), y, float(x) * x, float(x) * y
+
+
 @dataclass
 class StepCostModel:
-    """T(N) = t0 + t1 * N seconds for a forward over N tokens: a least-squares fit.
+    """What decode steps cost, in two parts fitted from the worker's own steps:
 
-    Two kinds of points: anchors, measured once at calibration over a range of N and never forgotten, and the
-    steps actually run, weighted by recency (`decay` per step) so the fit follows the machine's current speed.
-    Decode steps alone all have about the same N and cannot tell the slope; the anchors can. Without anchors
-    or spread, an extra token is assumed to cost `prior_ratio` of a step's fixed cost.
+        P(S)    = p0 + p1 * S        a plain decode step over S sequences (one token each)
+        V(d)    = v0 + c * d         more, when the step verifies d drafts
+
+    A sequence and a draft cost different things. A sequence brings its context's keys and values to read and
+    attend over, its sampling, its bookkeeping; a draft adds one row to the matrix products and one query over
+    a context already read. On the demo model at concurrency 32 a plain step is 24 ms, and verifying adds about
+    4 ms plus 0.13 ms per draft: a draft costs a sixth of what a sequence's share of the step is. A model in
+    tokens alone, `T(N)` with drafts and sequences both counted as tokens, cannot see that difference.
+
+    `P` is a recency-weighted least-squares line over plain decode steps (`decay` per step). When S has not
+    varied lately the slope comes from the anchors (warmup forwards over 1..64 tokens of one sequence, which
+    also stand in for `P` before any decode step). `V` is fitted the same way on the steps that verify, over
+    their excess `seconds - P(S)` (capped at a few plain steps, so a pause does not read as a cost). When draft
+    counts have not varied, `c` is the anchors' cost of a token and the rest of the excess is `v0`; before any
+    verifying step, the same prior with `v0 = 0`.
     """
 
     decay: float = 0.95
     prior_ratio: float = 1 / 16
     learning: bool = True  # False: the anchors alone (a fixed cost profile, e.g. for reproducible tests)
     _anchors: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, N, T, N*N, N*T
-    _recent: list[float] = field(default_factory=lambda: [0.0] * 5)
+    _plain: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, S, T, S*S, S*T
     _verify: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, d, V, d*d, d*V
     _trust: float = 1.0  # decays on declined steps, back to 1 on a measured one
 
-    @staticmethod
-    def _point(num_tokens: float, seconds: float) -> tuple[float, ...]:
-        n = float(num_tokens)
-        return 1.0, n, seconds, n * n, n * seconds
-
     def anchor(self, num_tokens: int, seconds: float) -> None:
-        self._anchors = [s + x for s, x in zip(self._anchors, self._point(num_tokens, seconds))]
+        """A calibration forward over one sequence of `num_tokens` tokens took `seconds`."""
+        self._anchors = [a + x for a, x in zip(self._anchors, _point(num_tokens, seconds))]
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
+    def observe(self, num_sequences: int, seconds: float) -> None:
+        """A plain decode step over `num_sequences` sequences took `seconds`."""
+        if self.learning:
+            cap = (1 + MAX_EXTRA_STEPS) * self.plain(num_sequences) if self._plain[0] else seconds
+            self._plain = [self.decay * a + x for a, x in zip(self._plain, _point(num_sequences, min(seconds, cap)))]
+
+    def observe_speculative(self, num_sequences: int, seconds: float, num_drafts: int) -> None:
+        """A decode step over `num_sequences` sequences that verified `num_drafts` drafts took `seconds`."""
         if not self.learning:
             return
-        self._recent = [self.decay * s + x for s, x in zip(self._recent, self._point(num_tokens, seconds))]
-
-    def observe_speculative(self, num_tokens: int, seconds: float, num_drafts: int | None = None) -> None:
-        """A step that verified `num_drafts` drafts among `num_tokens` tokens: what it cost beyond a plain
-        forward over as many tokens (capped at a few plain forwards, so a pause does not read as a cost)."""
-        if not self.learning:
-            return
-        plain = self.predict(num_tokens)
+        plain = self.plain(num_sequences)
         extra = min(max(seconds - plain, 0.0), MAX_EXTRA_STEPS * plain)
-        drafts = float(num_drafts if num_drafts is not None else num_tokens)
-        self._verify = [VERIFY_DECAY * s + x for s, x in zip(self._verify, self._point(drafts, extra))]
+        self._verify = [VERIFY_DECAY * a + x for a, x in zip(self._verify, _point(num_drafts, extra))]
         self._trust = 1.0
 
     def declined(self) -> None:
@@ -138,50 +158,61 @@ class StepCostModel:
         if self.learning:
             self._trust *= OVERHEAD_DECAY
 
+    def token_cost(self) -> float:
+        """The anchors' cost of one more token in a forward: the prior for a draft's cost, and the slope of `P`
+        while S has not varied. Without anchors that vary, a token costs `prior_ratio` of a forward's fixed
+        cost."""
+        line = _line(self._anchors, 0.25)
+        if line is not None and line[2] == line[2]:  # a slope (not NaN)
+            return max(line[2], 1e-7)
+        line = line or _line(self._plain, float("inf"))
+        if line is None:
+            return 0.02 * self.prior_ratio
+        mean_n, mean_t, _ = line
+        return mean_t / (1 + self.prior_ratio * mean_n) * self.prior_ratio
+
+    def coefficients(self) -> tuple[float, float]:
+        """(p0, p1): a plain decode step over S sequences costs `p0 + p1 * S` seconds."""
+        line = _line(self._plain, 0.25)
+        if line is None:  # no decode step yet: one sequence of S tokens stands in for S sequences
+            line = _line(self._anchors, 0.25)
+            if line is None:
+                return 0.02, 0.02 * self.prior_ratio
+        mean_s, mean_t, slope = line
+        slope = max(slope if slope == slope else self.token_cost(), 1e-7)  # NaN: S has not varied
+        return max(mean_t - slope * mean_s, 1e-6), slope
+
+    def plain(self, num_sequences: int) -> float:
+        """P(S), in seconds."""
+        p0, p1 = self.coefficients()
+        return p0 + p1 * num_sequences
+
     def verification_cost(self) -> tuple[float, float]:
-        """(v0, v1): a verifying step costs `v0 + v1 * d` seconds more than a plain forward over as many tokens.
-        Steps whose draft counts barely vary cannot tell the two apart; then it all counts as fixed."""
-        weight, sum_d, sum_v, sum_dd, sum_dv = self._verify
-        if weight == 0:
-            return 0.0, 0.0
-        mean_d, mean_v = sum_d / weight, sum_v / weight
-        variance = sum_dd / weight - mean_d**2
-        v0, v1 = mean_v, 0.0
-        if variance > 0.5:
-            v1 = max((sum_dv / weight - mean_d * mean_v) / variance, 0.0)
-            v0 = max(mean_v - v1 * mean_d, 0.0)
-        return self._trust * v0, self._trust * v1
+        """(v0, c): verifying d drafts costs `v0 + c * d` seconds more than a plain step over the sequences.
+
+        Declined steps scale `v0` and the part of `c` above the prior down (`_trust`), so an estimate that went
+        too high is measured again later rather than switching speculation off for good."""
+        prior = self.token_cost()
+        line = _line(self._verify, 0.5)
+        if line is None:
+            return 0.0, prior
+        mean_d, mean_v, slope = line
+        c = max(slope, 0.0) if slope == slope else prior
+        v0 = max(mean_v - c * mean_d, 0.0)
+        return self._trust * v0, min(c, prior) + self._trust * max(c - prior, 0.0)
 
     @property
     def overhead(self) -> float:
         """The fixed part of the verification cost, in seconds."""
         return self.verification_cost()[0]
 
-    def coefficients(self) -> tuple[float, float]:
-        weight, sum_n, sum_t, sum_nn, sum_nt = (a + r for a, r in zip(self._anchors, self._recent))
-        if weight == 0:
-            return 0.02, 0.02 * self.prior_ratio
-        mean_n, mean_t = sum_n / weight, sum_t / weight
-        variance = sum_nn / weight - mean_n**2
-        if variance > 0.25:
-            t1 = max((sum_nt / weight - mean_n * mean_t) / variance, 1e-7)
-            return max(mean_t - t1 * mean_n, 1e-6), t1
-        t0 = mean_t / (1 + self.prior_ratio * mean_n)
-        return t0, t0 * self.prior_ratio
-
-    def predict(self, num_tokens: int) -> float:
-        t0, t1 = self.coefficients()
-        return t0 + t1 * num_tokens
-
 
 def drafting_bar(batch_size: int, cost: StepCostModel) -> float:
-    """The acceptance a request needs for even one draft token to raise goodput: `B * (t1 + v1) / T(B)`.
+    """The acceptance a request needs for even one draft token to raise goodput: `S * c / P(S)`.
 
     Requests at or below it skip drafting altogether (their estimate drifts back toward the prior, so they
     try again later)."""
-    t0, t1 = cost.coefficients()
-    v1 = cost.verification_cost()[1]
-    return batch_size * (t1 + v1) / (t0 + t1 * batch_size)
+    return batch_size * cost.verification_cost()[1] / cost.plain(batch_size)
 
 
 def choose_draft_lengths(
@@ -190,29 +221,27 @@ def choose_draft_lengths(
     """Draft tokens each request verifies; `available[i]` is how many its drafter proposed (already capped)."""
     if mode == "fixed":
         return list(available)
-    v0, v1 = cost.verification_cost()
-    lengths = [0] * len(available)
-    num_tokens = len(available)
+    v0, per_draft = cost.verification_cost()
+    num_sequences = len(available)
+    lengths = [0] * num_sequences
+    plain = cost.plain(num_sequences)
     num_drafts = 0
-    expected = float(len(available))  # every request emits at least its own token
-    heap = [(-acceptance[i], i) for i in range(len(available)) if available[i] > 0 and acceptance[i] > 0]
+    expected = float(num_sequences)  # every request emits at least its own token
+    heap = [(-acceptance[i], i) for i in range(num_sequences) if available[i] > 0 and acceptance[i] > 0]
     heapq.heapify(heap)
     while heap:
         neg_gain, i = heapq.heappop(heap)
         gain = -neg_gain
         # Grant one more draft token when expected tokens per second improve.
-        before = cost.predict(num_tokens) + v1 * num_drafts
-        after = cost.predict(num_tokens + 1) + v1 * (num_drafts + 1)
-        if (expected + gain) / after <= expected / before:
+        before = plain + per_draft * num_drafts
+        if (expected + gain) / (before + per_draft) <= expected / before:
             break
         lengths[i] += 1
         expected += gain
-        num_tokens += 1
         num_drafts += 1
         if lengths[i] < available[i]:
             heapq.heappush(heap, (-gain * acceptance[i], i))
     # Verifying anything at all has a fixed cost: draft only when the whole step still beats a plain one.
-    plain = len(available) / cost.predict(len(available))
-    if num_drafts and expected / (cost.predict(num_tokens) + v1 * num_drafts + v0) <= plain:
-        return [0] * len(available)
+    if num_drafts and expected / (plain + per_draft * num_drafts + v0) <= num_sequences / plain:
+        return [0] * num_sequences
     return lengths
