@@ -31,7 +31,7 @@ from specula_server.models.llama import LlamaForCausalLM
 from specula_server.request import RequestSpec, RequestState, StepOutput, TokenInfo
 from specula_server.sampling import Sampler, SamplingRow
 from specula_server.speculation.controller import (
-    AcceptancePriors, StepCostModel, choose_draft_lengths, drafting_bar,
+    AcceptancePriors, StepCostModel, choose_draft_lengths, drafting_bar, proposal_backoff,
 )
 from specula_server.speculation.draft_model import DraftModelDrafter
 from specula_server.speculation.drafters import Draft, Drafter
@@ -98,6 +98,8 @@ class TextGenerator:
         self.speculation = speculation if speculation is not None and speculation.max_tokens > 0 else None
         self.step_cost = StepCostModel()
         self.acceptance_priors = AcceptancePriors()
+        self._declined_in_a_row = 0  # adaptive: steps whose drafts were all declined, since one verified
+        self._steps_without_proposals = 0  # adaptive: plain steps left before drafts are proposed again
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.special_ids = frozenset(
@@ -190,6 +192,7 @@ class TextGenerator:
             raise InvalidRequestError("request ids within a batch must be unique")
         start = time.perf_counter_ns()
         requests = [self._admit(spec) for spec in specs]
+        self._declined_in_a_row = self._steps_without_proposals = 0  # new requests may have drafts that pay
         step = build_step(requests, [0] * len(requests), [r.prompt_len for r in requests], self.device)
         return self._run(Batch(batch_id, requests), step, start, with_prefill_logprobs=True)
 
@@ -318,6 +321,10 @@ class TextGenerator:
         assert self.speculation is not None and self.kv_cache is not None
         reqs = batch.requests
         adaptive = self.speculation.mode == "adaptive"
+        if adaptive and self._steps_without_proposals > 0:
+            self._steps_without_proposals -= 1
+            self.step_cost.declined()
+            return self._plain_step(batch, start)
         drafter = self.speculation.drafter
         methods = [drafter.method_for(r) for r in reqs]
         acceptance = [r.acceptance.estimate(self.acceptance_priors.value(m)) for r, m in zip(reqs, methods)]
@@ -333,7 +340,10 @@ class TextGenerator:
         if not any(lengths):  # nothing worth verifying: a plain step, at a plain step's cost
             if any(p.available for p in proposals):
                 self.step_cost.declined()
+                self._declined_in_a_row += 1
+                self._steps_without_proposals = proposal_backoff(self._declined_in_a_row)
             return self._plain_step(batch, start)
+        self._declined_in_a_row = 0
         try:
             drafts = self._draft_pending(reqs, [p.truncated(k) for p, k in zip(proposals, lengths)])
         except Exception:

@@ -12,7 +12,7 @@ from specula_server.params import FinishReason, SamplingParams
 from specula_server.speculation.controller import (
     AcceptanceEstimate, StepCostModel, choose_draft_lengths, drafting_bar,
 )
-from specula_server.speculation.drafters import PromptLookupDrafter
+from specula_server.speculation.drafters import Draft, PromptLookupDrafter
 from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
 
 # Prompts with repetition, so prompt lookup finds drafts; the random model also tends to loop, which it copies.
@@ -410,3 +410,28 @@ def test_a_spike_in_verification_overhead_does_not_stop_speculation_for_good():
         cost.declined()
         steps += 1
     assert 0 < steps < 200
+
+
+def test_repeated_declines_back_off_proposing_drafts(llama_dir, plain):
+    """Steps whose drafts are all declined propose less and less often (1 in 1, 2, 4, then 8 steps), and the
+    output stays the output without speculation."""
+    spec = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="adaptive")
+    cost = StepCostModel()
+    for n in (1, 4, 16, 64):
+        cost.anchor(n, 0.004 + 0.0001 * n)
+    cost.observe_speculative(1, 10.0, 4)  # verifying costs four plain steps: 4 drafts can never pay for it
+    cost.learning = False  # and stays so
+    spec.step_cost = cost
+    proposals = []
+
+    def propose(reqs, caps):  # drafts every time it is asked
+        proposals.append(caps[0])
+        return [Draft(torch.full((cap,), 7)) for cap in caps]
+
+    spec.speculation.drafter.propose = propose
+    prompt = PROMPTS[0]
+    outputs = run(spec, prompt, max_new_tokens=24)
+    assert token_ids(outputs) == token_ids(run(plain, prompt, max_new_tokens=24))
+    assert all(o.num_drafted == 0 for o in outputs)
+    assert 3 <= len(proposals) <= 6, proposals  # 23 decode steps; without the back-off, 23 proposals
+    assert all(cap > 0 for cap in proposals)  # every proposal had drafts to offer, all declined

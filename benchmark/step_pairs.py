@@ -1,0 +1,112 @@
+"""Speculation off vs adaptive, decode step by decode step: is adaptive speculation ever slower?
+
+`speculation.py` times whole batches, which on a shared 2-core VM drift by tens of percent within minutes;
+with nothing to copy the difference to measure is a few percent. Here every setting holds the same batch
+(same prompts, same sampling seeds) and the settings run one decode step each in turn, the order reversing
+every step, so two consecutive steps of different settings see the same machine. Reported per concurrency:
+
+- `step_time`: the median over steps of (adaptive step time / off step time, the neighbouring step);
+- `tokens_per_step`: adaptive's emitted tokens per request per step over off's (1.0 when nothing is accepted);
+- `throughput`: their quotient, adaptive's tokens/s over off's;
+- the same for a second, identical `off` generator (`off2`): what the method reads when nothing differs.
+
+    python benchmark/step_pairs.py --workload novel --concurrency 1 4 16 32 64 --repeats 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import speculation as bench  # noqa: E402  (puts the repo's packages on the path)
+
+import torch  # noqa: E402
+
+from specula_server.params import SamplingParams  # noqa: E402
+from specula_server.testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
+from specula_server.warmup import calibrate_step_cost  # noqa: E402
+
+
+def measure(generators: dict, requests: list[dict], repeats: int, new_tokens: int, lookahead: int) -> dict:
+    times: dict[str, list[float]] = {name: [] for name in generators}
+    tokens = {name: 0 for name in generators}
+    names = list(generators)
+    for rep in range(repeats):
+        for g in generators.values():
+            pool = BlockPool(g.kv_cache.num_blocks, g.block_size)
+            specs = [make_spec(i, r["ids"], pool, max_new_tokens=new_tokens, ignore_eos_token=True,
+                               sampling=SamplingParams() if r["greedy"] else
+                               SamplingParams(do_sample=True, seed=1000 * rep + i), lookahead=lookahead)
+                     for i, r in enumerate(requests)]
+            g.prefill(0, specs)
+        for step in range(new_tokens - 1):
+            order = names if step % 2 == 0 else names[::-1]
+            step_times, step_tokens = {}, {}
+            for name in order:
+                start = time.perf_counter()
+                result = generators[name].decode([0])
+                step_times[name] = time.perf_counter() - start
+                step_tokens[name] = sum(len(o.tokens) for o in result.outputs)
+            if any(generators[name].batches.get(0) is None for name in names):
+                break  # a setting finished (it emitted several tokens per step): only full steps compare
+            for name in names:
+                times[name].append(step_times[name])
+                tokens[name] += step_tokens[name]
+        for g in generators.values():
+            g.clear()
+    row = {}
+    for name in names[1:]:
+        step_time = statistics.median(a / b for a, b in zip(times[name], times["off"]))
+        per_step = tokens[name] / tokens["off"]
+        row[name] = {"step_time": step_time, "tokens_per_step": per_step, "throughput": per_step / step_time,
+                     "steps": len(times[name])}
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", type=Path, default=bench.DEMO_MODEL)
+    parser.add_argument("--workload", default="novel", choices=["copy", "novel", "repetitive"])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64])
+    parser.add_argument("--repeats", type=int, default=4, help="batches per concurrency (each a new batch)")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (repetitive)")
+    parser.add_argument("--speculative-tokens", type=int, default=16)
+    bench.add_run_arguments(parser)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    requests = bench.workload_requests(args.workload, args.model_dir, max(args.concurrency), args)
+    longest = max(len(r["ids"]) for r in requests) + args.new_tokens + args.speculative_tokens + 1
+    blocks = max(args.concurrency) * -(-longest // 16) + 8
+    configs = {"off": {}, "off2": {}, "adaptive": bench.settings(args.speculative_tokens)["adaptive"]}
+    generators = {name: load_test_generator(args.model_dir, num_blocks=blocks, dtype=dtype, device=args.device, **s)
+                  for name, s in configs.items()}
+    for g in generators.values():
+        calibrate_step_cost(g)
+    results = []
+    for c in args.concurrency:
+        row = {"workload": args.workload, "concurrency": c,
+               **measure(generators, requests[:c], args.repeats, args.new_tokens, args.speculative_tokens + 1)}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    print("| concurrency | adaptive / off: step time | tokens per step | throughput | off2 / off: throughput |")
+    print("|---|---|---|---|---|")
+    for row in results:
+        a, o = row["adaptive"], row["off2"]
+        print(f"| {row['concurrency']} | {a['step_time']:.3f} | {a['tokens_per_step']:.3f} | {a['throughput']:.3f}x "
+              f"| {o['throughput']:.3f}x |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"settings": vars(args) | {"model_dir": str(args.model_dir),
+                                                                   "json": str(args.json)},
+                                         "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
