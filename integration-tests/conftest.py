@@ -43,7 +43,7 @@ def model_dir(tmp_path_factory) -> Path:
                             max_position_embeddings=MAX_POSITIONS)
 
 
-def _start(model_dir: Path, work_dir: Path, args: list[str], name: str) -> LauncherProcess:
+def _start(model_dir: Path | None, work_dir: Path, args: list[str], name: str) -> LauncherProcess:
     launcher = LauncherProcess(model_dir, work_dir, args, name).start()
     try:
         launcher.wait_healthy()

@@ -58,16 +58,19 @@ def source_env() -> dict[str, str]:
 
 
 class LauncherProcess:
-    """One `specula-launcher` subprocess serving `model_dir` on 127.0.0.1 with the given extra flags."""
+    """One `specula-launcher` subprocess serving `model_dir` on 127.0.0.1 with the given extra flags (no
+    `--model-id` when `model_dir` is None: the launcher's default, the bundled demo model)."""
 
-    def __init__(self, model_dir: Path, work_dir: Path, extra_args: Sequence[str] = (), name: str = "launcher"):
+    def __init__(self, model_dir: Path | None, work_dir: Path, extra_args: Sequence[str] = (),
+                 name: str = "launcher"):
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         work_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = work_dir / f"{name}.log"
         self.argv = [
-            sys.executable, "-m", "specula_launcher.cli", "--model-id", str(model_dir),
+            sys.executable, "-m", "specula_launcher.cli",
+            *(["--model-id", str(model_dir)] if model_dir is not None else []),
             "--port", str(self.port), "--hostname", "127.0.0.1", "--shard-uds-path", str(work_dir / "shard"),
             "--master-port", str(free_port()), "--kv-cache-memory", "64MiB",
             "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), *extra_args,

@@ -1,4 +1,4 @@
-"""The launcher end to end: tensor parallelism, a dying shard, and a graceful SIGTERM.
+"""The launcher end to end: the demo model by default, tensor parallelism, a dying shard, and a graceful SIGTERM.
 
 Process model under test (TGI's): the launcher starts one shard per rank and the router; if any child dies it
 stops the others and exits non-zero naming the child; on SIGTERM it stops the router first, which finishes the
@@ -118,3 +118,33 @@ def test_sigterm_finishes_requests_in_flight_then_exits_0(launch):
                what="every child to be gone")
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{launcher.url}/health", timeout=5)
+
+
+def test_without_a_model_id_the_launcher_serves_the_bundled_demo_model(tmp_path):
+    """`specula-launcher` with no --model-id serves the demo model: /info names it, and a greedy request gets
+    the tokens transformers generates from the bundled weights."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer
+
+    from specula_launcher.config import DEMO_MODEL_DIR
+    from stack import LauncherProcess
+
+    launcher = LauncherProcess(None, tmp_path / "demo", name="demo").start()
+    try:
+        launcher.wait_healthy()
+        info = httpx.get(f"{launcher.url}/info", timeout=REQUEST_TIMEOUT_S).json()
+        assert info["model_id"] == str(DEMO_MODEL_DIR), info
+        prompt = "def add(a, b):\n    return"
+        served = details(launcher.url, prompt, max_new_tokens=12, decoder_input_details=False)
+        assert "--model-id" not in launcher.argv
+    finally:
+        code = launcher.terminate()
+        launcher.close()
+    assert code == 0, launcher.output()
+
+    ids = Tokenizer.from_file(str(DEMO_MODEL_DIR / "tokenizer.json")).encode(prompt).ids
+    model = transformers.AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
+    expected = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    got = [t["id"] for t in served["details"]["tokens"]]
+    assert got == expected[: len(got)] and len(got) >= 1, (got, expected)
