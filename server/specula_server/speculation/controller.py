@@ -24,7 +24,8 @@ Starting from k = 0 for everyone, draft tokens are granted one at a time to the 
 marginal gain `a^(k+1)` while that gain per unit of extra cost (`c` per draft) beats the current goodput
 `sum E / (P(S) + c * d)`. If the chosen drafts do not beat a plain step once `v0` is paid, none are verified.
 With nothing to copy (no drafts or low acceptance) this grants nothing, so speculation can never cost more than
-the drafting itself; under load the bar `S * c / P(S)` rises with the batch's share of per-row work and drafts are trimmed.
+the drafting itself; under load the bar `S * c / P(S)` rises with the batch's share of per-row work and drafts
+are trimmed. After repeated declines, drafts are proposed less often (`proposal_backoff`).
 """
 
 from __future__ import annotations
