@@ -78,16 +78,23 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path)
 
 
+def batch_specs(generator, requests: list[dict], seed: int, lookahead: int,
+                max_new_tokens: int | None = None) -> list:
+    """One batch's request specs on fresh KV blocks: request i samples with seed `seed + i` (unless greedy);
+    `max_new_tokens`, when given, replaces each request's own and makes every request ignore EOS."""
+    pool = BlockPool(generator.kv_cache.num_blocks, generator.block_size)
+    return [make_spec(i, r["ids"], pool, lookahead=lookahead,
+                      sampling=SamplingParams() if r["greedy"] else SamplingParams(do_sample=True, seed=seed + i),
+                      max_new_tokens=max_new_tokens or r["max_new_tokens"],
+                      ignore_eos_token=max_new_tokens is not None or not r["eos"])
+            for i, r in enumerate(requests)]
+
+
 def run_requests(generator, requests: list[dict], concurrency: int, seed: int, lookahead: int):
     """Runs `requests` in batches of `concurrency`; returns seconds, generated tokens, per-request decode steps."""
     seconds = tokens = steps = 0
     for first in range(0, len(requests), concurrency):
-        pool = BlockPool(generator.kv_cache.num_blocks, generator.block_size)
-        specs = []
-        for i, r in enumerate(requests[first : first + concurrency]):
-            sampling = SamplingParams() if r["greedy"] else SamplingParams(do_sample=True, seed=seed + first + i)
-            specs.append(make_spec(i, r["ids"], pool, max_new_tokens=r["max_new_tokens"], sampling=sampling,
-                                   ignore_eos_token=not r["eos"], lookahead=lookahead))
+        specs = batch_specs(generator, requests[first : first + concurrency], seed + first, lookahead)
         start = time.perf_counter()
         result = generator.prefill(0, specs)
         tokens += sum(len(o.tokens) for o in result.outputs)

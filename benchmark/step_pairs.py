@@ -27,8 +27,7 @@ import speculation as bench  # noqa: E402  (puts the repo's packages on the path
 
 import torch  # noqa: E402
 
-from specula_server.params import SamplingParams  # noqa: E402
-from specula_server.testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
+from specula_server.testing.worker import load_test_generator  # noqa: E402
 from specula_server.warmup import calibrate_step_cost  # noqa: E402
 
 
@@ -38,12 +37,7 @@ def measure(generators: dict, requests: list[dict], repeats: int, new_tokens: in
     names = list(generators)
     for rep in range(repeats):
         for g in generators.values():
-            pool = BlockPool(g.kv_cache.num_blocks, g.block_size)
-            specs = [make_spec(i, r["ids"], pool, max_new_tokens=new_tokens, ignore_eos_token=True,
-                               sampling=SamplingParams() if r["greedy"] else
-                               SamplingParams(do_sample=True, seed=1000 * rep + i), lookahead=lookahead)
-                     for i, r in enumerate(requests)]
-            g.prefill(0, specs)
+            g.prefill(0, bench.batch_specs(g, requests, 1000 * rep, lookahead, max_new_tokens=new_tokens))
         for step in range(new_tokens - 1):
             order = names if step % 2 == 0 else names[::-1]
             step_times, step_tokens = {}, {}

@@ -13,7 +13,12 @@ import signal
 
 import httpx
 import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer
 
+from specula_launcher.config import DEMO_MODEL_DIR
+from stack import LauncherProcess
 from wire import REQUEST_TIMEOUT_S, generate, metric, sse_events, wait_until
 
 PROMPTS = ["The quick brown fox", "héllo wörld, 漢字", "def main():\n    return"]
@@ -123,13 +128,6 @@ def test_sigterm_finishes_requests_in_flight_then_exits_0(launch):
 def test_without_a_model_id_the_launcher_serves_the_bundled_demo_model(tmp_path):
     """`specula-launcher` with no --model-id serves the demo model: /info names it, and a greedy request gets
     the tokens transformers generates from the bundled weights."""
-    import torch
-    import transformers
-    from tokenizers import Tokenizer
-
-    from specula_launcher.config import DEMO_MODEL_DIR
-    from stack import LauncherProcess
-
     launcher = LauncherProcess(None, tmp_path / "demo", name="demo").start()
     try:
         launcher.wait_healthy()

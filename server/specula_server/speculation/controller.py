@@ -167,7 +167,7 @@ class StepCostModel:
         line = _line(self._anchors, 0.25)
         if line is not None and line[2] == line[2]:  # a slope (not NaN)
             return max(line[2], 1e-7)
-        line = line or _line(self._plain, float("inf"))
+        line = line or _line(self._plain, float("inf"))  # the plain steps' means (no slope)
         if line is None:
             return 0.02 * self.prior_ratio
         mean_n, mean_t, _ = line
