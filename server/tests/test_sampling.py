@@ -15,7 +15,7 @@ from transformers.generation.logits_process import (
 )
 
 from specula_server.params import SamplingParams
-from specula_server.sampling import Sampler, SamplingRow
+from specula_server.sampling import Sampler, SamplingRow, draw_by_inverse_cdf
 
 VOCAB = 64
 
@@ -252,3 +252,16 @@ def test_sample_frequencies_match_the_processed_distribution(settings: dict) -> 
     # this deterministic, the margin only guards against an unlucky seed choice.
     assert chi_square(counts[kept], probs[kept]) < 30.0
     torch.testing.assert_close(result.logprobs, probs.log()[result.token_ids])
+
+
+def test_inverse_cdf_draw_never_picks_a_zero_probability_token_at_either_end_of_the_unit_interval() -> None:
+    # Filtered tokens (-inf) first, between and last: u = 0 must land on the first kept token, the largest
+    # u below 1 on the last kept one, whatever rounding u * total does.
+    logprobs = torch.log(torch.tensor([[0.0, 0.3, 0.0, 0.0, 0.7, 0.0]] * 3))
+    largest_below_one = torch.nextafter(torch.tensor(1.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64))
+    uniform = torch.stack([torch.tensor(0.0, dtype=torch.float64), torch.tensor(0.31, dtype=torch.float64),
+                           largest_below_one])
+    assert draw_by_inverse_cdf(logprobs, uniform).tolist() == [1, 4, 4]
+    # Unnormalised log-masses (a residual distribution) split [0, 1) in proportion.
+    residual = torch.log(torch.tensor([[2.0, 6.0]] * 2))
+    assert draw_by_inverse_cdf(residual, torch.tensor([0.24, 0.26], dtype=torch.float64)).tolist() == [0, 1]
