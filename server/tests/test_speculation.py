@@ -412,6 +412,30 @@ def test_a_spike_in_verification_overhead_does_not_stop_speculation_for_good():
     assert 0 < steps < 200
 
 
+def test_anchors_timed_on_a_slower_machine_do_not_keep_copying_requests_from_drafting():
+    """Calibration forwards timed while the machine was 5x slower: a borrowed per-token slope steeper than
+    the plain steps allow, and a per-draft prior that puts the bar above any request. Declines wear the
+    prior down until drafts are tried; once measured, the measurement bounds it."""
+    cost = StepCostModel()
+    for n in (1, 4, 16, 64):
+        cost.anchor(n, 5 * (0.0035 + 0.00018 * n))
+    for _ in range(20):  # the batch holds 32 sequences, plain steps take 24 ms
+        cost.observe(32, 0.024)
+    assert math.isclose(cost.plain(32), 0.024, rel_tol=1e-6)  # the line goes through what was measured
+    copying = 0.8
+    assert drafting_bar(32, cost) > copying
+    steps = 0
+    while drafting_bar(32, cost) > copying:
+        cost.declined()
+        steps += 1
+    assert 0 < steps < 100
+    for _ in range(4):  # verifying 16 drafts adds 2 ms + 0.13 ms per draft, every time 16
+        cost.observe_speculative(32, cost.plain(32) + 0.002 + 0.00013 * 16, 16)
+    _, per_draft = cost.verification_cost()
+    assert per_draft <= (0.002 + 0.00013 * 16) / 16 + 1e-9  # at most the measured excess per draft
+    assert drafting_bar(32, cost) < 0.4
+
+
 def test_repeated_declines_back_off_proposing_drafts(llama_dir, plain):
     """Steps whose drafts are all declined propose less and less often (1 in 1, 2, 4, then 8 steps), and the
     output stays the output without speculation."""

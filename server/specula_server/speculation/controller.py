@@ -182,7 +182,10 @@ class StepCostModel:
                 return 0.02, 0.02 * self.prior_ratio
         mean_s, mean_t, slope = line
         slope = max(slope if slope == slope else self.token_cost(), 1e-7)  # NaN: S has not varied
-        return max(mean_t - slope * mean_s, 1e-6), slope
+        # The line passes through the steps' mean: a borrowed slope too steep for it (anchors timed while the
+        # machine was slower) is cut so the intercept stays positive, not the intercept raised above the data.
+        slope = min(slope, 0.999 * mean_t / max(mean_s, 1e-9))
+        return mean_t - slope * mean_s, slope
 
     def plain(self, num_sequences: int) -> float:
         """P(S), in seconds."""
@@ -192,14 +195,17 @@ class StepCostModel:
     def verification_cost(self) -> tuple[float, float]:
         """(v0, c): verifying d drafts costs `v0 + c * d` seconds more than a plain step over the sequences.
 
-        Declined steps scale `v0` and the part of `c` above the prior down (`_trust`), so an estimate that went
-        too high is measured again later rather than switching speculation off for good."""
+        Declined steps scale `v0` and the part of `c` above the prior down (`_trust`), and the prior itself while
+        no verifying step has been measured, so an estimate that went too high is measured again later rather
+        than switching speculation off for good."""
         prior = self.token_cost()
         line = _line(self._verify, 0.5)
-        if line is None:
-            return 0.0, prior
+        if line is None:  # nothing measured yet: the prior, worn down by declines until drafts are tried
+            return 0.0, self._trust * prior
         mean_d, mean_v, slope = line
-        c = max(slope, 0.0) if slope == slope else prior
+        # Draft counts that did not vary give no slope: the prior, but never more per draft than the measured
+        # excess itself (anchors timed on a slower machine would otherwise keep the bar above every request).
+        c = max(slope, 0.0) if slope == slope else min(prior, mean_v / max(mean_d, 1.0))
         v0 = max(mean_v - c * mean_d, 0.0)
         return self._trust * v0, min(c, prior) + self._trust * max(c - prior, 0.0)
 
