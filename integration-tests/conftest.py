@@ -18,22 +18,18 @@ small script with it and read the JSON it prints.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from stack import MAX_BATCH_SIZE, MAX_POSITIONS, PAYLOAD_LIMIT, REPO_ROOT, LauncherProcess
+from stack import MAX_BATCH_SIZE, MAX_POSITIONS, PAYLOAD_LIMIT, LauncherProcess
+from specula_server.testing import clients
 from specula_server.testing.models import build_tiny_model
 
-CLIENTS_VENV = REPO_ROOT / ".venv-clients"
-CLIENTS_REQUIREMENTS = REPO_ROOT / "integration-tests" / "requirements-clients.txt"
 CLIENT_SCRIPT_TIMEOUT_S = 120
-PIP_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="session")
@@ -109,40 +105,13 @@ def launch(model_dir, tmp_path) -> Iterator[Callable[..., LauncherProcess]]:
 # --- the published clients -----------------------------------------------------------------------------------
 
 
-def _clients_importable(python: str) -> bool:
-    check = "import text_generation, lorax; print('ok')"
-    r = subprocess.run([python, "-c", check], capture_output=True, text=True, timeout=60, env=_clients_env())
-    return r.returncode == 0 and r.stdout.strip() == "ok"
-
-
-def _clients_env() -> dict[str, str]:
-    """The environment without our PYTHONPATH: the clients must not see the server's packages."""
-    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-
-
-def _run_setup(argv: list[str]) -> None:
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, env=_clients_env())
-    if r.returncode != 0:
-        pytest.fail(f"setting up the clients' virtualenv failed: {' '.join(argv)}\n{r.stdout[-3000:]}\n"
-                    f"{r.stderr[-3000:]}\nSet SPECULA_CLIENTS_PYTHON to an interpreter that has "
-                    f"{CLIENTS_REQUIREMENTS.name} installed to skip this step.")
-
-
 @pytest.fixture(scope="session")
 def clients_python() -> str:
     """An interpreter that imports the published `text_generation` and `lorax` clients."""
-    override = os.environ.get("SPECULA_CLIENTS_PYTHON")
-    if override:
-        assert _clients_importable(override), f"SPECULA_CLIENTS_PYTHON={override} cannot import the clients"
-        return override
-    python = CLIENTS_VENV / "bin" / "python"
-    if python.exists() and _clients_importable(str(python)):
-        return str(python)
-    if not python.exists():
-        _run_setup([sys.executable, "-m", "venv", str(CLIENTS_VENV)])
-    _run_setup([str(python), "-m", "pip", "install", "-q", "-r", str(CLIENTS_REQUIREMENTS)])
-    assert _clients_importable(str(python)), "the clients' virtualenv was set up but cannot import them"
-    return str(python)
+    try:
+        return clients.clients_python()
+    except clients.ClientsSetupError as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="session")
@@ -157,7 +126,7 @@ def run_client(clients_python, tmp_path_factory) -> Callable[..., object]:
         path = scripts / f"script{len(list(scripts.iterdir()))}.py"
         path.write_text("import json, sys\nARGS = json.loads(sys.argv[1])\n" + textwrap.dedent(script))
         r = subprocess.run([clients_python, str(path), json.dumps(args)], capture_output=True, text=True,
-                           timeout=CLIENT_SCRIPT_TIMEOUT_S, env=_clients_env())
+                           timeout=CLIENT_SCRIPT_TIMEOUT_S, env=clients.clients_env())
         assert r.returncode == 0, f"client script failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         lines = r.stdout.strip().splitlines()
         assert lines, f"client script printed nothing; stderr:\n{r.stderr[-3000:]}"

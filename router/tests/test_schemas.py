@@ -1,17 +1,15 @@
 """HTTP schemas: lenient but strictly typed requests, responses that the published clients parse unchanged.
 
 The client checks run the real `text-generation` and `lorax-client` packages in their own virtual
-environment (they pin other pydantic versions than ours), in a subprocess. Its interpreter comes from
-$SPECULA_CLIENTS_PYTHON, default /tmp/scratch/clients/bin/python; without it those tests are skipped.
+environment (they pin other pydantic versions than ours), in a subprocess: `.venv-clients` at the repository
+root, set up on first use (`specula_server.testing.clients`), or $SPECULA_CLIENTS_PYTHON.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
-from pathlib import Path
 from typing import Any
 
 import pydantic
@@ -39,22 +37,18 @@ from specula_router.schemas import (
     TokenizeRequest,
 )
 from specula_router.validation import ValidationLimits, Validator
+from specula_server.testing import clients
 from specula_server.testing.tokenizer import build_tokenizer
-
-CLIENTS_PYTHON = Path(os.environ.get("SPECULA_CLIENTS_PYTHON", "/tmp/scratch/clients/bin/python"))
-
 
 def run_clients(script: str, payload: Any = None) -> Any:
     """Run `script` with the published clients' interpreter; it reads JSON on stdin and prints JSON."""
-    if not CLIENTS_PYTHON.exists():
-        pytest.skip(f"client venv not found at {CLIENTS_PYTHON} (set SPECULA_CLIENTS_PYTHON)")
     result = subprocess.run(
-        [str(CLIENTS_PYTHON), "-c", script],
+        [clients.clients_python(), "-c", script],
         input=json.dumps(payload),
         capture_output=True,
         text=True,
         timeout=60,
-        env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")},
+        env=clients.clients_env(),
     )
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
