@@ -1,17 +1,19 @@
-"""A batched decode step, before and after two changes, timed side by side step by step.
+"""A batched decode step, before and after three changes, timed side by side step by step.
 
-The two changes:
+The changes, added one at a time (`before`; `gather`; `both`: gather + sampling; `all`: + inputs):
 
 - `gather`: the paged KV gather as one `index_select` over the flattened slots into a buffer every layer of
   the step reuses (`paged_attention._gather`) instead of advanced indexing with a `[num_seqs, max_context]`
   index, which allocates a new tensor per layer;
 - `sampling`: sampled tokens drawn by inverse CDF with one uniform per row (`Sampler.choose`) instead of an
-  exponential race with one random number per vocabulary entry, each row from its own seeded generator.
+  exponential race with one random number per vocabulary entry, each row from its own seeded generator;
+- `inputs`: a plain decode step's inputs built with a few batched operations (`batch._single_token_step`)
+  instead of several small tensors per request (`batch._spans_step`, which every other step still uses).
 
-The earlier implementations live in this script as the baselines. One generator holds one batch of sampling
-requests (temperature 1, each with its own seed); the variants take turns decode step by decode step, the
-order reversing every step, each step running with one variant's implementations patched in. Reported per
-concurrency: the median step time of each variant and each one's median paired ratio to `before`.
+The earlier implementations are the baselines (in this script, or `batch._spans_step`). One generator holds
+one batch of sampling requests (temperature 1, each with its own seed); the variants take turns decode step by
+decode step, the order reversing every step, each step running with one variant's implementations patched
+in. Reported per concurrency: the median step time of each variant and its median paired ratio to `before`.
 
     python benchmark/batch_step.py --concurrency 1 8 32 64               # the 134M random Llama, vocab 32000
     python benchmark/batch_step.py --model-dir launcher/specula_launcher/demo_model   # vocab 2048
@@ -33,6 +35,8 @@ sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto")]
 import torch  # noqa: E402
 
 import specula_kernels.paged_attention as paged_attention  # noqa: E402
+import specula_server.generator as generator_module  # noqa: E402
+from specula_server import batch as batch_module  # noqa: E402
 from specula_server.params import SamplingParams  # noqa: E402
 from specula_server.sampling import Sampler  # noqa: E402
 from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
@@ -58,17 +62,21 @@ def choose_by_exponential_race(self, logprobs: torch.Tensor, rows) -> torch.Tens
     return token_ids
 
 
-CURRENT = {"gather": paged_attention._gather, "choose": Sampler.choose}
-VARIANTS = {
-    "before": {"gather": gather_by_advanced_indexing, "choose": choose_by_exponential_race},
-    "gather": {"gather": CURRENT["gather"], "choose": choose_by_exponential_race},
-    "both": CURRENT,
+CURRENT = {"gather": paged_attention._gather, "choose": Sampler.choose, "build": batch_module.build_step}
+BEFORE = {"gather": gather_by_advanced_indexing, "choose": choose_by_exponential_race,
+          "build": batch_module._spans_step}  # every step's inputs built request by request
+VARIANTS = {  # each adds one change to the one before
+    "before": BEFORE,
+    "gather": BEFORE | {"gather": CURRENT["gather"]},
+    "both": BEFORE | {"gather": CURRENT["gather"], "choose": CURRENT["choose"]},
+    "all": CURRENT,
 }
 
 
 def install(variant: dict) -> None:
     paged_attention._gather = variant["gather"]
     Sampler.choose = variant["choose"]
+    generator_module.build_step = variant["build"]
 
 
 def measure(generator, prompts: list[list[int]], steps: int) -> dict:
@@ -116,11 +124,11 @@ def main() -> None:
             results.append(row)
             print(json.dumps(row), flush=True)
     print(f"vocab {vocab}, {args.prompt_tokens}-token prompts, sampling at temperature 1, {args.threads} threads")
-    print("| concurrency | before ms | gather ms (vs before) | gather + sampling ms (vs before) |")
-    print("|---|---|---|---|")
+    print("| concurrency | before ms | gather ms (vs before) | + sampling | + inputs |")
+    print("|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['concurrency']} | {r['before']['step_ms']:.1f} | {r['gather']['step_ms']:.1f} "
-              f"({r['gather']['vs_before']:.2f}x) | {r['both']['step_ms']:.1f} ({r['both']['vs_before']:.2f}x) |")
+        cells = [f"{r[n]['step_ms']:.1f} ({r[n]['vs_before']:.2f}x)" for n in ("gather", "both", "all")]
+        print(f"| {r['concurrency']} | {r['before']['step_ms']:.1f} | " + " | ".join(cells) + " |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},

@@ -66,6 +66,16 @@ def build_step(
     the tree's nodes, stored (tokens and KV) at buffer indices `starts[i] + 1 + node` as a chain would be, but
     each node sits at position `starts[i] + depth` and attends to the context and its own ancestors only.
     """
+    if len(requests) > 1 and all(c == 1 for c in counts):
+        return _single_token_step(requests, starts, device)  # a plain decode step: no per-request tensors
+    return _spans_step(requests, starts, counts, device, trees)
+
+
+def _spans_step(
+    requests: Sequence[RequestState], starts: Sequence[int], counts: Sequence[int], device: torch.device,
+    trees: Sequence[Draft | None] | None = None,
+) -> StepInputs:
+    """`build_step` for any spans: per request, its tokens, positions and slots, then attention metadata."""
     # Chains (one node, no node) need no tree mask; only real trees are kept.
     trees = [t if t is not None and not t.is_chain else None for t in trees] if trees is not None \
         else [None] * len(requests)
@@ -89,6 +99,26 @@ def build_step(
     else:
         attn = _attention_inputs(spans, slot_mapping, device, trees)
     return StepInputs(input_ids, positions, attn, (row_ends - 1).to(device), row_starts, list(counts))
+
+
+def _single_token_step(requests: Sequence[RequestState], starts: Sequence[int], device: torch.device) -> StepInputs:
+    """`build_step` when every request feeds one token (a plain decode step), built with a few batched
+    operations instead of several small tensors per request: at 64 requests it took 2.8 ms the general way.
+
+    Sequence i's context is its slots `[0, starts[i]]`, padded with slot 0 to the longest; its one query row
+    is row i and sees positions up to its own.
+    """
+    num_seqs = len(requests)
+    lengths = [s + 1 for s in starts]
+    input_ids = torch.stack([r.token_ids[s] for r, s in zip(requests, starts)]).to(device)
+    positions = torch.tensor(starts, dtype=torch.long, device=device)
+    context_slots = pad_sequence([r.slots[:n] for r, n in zip(requests, lengths)], batch_first=True)
+    slot_mapping = context_slots[torch.arange(num_seqs, device=device), positions]
+    rows = torch.arange(num_seqs, device=device)
+    mask = (torch.arange(context_slots.shape[1], device=device).unsqueeze(0) <= positions.unsqueeze(1))
+    attn = PagedAttentionInputs(slot_mapping, context_slots, rows.unsqueeze(1),
+                                torch.ones(num_seqs, 1, dtype=torch.bool, device=device), mask.view(num_seqs, 1, 1, -1))
+    return StepInputs(input_ids, positions, attn, rows, list(range(num_seqs)), [1] * num_seqs)
 
 
 def _attention_inputs(spans, slot_mapping: torch.Tensor, device: torch.device,
