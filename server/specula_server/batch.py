@@ -108,17 +108,16 @@ def _single_token_step(requests: Sequence[RequestState], starts: Sequence[int], 
     Sequence i's context is its slots `[0, starts[i]]`, padded with slot 0 to the longest; its one query row
     is row i and sees positions up to its own.
     """
-    num_seqs = len(requests)
-    lengths = [s + 1 for s in starts]
+    num_seqs, ones = len(requests), [1] * len(requests)
     input_ids = torch.stack([r.token_ids[s] for r, s in zip(requests, starts)]).to(device)
     positions = torch.tensor(starts, dtype=torch.long, device=device)
-    context_slots = pad_sequence([r.slots[:n] for r, n in zip(requests, lengths)], batch_first=True)
-    slot_mapping = context_slots[torch.arange(num_seqs, device=device), positions]
+    context_slots = pad_sequence([r.slots[: s + 1] for r, s in zip(requests, starts)], batch_first=True)
     rows = torch.arange(num_seqs, device=device)
-    mask = (torch.arange(context_slots.shape[1], device=device).unsqueeze(0) <= positions.unsqueeze(1))
+    slot_mapping = context_slots[rows, positions]
     attn = PagedAttentionInputs(slot_mapping, context_slots, rows.unsqueeze(1),
-                                torch.ones(num_seqs, 1, dtype=torch.bool, device=device), mask.view(num_seqs, 1, 1, -1))
-    return StepInputs(input_ids, positions, attn, rows, list(range(num_seqs)), [1] * num_seqs)
+                                torch.ones(num_seqs, 1, dtype=torch.bool, device=device),
+                                _causal_mask(starts, ones, context_slots.shape[1], device))
+    return StepInputs(input_ids, positions, attn, rows, list(range(num_seqs)), ones)
 
 
 def _attention_inputs(spans, slot_mapping: torch.Tensor, device: torch.device,

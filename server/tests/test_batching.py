@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from specula_server.batch import _single_token_step, _spans_step
 from specula_server.params import SamplingParams
 from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
 
@@ -101,3 +103,23 @@ def test_decode_skips_batches_that_ended_but_rejects_unknown_ones(generator):
     assert merged.batch.id == 21 and sorted(merged.batch.request_ids) == [1, 2]
     assert generator.decode([22, 21]).batch.id == 21  # 22 was merged into 21: skipped
     generator.clear()
+
+
+def test_a_plain_decode_step_builds_the_inputs_the_general_path_builds(generator):
+    """The batched construction of a decode step's inputs (every request one token) against the per-request
+    one, on requests of different context lengths."""
+    pool = BlockPool(128, 16)
+    specs = [make_spec(i, p, pool, max_new_tokens=n, sampling=s) for i, (p, n, s) in enumerate(REQUESTS)]
+    generator.prefill(7, specs)
+    try:
+        requests = generator.batches[7].requests
+        starts = [r.num_tokens - 1 for r in requests]
+        fast = _single_token_step(requests, starts, generator.device)
+        general = _spans_step(requests, starts, [1] * len(requests), generator.device)
+        for name in ("input_ids", "positions", "last_rows"):
+            assert torch.equal(getattr(fast, name), getattr(general, name)), name
+        assert fast.row_starts == general.row_starts and fast.counts == general.counts
+        for name in ("slot_mapping", "context_slots", "query_index", "query_valid", "mask"):
+            assert torch.equal(getattr(fast.attn, name), getattr(general.attn, name)), name
+    finally:
+        generator.clear(7)
