@@ -10,10 +10,13 @@ other drafters speed up. Files are split by a hash of their path; one in 16 is h
 Steps: train a byte-level BPE tokenizer on the training files, build the token streams, train with AdamW and a
 cosine schedule (bfloat16 autocast on CUDA), measure held-out loss and how often the model's greedy token is
 right inside held-out edit answers, and write everything in the Hugging Face layout with transformers'
-`save_pretrained` (weights in bfloat16).
+`save_pretrained` (weights in bfloat16). Then the second phase (`CopyRecipe`, `--copy-steps`): from those
+weights, windows that each start at an edit task's first token, so every window holds a whole task; this is
+what makes the model copy (see `CopyRecipe`). `training.json` next to the model records both phases.
 
     python scripts/build_demo_model.py                           # rewrites the demo model (CUDA when present)
-    python scripts/build_demo_model.py --steps 50 --out /tmp/m   # a quick CPU try
+    python scripts/build_demo_model.py --copy-only               # the second phase again, on the model there
+    python scripts/build_demo_model.py --steps 50 --copy-steps 5 --out /tmp/m   # a quick CPU try
     python scripts/build_demo_model.py --recipe draft --max-minutes 12   # the demo family's draft model
 
 `--recipe draft` trains a much smaller model (hidden 128, 2 layers) with the demo model's own tokenizer (copied
@@ -48,6 +51,7 @@ from specula_server.testing.tokenizer import BOS_ID, EOS_ID, MULTILINGUAL_TEXT, 
 DEFAULT_OUT = ROOT / "launcher" / "specula_launcher" / "demo_model"
 DRAFT_OUT = ROOT / "launcher" / "specula_launcher" / "demo_adapters" / "draft-model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TRAINING_RECORD = "training.json"  # each phase's recipe and measurements, which the README is written from
 MAX_BYTES = 12_000_000  # the model part of the bundled family (all of it must stay under 20 MB)
 
 
@@ -77,6 +81,24 @@ RECIPES = {
     "draft": Recipe(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2),
 }
+
+
+@dataclass(frozen=True)
+class CopyRecipe:
+    """The demo model's second phase: whole edit tasks only, from the first phase's weights. Random windows of
+    the edit stream often cut a task in two (an answer without its block, a block without its answer); windows
+    that start at a task's first token always hold a whole task, and the model learns to copy far faster (held
+    out, greedy-token accuracy inside edit answers: 80% after the first phase, 91% after 200 steps of this, 94%
+    after 600)."""
+
+    steps: int = 600
+    batch_size: int = 8
+    seq_len: int = 512
+    lr: float = 1e-3
+    warmup: int = 20
+    weight_decay: float = 0.1
+    num_edits: int = 60_000
+    seed: int = 7  # other edit tasks than the first phase's
 
 
 def copy_tokenizer(source: Path, out_dir: Path) -> int:
@@ -112,7 +134,14 @@ def sample_windows(stream: torch.Tensor, count: int, length: int, gen: torch.Gen
     return torch.stack([stream[s : s + length + 1] for s in starts.tolist()])  # [count, length + 1]
 
 
-def learning_rate(step: int, recipe: Recipe) -> float:
+def task_windows(stream: torch.Tensor, starts: torch.Tensor, count: int, length: int,
+                 gen: torch.Generator) -> torch.Tensor:
+    """`count` windows of `stream`, each starting at one of `starts` (the first tokens of documents)."""
+    picked = starts[torch.randint(0, starts.numel(), (count,), generator=gen)]
+    return torch.stack([stream[s : s + length + 1] for s in picked.tolist()])  # [count, length + 1]
+
+
+def learning_rate(step: int, recipe: Recipe | CopyRecipe) -> float:
     if step < recipe.warmup:
         return recipe.lr * (step + 1) / recipe.warmup
     progress = (step - recipe.warmup) / max(recipe.steps - recipe.warmup, 1)
@@ -166,6 +195,51 @@ def autocast(device: torch.device):
     return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
 
 
+def optimise(model, recipe, next_batch, device: torch.device, started: float,
+             max_minutes: float | None = None):
+    """AdamW over `recipe.steps` batches from `next_batch(generator)`, warmup then cosine, with a progress bar.
+    With `max_minutes`, the step count is cut to fit the time the first steps suggest (decided before the warmup
+    ends, so the schedule stays a whole cosine). Returns the recipe used and the last training loss."""
+    from tqdm import tqdm
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95),
+                                  fused=device.type == "cuda")
+    gen = torch.Generator().manual_seed(recipe.seed)
+    model.train()
+    progress = tqdm(total=recipe.steps, desc="training", unit="step", mininterval=5, file=sys.stdout)
+    loop_started = time.perf_counter()
+    step = 0
+    while step < recipe.steps:
+        if max_minutes and step == min(30, recipe.warmup - 1) and step > 0:
+            seconds_per_step = (time.perf_counter() - loop_started) / step
+            fitting = int((max_minutes * 60 - (time.perf_counter() - started)) / seconds_per_step)
+            if fitting < recipe.steps:
+                recipe = replace(recipe, steps=max(fitting, recipe.warmup + 1))
+                progress.total = recipe.steps
+                print(f"\n{seconds_per_step * 1e3:.0f} ms/step: {recipe.steps} steps fit in {max_minutes} min", flush=True)
+        batch = next_batch(gen).to(device)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, recipe)
+        with autocast(device):
+            loss = next_token_loss(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 50 == 0:
+            progress.set_postfix(loss=f"{loss.item():.3f}")
+            if not progress.disable and not sys.stdout.isatty():  # a log file: tqdm's bar is not line-based
+                print(f"step {step}/{recipe.steps} loss {loss.item():.3f} "
+                      f"{(time.perf_counter() - started) / 60:.1f} min", flush=True)
+        step += 1
+        progress.update()
+    progress.close()
+    return recipe, loss.item()
+
+
 def train(recipe: Recipe, out_dir: Path, device: torch.device, max_minutes: float | None = None,
           max_files: int | None = None, tokenizer_from: Path | None = None,
           draft_for: str | None = None) -> tuple[Recipe, dict]:
@@ -175,7 +249,6 @@ def train(recipe: Recipe, out_dir: Path, device: torch.device, max_minutes: floa
     that model's tokenizer instead of training one, so the result can draft for it; `draft_for` names the
     target in the README (a draft model's README). Returns the recipe used and the metrics."""
     from tokenizers import Tokenizer
-    from tqdm import tqdm
 
     started = time.perf_counter()
     train_texts = code_corpus.read_sources(code_corpus.source_files(held_out=False)[:max_files])
@@ -202,44 +275,15 @@ def train(recipe: Recipe, out_dir: Path, device: torch.device, max_minutes: floa
 
     model = build_model(recipe, vocab_size).to(device)
     num_params = sum(p.numel() for p in model.parameters())
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95),
-                                  fused=device.type == "cuda")
-    gen = torch.Generator().manual_seed(recipe.seed)
     num_edit = round(recipe.batch_size * recipe.edit_fraction)
-    progress = tqdm(total=recipe.steps, desc="training", unit="step", mininterval=5, file=sys.stdout)
-    loop_started = time.perf_counter()
-    step = 0
-    while step < recipe.steps:
-        if max_minutes and step == min(30, recipe.warmup - 1):
-            seconds_per_step = (time.perf_counter() - loop_started) / step
-            fitting = int((max_minutes * 60 - (time.perf_counter() - started)) / seconds_per_step)
-            if fitting < recipe.steps:
-                recipe = replace(recipe, steps=max(fitting, recipe.warmup + 1))
-                progress.total = recipe.steps
-                print(f"\n{seconds_per_step * 1e3:.0f} ms/step: {recipe.steps} steps fit in {max_minutes} min", flush=True)
-        batch = torch.cat([sample_windows(edit_stream, num_edit, recipe.seq_len, gen),
-                           sample_windows(plain, recipe.batch_size - num_edit, recipe.seq_len, gen)]).to(device)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, recipe)
-        with autocast(device):
-            loss = next_token_loss(model, batch)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if step % 50 == 0:
-            progress.set_postfix(loss=f"{loss.item():.3f}")
-            if not progress.disable and not sys.stdout.isatty():  # a log file: tqdm's bar is not line-based
-                print(f"step {step}/{recipe.steps} loss {loss.item():.3f} "
-                      f"{(time.perf_counter() - started) / 60:.1f} min", flush=True)
-        step += 1
-        progress.update()
-    progress.close()
+
+    def next_batch(gen: torch.Generator) -> torch.Tensor:
+        return torch.cat([sample_windows(edit_stream, num_edit, recipe.seq_len, gen),
+                          sample_windows(plain, recipe.batch_size - num_edit, recipe.seq_len, gen)])
+
+    recipe, loss = optimise(model, recipe, next_batch, device, started, max_minutes)
     metrics = evaluate(model, tokenizer, held_plain, recipe, device)
-    metrics.update(final_train_loss=round(loss.item(), 4), num_parameters=num_params,
+    metrics.update(final_train_loss=round(loss, 4), num_parameters=num_params,
                    train_tokens=recipe.steps * recipe.batch_size * recipe.seq_len,
                    minutes=round((time.perf_counter() - started) / 60, 1),
                    device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -250,24 +294,91 @@ def train(recipe: Recipe, out_dir: Path, device: torch.device, max_minutes: floa
     model.generation_config.save_pretrained(out_dir)
     (out_dir / "README.md").write_text(draft_readme(recipe, vocab_size, metrics, draft_for) if draft_for
                                        else readme(recipe, vocab_size, metrics))
+    (out_dir / TRAINING_RECORD).write_text(json.dumps({"recipe": asdict(recipe), "vocab_size": vocab_size,
+                                                       "metrics": metrics}, indent=2) + "\n")
     for path in out_dir.iterdir():
         path.chmod(0o644)  # safetensors writes 0600; installed copies must be readable by every user
     return recipe, metrics
 
 
-def readme(recipe: Recipe, vocab_size: int, metrics: dict) -> str:
+def train_copying(model_dir: Path, recipe: CopyRecipe, device: torch.device, max_files: int | None = None) -> dict:
+    """The demo model's second phase, on the model in `model_dir` (its weights, tokenizer and training record),
+    which it rewrites: `recipe.steps` steps on whole edit tasks. Returns the phase's metrics."""
+    import transformers
+    from tokenizers import Tokenizer
+
+    started = time.perf_counter()
+    record_path = model_dir / TRAINING_RECORD
+    if not record_path.is_file():
+        raise SystemExit(f"{model_dir} has no {TRAINING_RECORD}: train the first phase there first")
+    record = json.loads(record_path.read_text())
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    train_texts = code_corpus.read_sources(code_corpus.source_files(held_out=False)[:max_files])
+    held_plain = token_stream(tokenizer, code_corpus.read_sources(code_corpus.source_files(held_out=True)[:max_files]))
+    edits = [e.document for e in code_corpus.code_edits(train_texts, recipe.num_edits, seed=recipe.seed)]
+    edit_stream = token_stream(tokenizer, edits)
+    starts = (edit_stream == BOS_ID).nonzero().flatten()
+    starts = starts[starts < edit_stream.numel() - recipe.seq_len - 1]
+    print(f"copy phase: {len(edits)} edit tasks ({edit_stream.numel() / 1e6:.1f}M tokens)", flush=True)
+    if starts.numel() == 0:
+        raise SystemExit("no edit task fits a window: too few training files")
+
+    def next_batch(gen: torch.Generator) -> torch.Tensor:
+        return task_windows(edit_stream, starts, recipe.batch_size, recipe.seq_len, gen)
+
+    recipe, loss = optimise(model, recipe, next_batch, device, started)
+    metrics = evaluate(model, tokenizer, held_plain, recipe, device)
+    metrics.update(final_train_loss=round(loss, 4), train_tokens=recipe.steps * recipe.batch_size * recipe.seq_len,
+                   minutes=round((time.perf_counter() - started) / 60, 1),
+                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                   torch=torch.__version__)
+    print(json.dumps(metrics), flush=True)
+    model.to(torch.bfloat16).save_pretrained(model_dir, safe_serialization=True)
+    record["copy_phase"] = {"recipe": asdict(recipe), "metrics": metrics}
+    record_path.write_text(json.dumps(record, indent=2) + "\n")
+    first = Recipe(**record["recipe"])
+    (model_dir / "README.md").write_text(readme(first, record["vocab_size"], record["metrics"], record["copy_phase"]))
+    for path in model_dir.iterdir():
+        path.chmod(0o644)
+    return metrics
+
+
+def readme(recipe: Recipe, vocab_size: int, metrics: dict, copying: dict | None = None) -> str:
+    """The demo model's README from its first phase (`recipe`, `metrics`) and, once run, its copy phase
+    (`copying`: the `CopyRecipe` as a dict under "recipe", its metrics under "metrics")."""
     shape = (f"hidden size {recipe.hidden_size}, {recipe.num_hidden_layers} layers, {recipe.num_attention_heads} "
              f"attention heads with {recipe.num_key_value_heads} key-value heads, MLP {recipe.intermediate_size}, "
              f"tied embeddings, {recipe.max_position_embeddings} positions")
+    final = copying["metrics"] if copying else metrics
+    minutes = metrics["minutes"] + (copying["metrics"]["minutes"] if copying else 0)
+    if copying:
+        c, cm = copying["recipe"], copying["metrics"]
+        first_acc, copy_acc = metrics["edit_answer_token_accuracy"] * 100, cm["edit_answer_token_accuracy"] * 100
+        phases = f"""It was trained from scratch by `scripts/build_demo_model.py` in two phases, {minutes:.0f} minutes
+in all on {metrics['device']}:
+
+1. On the Python standard library's own source code and on code-editing tasks made from it (three windows in
+   four from the edit tasks, cut at random), {recipe.steps} steps of {recipe.batch_size} x {recipe.seq_len}
+   tokens ({metrics['train_tokens'] / 1e6:.0f}M tokens, {metrics['minutes']} minutes). Held out: loss
+   {metrics['held_out_loss']} on plain code, greedy token right {first_acc:.1f}% of the time inside edit answers.
+2. From those weights, on whole edit tasks only (each window starts at a task's first token, so it holds the
+   block and its answer), {c['steps']} steps of {c['batch_size']} x {c['seq_len']} tokens ({cm['minutes']}
+   minutes). Held out: loss {cm['held_out_loss']} on plain code, greedy token right {copy_acc:.1f}% of the
+   time inside edit answers."""
+    else:
+        phases = f"""It was trained from scratch by `scripts/build_demo_model.py` on the Python standard library's own
+source code and on code-editing tasks made from it, for {recipe.steps} steps of {recipe.batch_size} x {recipe.seq_len}
+tokens ({metrics['train_tokens'] / 1e6:.0f}M tokens, {metrics['minutes']} minutes on {metrics['device']})."""
+    copy_line = f"\nCopy phase: {json.dumps(copying['recipe'])}\n" if copying else ""
     return f"""# Specula demo model
 
 The model `specula-launcher` serves when it is started without `--model-id`: a Llama-architecture model
 ({shape}; {metrics['num_parameters'] / 1e6:.1f}M parameters, stored in bfloat16) with a byte-level BPE tokenizer
 of {vocab_size} tokens, in the Hugging Face layout.
 
-It was trained from scratch by `scripts/build_demo_model.py` on the Python standard library's own source code
-and on code-editing tasks made from it, for {recipe.steps} steps of {recipe.batch_size} x {recipe.seq_len}
-tokens ({metrics['train_tokens'] / 1e6:.0f}M tokens, {metrics['minutes']} minutes on {metrics['device']}).
+{phases}
+
 Prompt it with Python code, or with an edit task:
 
 ```
@@ -277,17 +388,18 @@ Prompt it with Python code, or with an edit task:
 ```
 
 and it writes the block again, trying to apply the rename. It is a {metrics['num_parameters'] / 1e6:.0f}M-parameter
-model trained for half an hour: its code looks like Python but rarely runs, and its copies drift after a few
-lines. What matters for the server is that its continuations reuse much of the prompt, which is what prompt
-lookup and the other drafters speed up.
+model trained for {minutes:.0f} minutes: its code looks like Python but rarely runs, and its copies slip (a line
+repeated or skipped, a rename missed). What matters for the server is that its continuations reuse much of the
+prompt, which is what prompt lookup and the other drafters speed up.
 
-Held out (files the model never saw): loss {metrics['held_out_loss']} on plain code; inside edit answers its
-greedy token is the right one {metrics['edit_answer_token_accuracy'] * 100:.1f}% of the time.
+Held out (files the model never saw): loss {final['held_out_loss']} on plain code; inside edit answers its
+greedy token is the right one {final['edit_answer_token_accuracy'] * 100:.1f}% of the time.
 
 Recipe: {json.dumps(asdict(recipe))}
-
+{copy_line}
 Rebuild it (needs the dev dependencies, e.g. `pip install -e ".[dev]"`) from the repository root with
-`python scripts/build_demo_model.py`.
+`python scripts/build_demo_model.py` (both phases; `--copy-only` runs the second phase again on the model
+there).
 """
 
 
@@ -394,6 +506,11 @@ def main() -> None:
     parser.add_argument("--heads", type=int, help="attention heads")
     parser.add_argument("--kv-heads", type=int, help="key-value heads")
     parser.add_argument("--max-minutes", type=float, help="cut the step count to fit about this much time")
+    parser.add_argument("--copy-steps", type=int, default=CopyRecipe.steps,
+                        help="steps of the demo model's second phase, on whole edit tasks (0: none; never with "
+                             "--recipe draft)")
+    parser.add_argument("--copy-only", action="store_true",
+                        help="run only the second phase, on the demo model already in --out (rewritten)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--measure-only", action="store_true",
@@ -412,6 +529,11 @@ def main() -> None:
         print(json.dumps(figures), flush=True)
         write_draft_measure(out, figures)
         return
+    if args.copy_only:
+        if draft:
+            raise SystemExit("--copy-only is the demo model's second phase; the draft recipe has none")
+        train_copying(out, replace(CopyRecipe(), steps=args.copy_steps), torch.device(args.device))
+        return
     shape = {key: value for key, value in {
         "hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size,
         "num_hidden_layers": args.layers, "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
@@ -426,6 +548,8 @@ def main() -> None:
         draft_for = "the demo model" if tokenizer_from.resolve() == DEFAULT_OUT.resolve() else str(tokenizer_from)
     train(recipe, out, torch.device(args.device), args.max_minutes, tokenizer_from=tokenizer_from,
           draft_for=draft_for)
+    if not draft and args.copy_steps > 0:
+        train_copying(out, replace(CopyRecipe(), steps=args.copy_steps), torch.device(args.device))
     if tokenizer_from is not None:  # a draft model: how well it drafts, in the server
         figures = measure_draft(tokenizer_from, out)
         print(json.dumps(figures), flush=True)

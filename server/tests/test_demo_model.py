@@ -48,9 +48,36 @@ def test_the_build_script_trains_a_model_the_worker_serves_exactly(tmp_path):
     assert token_ids(outputs) == reference_greedy(reference, prompt, 12)[0]
 
 
+def test_the_copy_phase_trains_on_whole_edit_tasks_and_records_both_phases(tmp_path):
+    """The second phase starts from the first phase's weights, draws windows that begin at an edit task's first
+    token, rewrites the model in place, and the README and training record describe both phases."""
+    script = build_script()
+    first = script.Recipe(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, seq_len=64, batch_size=2, steps=2,
+                          warmup=1, num_edits=20)
+    out = tmp_path / "demo"
+    script.train(first, out, torch.device("cpu"), max_files=6)
+    before = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+
+    copying = script.CopyRecipe(steps=2, warmup=1, batch_size=2, seq_len=64, num_edits=20)
+    metrics = script.train_copying(out, copying, torch.device("cpu"), max_files=6)
+    assert {"held_out_loss", "edit_answer_token_accuracy", "minutes"} <= metrics.keys()
+    after = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert any(not torch.equal(before[name], after[name]) for name in before), "the copy phase changed nothing"
+    record = json.loads((out / "training.json").read_text())
+    assert record["recipe"]["steps"] == 2 and record["copy_phase"]["recipe"]["steps"] == 2
+    readme = (out / "README.md").read_text()
+    assert readme.count("Recipe:") == 1 and readme.count("Copy phase:") == 1 and "two phases" in readme
+
+    stream = torch.tensor([1, 5, 6, 7, 1, 8, 9, 1, 10, 11, 12, 13])
+    starts = (stream == 1).nonzero().flatten()[:2]
+    windows = script.task_windows(stream, starts, 16, 3, torch.Generator().manual_seed(0))
+    assert windows.shape == (16, 4) and bool((windows[:, 0] == 1).all())
+
+
 def test_the_bundled_demo_model_edits_held_out_code():
     """Given code it never saw and a rename, the bundled model predicts most tokens of the edited code: its
-    greedy next token, given the answer so far, is right more than 70% of the time (the build measured 80%),
+    greedy next token, given the answer so far, is right more than 85% of the time (the build measured 94%),
     where a model that had not learnt to copy would be near its plain-code accuracy."""
     from tokenizers import Tokenizer
 
@@ -67,7 +94,7 @@ def test_the_bundled_demo_model_edits_held_out_code():
             logits = model(input_ids=torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1]
             correct += int((logits.argmax(-1) == torch.tensor(answer)).sum())
             total += len(answer)
-    assert correct / total > 0.7, f"{correct}/{total} answer tokens predicted"
+    assert correct / total > 0.85, f"{correct}/{total} answer tokens predicted"
 
 
 # ------------------------------------------------------------------------------------------- the demo family
