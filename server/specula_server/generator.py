@@ -255,14 +255,15 @@ class TextGenerator:
         last_hidden = hidden[step.last_rows]
         logits = self.model.compute_logits(last_hidden)  # [num_seqs, vocab]
         forward_done = time.perf_counter_ns()
-        if self.speculation is not None and step.input_ids.numel() == len(batch.requests):  # decode steps only
-            self.step_cost.observe(len(batch.requests), self.agreed_seconds(forward_done - start))
 
         requests = batch.requests
         rows = [SamplingRow(r.spec.sampling, r.history, r.generator) for r in requests]
         num_top = max(r.spec.top_n_tokens for r in requests)
         sample = self.sampler(logits, rows, num_top=num_top)
         token_ids, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
+        if self.speculation is not None and step.input_ids.numel() == len(batch.requests):  # decode steps only
+            # Up to the chosen tokens: a verifying step is timed to the same point (its acceptance included).
+            self.step_cost.observe(len(batch.requests), self.agreed_seconds(time.perf_counter_ns() - start))
 
         outputs = []
         for i, r in enumerate(requests):
@@ -358,11 +359,13 @@ class TextGenerator:
                             self._lora(reqs, counts))
         logits = self.model.compute_logits(hidden)  # [sum(counts), vocab]
         forward_done = time.perf_counter_ns()
-        self.step_cost.observe_speculative(len(reqs), self.agreed_seconds(forward_done - start),
-                                          sum(len(d) for d in drafts))
 
         methods = [m if len(d) else "" for m, d in zip(methods, drafts)]
         verdicts, processed = verify(logits, reqs, drafts, step.row_starts, self.sampler)
+        # Timed up to the accepted tokens, as plain steps are up to their sampled ones: drawing and checking a
+        # token at every verified position is part of what a draft costs (a sampling request's rows most of all).
+        self.step_cost.observe_speculative(len(reqs), self.agreed_seconds(time.perf_counter_ns() - start),
+                                          sum(len(d) for d in drafts))
         self._compact_accepted_paths(reqs, drafts, verdicts)
         outputs = []
         for r, v, method in zip(reqs, verdicts, methods):

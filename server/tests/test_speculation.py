@@ -459,3 +459,28 @@ def test_repeated_declines_back_off_proposing_drafts(llama_dir, plain):
     assert all(o.num_drafted == 0 for o in outputs)
     assert 3 <= len(proposals) <= 6, proposals  # 23 decode steps; without the back-off, 23 proposals
     assert all(cap > 0 for cap in proposals)  # every proposal had drafts to offer, all declined
+
+
+def test_the_cost_of_a_verifying_step_includes_choosing_its_tokens(llama_dir, monkeypatch):
+    """Drawing and checking a token at every verified position is part of what drafts cost: a verifying step
+    is timed up to its accepted tokens, as a plain step is up to its sampled ones. A verification made 30 ms
+    slower shows up in the fitted verification cost (it used to be timed at the end of the forward)."""
+    import time
+
+    import specula_server.generator as generator_module
+
+    slow_by = 0.03
+    real_verify = generator_module.verify
+
+    def slow_verify(*args, **kwargs):
+        time.sleep(slow_by)
+        return real_verify(*args, **kwargs)
+
+    monkeypatch.setattr(generator_module, "verify", slow_verify)
+    spec = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="fixed")
+    spec.step_cost = StepCostModel()
+    outputs = run(spec, PROMPTS[0], max_new_tokens=24)
+    assert sum(o.num_drafted for o in outputs) > 0
+    v0, per_draft = spec.step_cost.verification_cost()
+    drafts = sum(o.num_drafted for o in outputs) / sum(1 for o in outputs if o.num_drafted)
+    assert v0 + per_draft * drafts >= 0.8 * slow_by, (v0, per_draft, drafts)
