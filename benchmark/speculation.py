@@ -2,7 +2,11 @@
 
 Runs the worker in-process for each speculation setting on the same model, prompts and thread count, taking
 turns batch by batch (`side_by_side`), and reports generated tokens/s, mean emitted tokens per decode step and
-the ratio to speculation off. At each concurrency c the prompts are run in batches of c, each batch to completion.
+the ratio to speculation off. At each concurrency c the prompts are run in batches of c, each batch to completion
+(`--batching static`, the default), or with c requests in flight, each finished one replaced at once by the
+next as the server's continuous batching does, timing the steady part (`--batching continuous`). In a static
+batch a request that finishes early leaves its slot empty until the whole batch ends, so speculation that
+speeds up some requests of a batch and not others gains less there than in a server.
 Workloads:
 
 - `copy`: held-out code-editing tasks (a block of code from a standard-library file the model never saw, then
@@ -78,16 +82,22 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path)
 
 
+def request_spec(index: int, request: dict, pool: BlockPool, seed: int, lookahead: int,
+                 max_new_tokens: int | None = None):
+    """Request `index`'s spec with KV blocks from `pool`: it samples with seed `seed` (unless greedy);
+    `max_new_tokens`, when given, replaces the request's own and makes it ignore EOS."""
+    return make_spec(index, request["ids"], pool, lookahead=lookahead,
+                     sampling=SamplingParams() if request["greedy"] else SamplingParams(do_sample=True, seed=seed),
+                     max_new_tokens=max_new_tokens or request["max_new_tokens"],
+                     ignore_eos_token=max_new_tokens is not None or not request["eos"])
+
+
 def batch_specs(generator, requests: list[dict], seed: int, lookahead: int,
                 max_new_tokens: int | None = None) -> list:
     """One batch's request specs on fresh KV blocks: request i samples with seed `seed + i` (unless greedy);
     `max_new_tokens`, when given, replaces each request's own and makes every request ignore EOS."""
     pool = BlockPool(generator.kv_cache.num_blocks, generator.block_size)
-    return [make_spec(i, r["ids"], pool, lookahead=lookahead,
-                      sampling=SamplingParams() if r["greedy"] else SamplingParams(do_sample=True, seed=seed + i),
-                      max_new_tokens=max_new_tokens or r["max_new_tokens"],
-                      ignore_eos_token=max_new_tokens is not None or not r["eos"])
-            for i, r in enumerate(requests)]
+    return [request_spec(i, r, pool, seed + i, lookahead, max_new_tokens) for i, r in enumerate(requests)]
 
 
 def run_requests(generator, requests: list[dict], concurrency: int, seed: int, lookahead: int):
@@ -106,24 +116,66 @@ def run_requests(generator, requests: list[dict], concurrency: int, seed: int, l
     return seconds, tokens, steps
 
 
+def run_continuous(generator, requests: list[dict], concurrency: int, seed: int, lookahead: int):
+    """Runs `requests` as `concurrency` clients in a closed loop would, the way the server batches them: a
+    finished request is replaced at once by the next, prefilled as a batch of its own and merged into the
+    running batch (continuous batching). Counts the steady part only, up to the first step after which a
+    finished request has no successor: the drain that follows runs a shrinking batch that a server at this
+    load does not see. Returns seconds, generated tokens and per-request decode steps of that part."""
+    pool = BlockPool(generator.kv_cache.num_blocks, generator.block_size)
+    queue = list(enumerate(requests))
+    blocks: dict[int, tuple[int, ...]] = {}
+    running, next_batch, tokens, steps = None, 0, 0, 0
+    start = time.perf_counter()
+    while True:
+        batch_ids = [] if running is None else [running]
+        if len(blocks) < concurrency and queue:
+            admitted, queue = queue[: concurrency - len(blocks)], queue[concurrency - len(blocks) :]
+            specs = [request_spec(i, r, pool, seed + i, lookahead) for i, r in admitted]
+            blocks.update((s.id, s.blocks) for s in specs)
+            result = generator.prefill(next_batch, specs)
+            tokens += sum(len(o.tokens) for o in result.outputs)
+            if result.batch is not None:
+                batch_ids.append(next_batch)
+            next_batch += 1
+        if not batch_ids:
+            break
+        steps += sum(len(generator.batches[b].requests) for b in batch_ids)
+        result = generator.decode(batch_ids)
+        tokens += sum(len(o.tokens) for o in result.outputs)
+        running = None if result.batch is None else result.batch.id
+        alive = set() if result.batch is None else {r.id for r in result.batch.requests}
+        finished = [i for i in blocks if i not in alive]
+        for i in finished:
+            pool.give(blocks.pop(i))
+        if finished and not queue:
+            break
+    seconds = time.perf_counter() - start
+    generator.clear()  # the drain is not run
+    return seconds, tokens, steps
+
+
 def side_by_side(generators: dict, requests: list[dict], concurrency: int, rounds: int,
-                 lookahead: int) -> dict[str, list[tuple[float, float]]]:
+                 lookahead: int, continuous: bool = False) -> dict[str, list[tuple[float, float]]]:
     """Per setting and round: (generated tokens/s, tokens per request per decode step).
 
     The settings take turns batch by batch, in an order that rotates from one batch to the next, so a change
     in the machine's speed (these machines drift by tens of percent over minutes) hits them all alike; a
     round's figure sums its batches. Each batch sees the same prompts and sampling seeds in every setting.
+    `continuous`: each turn runs 4 x `concurrency` requests with `concurrency` in flight (`run_continuous`)
+    instead of one batch run to completion.
     """
     names = list(generators)
     samples = {name: [] for name in names}
     for r in range(rounds):
         totals = {name: [0.0, 0, 0] for name in names}
-        for turn, first in enumerate(range(0, len(requests), concurrency)):
-            chunk = requests[first : first + concurrency]
+        span = 4 * concurrency if continuous else concurrency
+        run = run_continuous if continuous else run_requests
+        for turn, first in enumerate(range(0, len(requests), span)):
+            chunk = requests[first : first + span]
             for j in range(len(names)):
                 name = names[(turn + r + j) % len(names)]
-                seconds, tokens, steps = run_requests(generators[name], chunk, concurrency,
-                                                      1000 * r + first, lookahead)
+                seconds, tokens, steps = run(generators[name], chunk, concurrency, 1000 * r + first, lookahead)
                 for k, value in enumerate((seconds, tokens, steps)):
                     totals[name][k] += value
         for name, (seconds, tokens, steps) in totals.items():
@@ -168,6 +220,9 @@ def main() -> None:
                         choices=["copy", "novel", "repetitive"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     parser.add_argument("--min-requests", type=int, default=8, help="requests per measurement at least")
+    parser.add_argument("--batching", choices=["static", "continuous"], default="static",
+                        help="static: the prompts in batches of c, each run to completion; continuous: c requests "
+                             "in flight, a finished one replaced at once (as the server does), steady part timed")
     parser.add_argument("--speculative-tokens", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (novel, repetitive)")
     parser.add_argument("--prompt-tokens", type=int, default=32, help="prompt length (repetitive)")
@@ -195,7 +250,8 @@ def main() -> None:
         for workload in args.workload:
             for c in args.concurrency:
                 batch = requests[workload][: max(c, args.min_requests)]
-                samples = side_by_side(generators, batch, c, args.rounds, args.speculative_tokens + 1)
+                samples = side_by_side(generators, batch, c, args.rounds, args.speculative_tokens + 1,
+                                       continuous=args.batching == "continuous")
                 row = {"workload": workload, "concurrency": c, "requests": len(batch)}
                 for name, values in samples.items():
                     row[f"{name}_tok_s"] = statistics.median(v[0] for v in values)
@@ -215,6 +271,7 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         meta = {"device": args.device, "dtype": dtype, "threads": args.threads, "model": str(args.model_dir),
+                "batching": args.batching,
                 "speculative_tokens": args.speculative_tokens, "rounds": args.rounds}
         args.json.write_text(json.dumps({"settings": meta, "results": results, "transformers": baselines}, indent=2))
     if args.plot:
