@@ -463,8 +463,9 @@ def test_repeated_declines_back_off_proposing_drafts(llama_dir, plain):
 
 def test_the_cost_of_a_verifying_step_includes_choosing_its_tokens(llama_dir, monkeypatch):
     """Drawing and checking a token at every verified position is part of what drafts cost: a verifying step
-    is timed up to its accepted tokens, as a plain step is up to its sampled ones. A verification made 30 ms
-    slower shows up in the fitted verification cost (it used to be timed at the end of the forward)."""
+    is timed up to its accepted tokens, as a plain step is up to its sampled ones. With the acceptance made
+    30 ms slower, every verifying step reports at least those 30 ms to the cost model (it used to be timed at
+    the end of the forward, a few milliseconds)."""
     import time
 
     import specula_server.generator as generator_module
@@ -478,9 +479,14 @@ def test_the_cost_of_a_verifying_step_includes_choosing_its_tokens(llama_dir, mo
 
     monkeypatch.setattr(generator_module, "verify", slow_verify)
     spec = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="fixed")
-    spec.step_cost = StepCostModel()
+    reported = []
+    real_observe = spec.step_cost.observe_speculative
+
+    def observe_speculative(num_sequences, seconds, num_drafts):
+        reported.append(seconds)
+        real_observe(num_sequences, seconds, num_drafts)
+
+    monkeypatch.setattr(spec.step_cost, "observe_speculative", observe_speculative)
     outputs = run(spec, PROMPTS[0], max_new_tokens=24)
     assert sum(o.num_drafted for o in outputs) > 0
-    v0, per_draft = spec.step_cost.verification_cost()
-    drafts = sum(o.num_drafted for o in outputs) / sum(1 for o in outputs if o.num_drafted)
-    assert v0 + per_draft * drafts >= 0.8 * slow_by, (v0, per_draft, drafts)
+    assert reported and min(reported) >= slow_by, reported
