@@ -22,7 +22,9 @@ def adapter_server(model_dir, tmp_path_factory):
     build_lora_adapter(model_dir, adapters / "code-lora", rank=8, std=0.2)
     build_medusa_adapter(model_dir, adapters / "heads", num_heads=3)
     launcher = _start(model_dir, tmp_path_factory.mktemp("adapters-run"),
-                      ["--speculative-tokens", "4", "--adapter-dir", str(adapters), "--adapter-source", "local",
+                      ["--speculative-tokens", "4", "--speculation-mode", "fixed",  # drafts every step:
+                       # random heads accept almost nothing, and the adaptive controller may never try them
+                       "--adapter-dir", str(adapters), "--adapter-source", "local",
                        "--draft-tree-width", "2", "--max-active-adapters", "2"], "adapters")
     yield launcher
     _stop(launcher)
