@@ -167,10 +167,10 @@ def side_by_side(generators: dict, requests: list[dict], concurrency: int, round
     """
     names = list(generators)
     samples = {name: [] for name in names}
+    span = 4 * concurrency if continuous else concurrency
+    run = run_continuous if continuous else run_requests
     for r in range(rounds):
         totals = {name: [0.0, 0, 0] for name in names}
-        span = 4 * concurrency if continuous else concurrency
-        run = run_continuous if continuous else run_requests
         for turn, first in enumerate(range(0, len(requests), span)):
             chunk = requests[first : first + span]
             for j in range(len(names)):

@@ -88,8 +88,8 @@ class CopyRecipe:
     """The demo model's second phase: whole edit tasks only, from the first phase's weights. Random windows of
     the edit stream often cut a task in two (an answer without its block, a block without its answer); windows
     that start at a task's first token always hold a whole task, and the model learns to copy far faster (held
-    out, greedy-token accuracy inside edit answers: 80% after the first phase, 91% after 200 steps of this, 94%
-    after 600)."""
+    out, greedy-token accuracy inside edit answers: 80% after the first phase; in a trial run of this phase, 91%
+    after 200 steps and 94% after 600; the bundled model's run: 94.4%)."""
 
     steps: int = 600
     batch_size: int = 8
@@ -127,18 +127,22 @@ def token_stream(tokenizer, docs: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
-def sample_windows(stream: torch.Tensor, count: int, length: int, gen: torch.Generator) -> torch.Tensor:
-    starts = torch.randint(0, stream.numel() - length - 1, (count,), generator=gen)
-    if count == 0:
+def windows_at(stream: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
+    """The `length + 1` tokens of `stream` from each of `starts`: `[len(starts), length + 1]`."""
+    if starts.numel() == 0:
         return stream.new_empty((0, length + 1))
-    return torch.stack([stream[s : s + length + 1] for s in starts.tolist()])  # [count, length + 1]
+    return torch.stack([stream[s : s + length + 1] for s in starts.tolist()])
+
+
+def sample_windows(stream: torch.Tensor, count: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    """`count` windows of `stream` at random offsets."""
+    return windows_at(stream, torch.randint(0, stream.numel() - length - 1, (count,), generator=gen), length)
 
 
 def task_windows(stream: torch.Tensor, starts: torch.Tensor, count: int, length: int,
                  gen: torch.Generator) -> torch.Tensor:
     """`count` windows of `stream`, each starting at one of `starts` (the first tokens of documents)."""
-    picked = starts[torch.randint(0, starts.numel(), (count,), generator=gen)]
-    return torch.stack([stream[s : s + length + 1] for s in picked.tolist()])  # [count, length + 1]
+    return windows_at(stream, starts[torch.randint(0, starts.numel(), (count,), generator=gen)], length)
 
 
 def learning_rate(step: int, recipe: Recipe | CopyRecipe) -> float:
@@ -240,6 +244,19 @@ def optimise(model, recipe, next_batch, device: torch.device, started: float,
     return recipe, loss.item()
 
 
+def run_facts(recipe: Recipe | CopyRecipe, started: float, device: torch.device) -> dict:
+    """What a training phase records about its run: tokens seen, minutes, device, torch version."""
+    return {"train_tokens": recipe.steps * recipe.batch_size * recipe.seq_len,
+            "minutes": round((time.perf_counter() - started) / 60, 1),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__}
+
+
+def make_readable(out_dir: Path) -> None:
+    for path in out_dir.iterdir():
+        path.chmod(0o644)  # safetensors writes 0600; installed copies must be readable by every user
+
+
 def train(recipe: Recipe, out_dir: Path, device: torch.device, max_minutes: float | None = None,
           max_files: int | None = None, tokenizer_from: Path | None = None,
           draft_for: str | None = None) -> tuple[Recipe, dict]:
@@ -284,10 +301,7 @@ def train(recipe: Recipe, out_dir: Path, device: torch.device, max_minutes: floa
     recipe, loss = optimise(model, recipe, next_batch, device, started, max_minutes)
     metrics = evaluate(model, tokenizer, held_plain, recipe, device)
     metrics.update(final_train_loss=round(loss, 4), num_parameters=num_params,
-                   train_tokens=recipe.steps * recipe.batch_size * recipe.seq_len,
-                   minutes=round((time.perf_counter() - started) / 60, 1),
-                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                   torch=torch.__version__)
+                   **run_facts(recipe, started, device))
     print(json.dumps(metrics), flush=True)
 
     model.to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
@@ -296,8 +310,7 @@ def train(recipe: Recipe, out_dir: Path, device: torch.device, max_minutes: floa
                                        else readme(recipe, vocab_size, metrics))
     (out_dir / TRAINING_RECORD).write_text(json.dumps({"recipe": asdict(recipe), "vocab_size": vocab_size,
                                                        "metrics": metrics}, indent=2) + "\n")
-    for path in out_dir.iterdir():
-        path.chmod(0o644)  # safetensors writes 0600; installed copies must be readable by every user
+    make_readable(out_dir)
     return recipe, metrics
 
 
@@ -329,18 +342,14 @@ def train_copying(model_dir: Path, recipe: CopyRecipe, device: torch.device, max
 
     recipe, loss = optimise(model, recipe, next_batch, device, started)
     metrics = evaluate(model, tokenizer, held_plain, recipe, device)
-    metrics.update(final_train_loss=round(loss, 4), train_tokens=recipe.steps * recipe.batch_size * recipe.seq_len,
-                   minutes=round((time.perf_counter() - started) / 60, 1),
-                   device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                   torch=torch.__version__)
+    metrics.update(final_train_loss=round(loss, 4), **run_facts(recipe, started, device))
     print(json.dumps(metrics), flush=True)
     model.to(torch.bfloat16).save_pretrained(model_dir, safe_serialization=True)
     record["copy_phase"] = {"recipe": asdict(recipe), "metrics": metrics}
     record_path.write_text(json.dumps(record, indent=2) + "\n")
     first = Recipe(**record["recipe"])
     (model_dir / "README.md").write_text(readme(first, record["vocab_size"], record["metrics"], record["copy_phase"]))
-    for path in model_dir.iterdir():
-        path.chmod(0o644)
+    make_readable(model_dir)
     return metrics
 
 
