@@ -31,7 +31,7 @@ class SpeculationInfo(_message.Message):
     def __init__(self, max_speculative_tokens: _Optional[int] = ..., method: _Optional[str] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "model_sha", "dtype", "device_type", "block_size", "max_position_embeddings", "vocab_size", "world_size", "eos_token_ids", "speculation")
+    __slots__ = ("model_id", "model_sha", "dtype", "device_type", "block_size", "max_position_embeddings", "vocab_size", "world_size", "eos_token_ids", "speculation", "instance_id")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,7 @@ class InfoResponse(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_sha: str
     dtype: str
@@ -52,7 +53,8 @@ class InfoResponse(_message.Message):
     world_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     speculation: SpeculationInfo
-    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., vocab_size: _Optional[int] = ..., world_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationInfo, _Mapping]] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., vocab_size: _Optional[int] = ..., world_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationInfo, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -183,7 +185,7 @@ class GeneratedText(_message.Message):
     def __init__(self, text: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Generation(_message.Message):
-    __slots__ = ("request_id", "prefill_tokens", "tokens", "generated_text", "top_tokens", "drafted_tokens", "accepted_tokens", "draft_method")
+    __slots__ = ("request_id", "prefill_tokens", "tokens", "generated_text", "top_tokens", "drafted_tokens", "accepted_tokens", "draft_method", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +194,7 @@ class Generation(_message.Message):
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_METHOD_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     prefill_tokens: Tokens
     tokens: Tokens
@@ -200,7 +203,8 @@ class Generation(_message.Message):
     drafted_tokens: int
     accepted_tokens: int
     draft_method: str
-    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_method: _Optional[str] = ...) -> None: ...
+    error: str
+    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_method: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class FilterBatchRequest(_message.Message):
     __slots__ = ("batch_id", "request_ids", "sequence")
