@@ -32,6 +32,14 @@ from specula_server.testing.models import build_tiny_model
 CLIENT_SCRIPT_TIMEOUT_S = 120
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every end-to-end test starts real processes: all of them are in the slow tier."""
+    here = Path(__file__).resolve().parent
+    for item in items:
+        if Path(str(item.fspath)).resolve().is_relative_to(here):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     """A random-weight Llama with a real byte-level BPE tokenizer, in Hugging Face layout."""
