@@ -29,7 +29,10 @@ class PagedAttentionInputs:
     """Per-step attention metadata, built once per step and shared by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] long: cache slot each new token's K/V is written to
-    context_slots: torch.Tensor  # [num_seqs, max_context] long: slots of every position in context (padded)
+    # [num_seqs, max_context] long: slots of every position in context, padded with slots the sequence wrote
+    # itself: a masked position still enters the product (NaN + -inf, 0 * NaN), so padding that read another
+    # request's slot would carry a non-finite value of that request into this row.
+    context_slots: torch.Tensor
     query_index: torch.Tensor  # [num_seqs, max_query] long: row of each padded query in the flat token list
     query_valid: torch.Tensor  # [num_seqs, max_query] bool: which padded query rows are real tokens
     mask: torch.Tensor | None  # [num_seqs, 1, max_query, max_context] bool (True = attend); None = attend all

@@ -105,13 +105,13 @@ def _single_token_step(requests: Sequence[RequestState], starts: Sequence[int], 
     """`build_step` when every request feeds one token (a plain decode step), built with a few batched
     operations instead of several small tensors per request: at 64 requests it took 2.8 ms the general way.
 
-    Sequence i's context is its slots `[0, starts[i]]`, padded with slot 0 to the longest; its one query row
-    is row i and sees positions up to its own.
+    Sequence i's context is its slots `[0, starts[i]]`, padded with its own first slot to the longest
+    (`_padded_slots`); its one query row is row i and sees positions up to its own.
     """
     num_seqs, ones = len(requests), [1] * len(requests)
     input_ids = torch.stack([r.token_ids[s] for r, s in zip(requests, starts)]).to(device)
     positions = torch.tensor(starts, dtype=torch.long, device=device)
-    context_slots = pad_sequence([r.slots[: s + 1] for r, s in zip(requests, starts)], batch_first=True)
+    context_slots = _padded_slots([r.slots[: s + 1] for r, s in zip(requests, starts)])
     rows = torch.arange(num_seqs, device=device)
     slot_mapping = context_slots[rows, positions]
     attn = PagedAttentionInputs(slot_mapping, context_slots, rows.unsqueeze(1),
@@ -131,7 +131,7 @@ def _attention_inputs(spans, slot_mapping: torch.Tensor, device: torch.device,
         query_index = torch.arange(e - s, device=device).unsqueeze(0)
     else:
         row_starts = (torch.tensor(counts).cumsum(0) - torch.tensor(counts)).tolist()
-        context_slots = pad_sequence([r.slots[:e] for r, _, e in spans], batch_first=True)
+        context_slots = _padded_slots([r.slots[:e] for r, _, e in spans])
         query_index = pad_sequence(
             [torch.arange(b, b + c, device=device) for b, c in zip(row_starts, counts)], batch_first=True
         )
@@ -146,6 +146,19 @@ def _attention_inputs(spans, slot_mapping: torch.Tensor, device: torch.device,
                 s, c = starts[i], counts[i]
                 mask[i, 0, :c, s : s + c] = tree.ancestors().to(device)
     return PagedAttentionInputs(slot_mapping, context_slots, query_index, query_valid, mask)
+
+
+def _padded_slots(slots: Sequence[torch.Tensor]) -> torch.Tensor:
+    """`[num_seqs, max_context]`: each sequence's context slots, padded with its own first slot.
+
+    The mask hides padding, but a hidden position still enters the product: a masked score is `s + (-inf)`
+    and its weight multiplies the value, so a NaN key or value there (`NaN - inf`, `0 * NaN`) turns the whole
+    row into NaN. Padding with a slot another request owns (slot 0, say) let one request's non-finite KV
+    (or stale KV left in a freed block) poison every shorter sequence of later batches. A sequence's own
+    first slot was written by its own prefill, so a row only ever reads what it wrote itself.
+    """
+    padded = pad_sequence(list(slots), batch_first=True, padding_value=-1)
+    return torch.where(padded < 0, padded[:, :1], padded)
 
 
 def _causal_mask(

@@ -28,6 +28,7 @@ from specula_server.batch import Batch, StepInputs, build_step
 from specula_server.distributed import ShardGroup
 from specula_server.kv_cache import KVCache, slots_for_blocks
 from specula_server.models.llama import LlamaForCausalLM
+from specula_server.nonfinite import failure, kept_rows, nonfinite_requests
 from specula_server.request import RequestSpec, RequestState, StepOutput, TokenInfo
 from specula_server.sampling import Sampler, SamplingRow
 from specula_server.speculation.controller import (
@@ -256,7 +257,15 @@ class TextGenerator:
         logits = self.model.compute_logits(last_hidden)  # [num_seqs, vocab]
         forward_done = time.perf_counter_ns()
 
-        requests = batch.requests
+        requests, row_starts = batch.requests, step.row_starts
+        failed = nonfinite_requests(logits, [1] * len(requests))
+        outputs = [failure(requests[i]) for i in failed]
+        if failed:  # the others go on without them: from here on every operation is row by row
+            keep = [i for i in range(len(requests)) if i not in failed]
+            requests, row_starts = [requests[i] for i in keep], [row_starts[i] for i in keep]
+            logits, last_hidden = logits[keep], last_hidden[keep]
+            if not requests:
+                return self._end_step(batch, outputs, start, forward_done)
         rows = [SamplingRow(r.spec.sampling, r.history, r.generator) for r in requests]
         num_top = max(r.spec.top_n_tokens for r in requests)
         sample = self.sampler(logits, rows, num_top=num_top)
@@ -265,12 +274,14 @@ class TextGenerator:
             # Up to the chosen tokens: a verifying step is timed to the same point (its acceptance included).
             self.step_cost.observe(len(batch.requests), self.agreed_seconds(time.perf_counter_ns() - start))
 
-        outputs = []
         for i, r in enumerate(requests):
             r.last_hidden = last_hidden[i]
             prefill = None
             if with_prefill_logprobs and r.spec.prefill_logprobs:
-                prefill = self._prefill_tokens(r, hidden, step.row_starts[i])
+                prefill = self._prefill_tokens(r, hidden, row_starts[i])
+                if prefill is None:
+                    outputs.append(failure(r, "prompt logits"))
+                    continue
             token = r.append(token_ids[i], logprobs[i])
             top = self._top_tokens(sample, i, r.spec.top_n_tokens)
             out = StepOutput(r.id, [token], [top] if r.spec.top_n_tokens else [], prefill)
@@ -281,8 +292,9 @@ class TextGenerator:
         return self._end_step(batch, outputs, start, forward_done)
 
     def _end_step(self, batch: Batch, outputs: list[StepOutput], start: int, forward_done: int) -> StepResult:
-        """Drops finished requests from the batch (it ends when none is left) and reports the step."""
-        batch.requests = [r for r in batch.requests if not r.is_finished]
+        """Drops finished and failed requests from the batch (it ends when none is left); reports the step."""
+        failed = {o.request_id for o in outputs if o.error}
+        batch.requests = [r for r in batch.requests if not r.is_finished and r.id not in failed]
         kept = batch if batch.requests else None
         if kept is not None:
             self.batches[batch.id] = kept
@@ -350,6 +362,12 @@ class TextGenerator:
         except Exception:
             logger.exception("drafting failed; this step verifies no drafts")
             return self._plain_step(batch, start)
+        return self._verify_step(batch, drafts, [m if len(d) else "" for m, d in zip(methods, drafts)], start)
+
+    def _verify_step(self, batch: Batch, drafts: list[Draft], methods: list[str], start: int) -> StepResult:
+        """verify → accept → commit: one forward over `[last, d1..dk]` per request, then the exact rule."""
+        assert self.kv_cache is not None
+        reqs = batch.requests
         for r, d in zip(reqs, drafts):  # the buffer tail past num_tokens is free: drafts go there
             r.token_ids[r.num_tokens : r.num_tokens + len(d)] = d.tokens
         trees = [None if d.is_chain else d for d in drafts]
@@ -360,34 +378,47 @@ class TextGenerator:
         logits = self.model.compute_logits(hidden)  # [sum(counts), vocab]
         forward_done = time.perf_counter_ns()
 
-        methods = [m if len(d) else "" for m, d in zip(methods, drafts)]
-        verdicts, processed = verify(logits, reqs, drafts, step.row_starts, self.sampler)
+        num_seqs, num_drafted, row_starts = len(reqs), sum(counts) - len(counts), step.row_starts
+        failed = nonfinite_requests(logits, counts)  # any verified row: its drafts' rows are its logits too
+        outputs = [failure(reqs[i]) for i in failed]
+        if failed:  # the others go on without them: from here on every operation is row by row
+            keep = [i for i in range(num_seqs) if i not in failed]
+            rows, row_starts = kept_rows(counts, keep)
+            hidden, logits = hidden[rows], logits[rows]
+            reqs, drafts, methods = ([x[i] for i in keep] for x in (reqs, drafts, methods))
+            if not reqs:
+                return self._end_step(batch, outputs, start, forward_done)
+        verdicts, processed = verify(logits, reqs, drafts, row_starts, self.sampler)
         # Timed up to the accepted tokens, as plain steps are up to their sampled ones: drawing and checking a
         # token at every verified position is part of what a draft costs (a sampling request's rows most of all).
-        self.step_cost.observe_speculative(len(reqs), self.agreed_seconds(time.perf_counter_ns() - start),
-                                          sum(len(d) for d in drafts))
+        self.step_cost.observe_speculative(num_seqs, self.agreed_seconds(time.perf_counter_ns() - start),
+                                          num_drafted)
         self._compact_accepted_paths(reqs, drafts, verdicts)
-        outputs = []
-        for r, v, method in zip(reqs, verdicts, methods):
-            r.last_hidden = hidden[v.rows[-1]]
-            tokens = []
-            for token_id, logprob in zip(v.token_ids, v.logprobs):
-                tokens.append(r.append(token_id, logprob))
-                if r.is_finished:
-                    break  # nothing after a stop is emitted or counted
-            r.acceptance.observe(v.num_drafted, v.num_accepted)
-            self.acceptance_priors.observe(method, v.num_drafted, v.num_accepted)
-            # The draft model's KV is valid up to the last accepted draft it ran over; the target's own token
-            # (correction or bonus) is run over before the next draft.
-            r.draft_cached = min(r.draft_cached, r.num_tokens - 1)
-            tops = self._row_top_tokens(processed if processed is not None else logits, v.rows[: len(tokens)],
-                                        r.spec.top_n_tokens, normalized=processed is not None)
-            out = StepOutput(r.id, tokens, tops, num_drafted=v.num_drafted,
-                             num_accepted=min(v.num_accepted, len(tokens)), draft_method=method)
-            if r.is_finished:
-                out.generated_text = r.generated_text()
-            outputs.append(out)
+        scores = processed if processed is not None else logits
+        outputs += [self._commit_verdict(r, v, method, hidden, scores, normalized=processed is not None)
+                    for r, v, method in zip(reqs, verdicts, methods)]
         return self._end_step(batch, outputs, start, forward_done)
+
+    def _commit_verdict(self, r: RequestState, v: Verdict, method: str, hidden: torch.Tensor,
+                        scores: torch.Tensor, normalized: bool) -> StepOutput:
+        """Appends a request's accepted tokens (up to a stop) and updates its acceptance statistics."""
+        r.last_hidden = hidden[v.rows[-1]]
+        tokens = []
+        for token_id, logprob in zip(v.token_ids, v.logprobs):
+            tokens.append(r.append(token_id, logprob))
+            if r.is_finished:
+                break  # nothing after a stop is emitted or counted
+        r.acceptance.observe(v.num_drafted, v.num_accepted)
+        self.acceptance_priors.observe(method, v.num_drafted, v.num_accepted)
+        # The draft model's KV is valid up to the last accepted draft it ran over; the target's own token
+        # (correction or bonus) is run over before the next draft.
+        r.draft_cached = min(r.draft_cached, r.num_tokens - 1)
+        tops = self._row_top_tokens(scores, v.rows[: len(tokens)], r.spec.top_n_tokens, normalized=normalized)
+        out = StepOutput(r.id, tokens, tops, num_drafted=v.num_drafted,
+                         num_accepted=min(v.num_accepted, len(tokens)), draft_method=method)
+        if r.is_finished:
+            out.generated_text = r.generated_text()
+        return out
 
     def _plain_step(self, batch: Batch, start: int) -> StepResult:
         """A step that verifies no drafts (each request's acceptance estimate drifts back to the prior)."""
@@ -447,10 +478,13 @@ class TextGenerator:
             for ids, lps in zip(top.indices.tolist(), top.values.tolist())
         ]
 
-    def _prefill_tokens(self, r: RequestState, hidden: torch.Tensor, row_start: int) -> list[TokenInfo]:
-        """Log-probability of every prompt token given the ones before it (the first has none)."""
+    def _prefill_tokens(self, r: RequestState, hidden: torch.Tensor, row_start: int) -> list[TokenInfo] | None:
+        """Log-probability of every prompt token given the ones before it (the first has none); None when
+        some prompt position's logits are not finite."""
         prompt = r.token_ids[: r.prompt_len]
         logits = self.model.compute_logits(hidden[row_start : row_start + r.prompt_len - 1])
+        if nonfinite_requests(logits, [logits.shape[0]]):
+            return None
         logprobs = torch.log_softmax(logits, dim=-1).gather(1, prompt[1:].to(self.device).unsqueeze(1))
         values = [math.nan] + logprobs.squeeze(1).tolist()
         ids = prompt.tolist()

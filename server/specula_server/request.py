@@ -47,6 +47,9 @@ class StepOutput:
     num_drafted: int = 0  # draft tokens verified this step
     num_accepted: int = 0  # of which accepted and emitted
     draft_method: str = ""  # the drafter that proposed them ("ngram", "medusa", "draft_model"; "" when none)
+    # Set when the request failed this step (its logits were not finite, see `nonfinite`): it left its batch
+    # and no other field is set.
+    error: str = ""
 
 
 @dataclass(frozen=True)

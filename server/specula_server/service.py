@@ -45,6 +45,7 @@ class WorkerInfo:
     world_size: int
     uds_urls: tuple[str, ...]
     kv_cache_memory: int | None  # bytes for the KV cache; None: derive from free device memory
+    instance_id: str = ""  # the launcher run this shard belongs to; "" when started alone
 
 
 class ExceptionInterceptor(grpc.aio.ServerInterceptor):
@@ -159,6 +160,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             world_size=self.info.world_size,
             eos_token_ids=sorted(self.generator.eos_token_ids),
             speculation=_speculation_info(self.generator),
+            instance_id=self.info.instance_id,
         )
 
     async def Health(self, request, context):
@@ -294,6 +296,8 @@ def tokens_to_pb(tokens: list[TokenInfo]) -> pb.Tokens:
 
 
 def generation_to_pb(out: StepOutput) -> pb.Generation:
+    if out.error:  # the request failed this step: the error alone, as the contract says
+        return pb.Generation(request_id=out.request_id, error=out.error)
     gen = pb.Generation(
         request_id=out.request_id,
         tokens=tokens_to_pb(out.tokens),

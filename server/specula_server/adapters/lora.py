@@ -33,6 +33,7 @@ from specula_server.adapters.sources import (
     LORA_WEIGHT_FILES,
     TensorFile,
     adapter_error,
+    check_finite,
     read_json,
 )
 
@@ -136,8 +137,9 @@ def load_lora(
 
     Raises:
         AdapterError 424: unsupported options, missing or unreadable weights, a tensor whose shape does not
-            fit the base model (the message names the tensor, the expected and the found shape), a layer index
-            past the base model's layers, or an A without its B.
+            fit the base model (the message names the tensor, the expected and the found shape), a tensor with
+            a NaN or an infinity (in the file, or once scaled and cast to `dtype`), a layer index past the base
+            model's layers, or an A without its B.
     """
     path = Path(path)
     name = adapter_id if adapter_id is not None else str(path)
@@ -160,10 +162,12 @@ def load_lora(
                 a, b = reader.read(a_name, 1), reader.read(b_name, None)  # [r, in_local], [out, r]
         except (RuntimeError, ValueError, OSError) as error:
             raise adapter_error(name, f"cannot read {a_name} / {b_name}: {error}") from error
-        layers.setdefault(layer, {})[projection] = (
-            a.t().to(device=device, dtype=dtype).contiguous(),  # [d_in_local, r]
-            (b.t() * lora.scaling).to(device=device, dtype=dtype).contiguous(),  # [r, d_out_local]
-        )
+        a = a.t().to(device=device, dtype=dtype).contiguous()  # [d_in_local, r]
+        b = (b.t() * lora.scaling).to(device=device, dtype=dtype).contiguous()  # [r, d_out_local]
+        # The file's values are finite (TensorFile.read checks); scaled and cast, they may still overflow.
+        check_finite(a, a_name, name, after=f" in {dtype}")
+        check_finite(b, b_name, name, after=f" once scaled by {lora.scaling:.4g} in {dtype}")
+        layers.setdefault(layer, {})[projection] = (a, b)
     if not layers:
         raise adapter_error(name, "the adapter's weights hold no LoRA tensors for this model's projections")
     logger.info("read LoRA adapter %s: rank %d, scaling %.4g, %d layers, %s", name, lora.rank, lora.scaling,

@@ -37,8 +37,10 @@ from torch import nn
 from specula_server.adapters.sources import (
     MEDUSA_CONFIG,
     MEDUSA_WEIGHT_FILES,
+    AdapterError,
     TensorFile,
     adapter_error,
+    check_finite,
     medusa_weight_files,
     read_json,
 )
@@ -120,7 +122,8 @@ def load_medusa(
 
     Raises:
         AdapterError 424: no or unreadable config or weights, head tensors missing or numbered with gaps,
-            or shapes that do not fit the base model's hidden size and vocabulary.
+            shapes that do not fit the base model's hidden size and vocabulary, or a tensor with a NaN or an
+            infinity.
     """
     path = Path(path)
     name = adapter_id if adapter_id is not None else str(path)
@@ -141,9 +144,13 @@ def load_medusa(
             raise adapter_error(name, f"Medusa tensor {tensor} has shape {found}, but this base model needs "
                                       f"{shape} (hidden size {hidden}, vocabulary {vocab})")
         try:
-            return reader.read(tensor, None).to(device=device, dtype=dtype)
+            weight = reader.read(tensor, None).to(device=device, dtype=dtype)
+        except AdapterError:  # already names the adapter and the tensor (non-finite values)
+            raise
         except Exception as error:
             raise adapter_error(name, f"cannot read Medusa tensor {tensor}: {error}") from error
+        check_finite(weight, tensor, name, after=f" in {dtype}")  # finite in the file, may overflow when cast
+        return weight
 
     heads, layers = range(medusa.num_heads), range(medusa.num_layers)
     linear_weight = torch.stack([torch.stack([read(f"{h}.{l}.linear.weight", [hidden, hidden]) for l in layers])

@@ -223,6 +223,7 @@ class TensorFile:
     pickle (`torch.load(weights_only=True)`, which refuses anything but tensors and containers)."""
 
     def __init__(self, path: Path, adapter_id: str, rank: int = 0, world_size: int = 1) -> None:
+        self.adapter_id = adapter_id
         self.rank, self.world_size = rank, world_size
         self._weights: Weights | None = None
         self._tensors: dict[str, torch.Tensor] = {}
@@ -245,13 +246,25 @@ class TensorFile:
         return self._weights.shape(name) if self._weights is not None else list(self._tensors[name].shape)
 
     def read(self, name: str, shard_dim: int | None) -> torch.Tensor:
-        """The tensor in float32, whole (`shard_dim` None) or this rank's contiguous block along `shard_dim`."""
+        """The tensor in float32, whole (`shard_dim` None) or this rank's contiguous block along `shard_dim`.
+
+        Raises AdapterError 424 naming the tensor when it holds a NaN or an infinity: such an adapter loads
+        without complaint otherwise and turns its requests' logits into NaN (`nonfinite`).
+        """
         if self._weights is not None:
-            return self._weights.get_tensor(name) if shard_dim is None else self._weights.get_sharded(name, shard_dim)
-        tensor = self._tensors[name].float()
-        if shard_dim is not None:
-            size = tensor.shape[shard_dim]
-            if size % self.world_size:
-                raise ValueError(f"{name}: size {size} along dim {shard_dim} does not divide by {self.world_size}")
-            tensor = tensor.narrow(shard_dim, self.rank * (size // self.world_size), size // self.world_size)
+            tensor = self._weights.get_tensor(name) if shard_dim is None else self._weights.get_sharded(name, shard_dim)
+        else:
+            tensor = self._tensors[name].float()
+            if shard_dim is not None:
+                size = tensor.shape[shard_dim]
+                if size % self.world_size:
+                    raise ValueError(f"{name}: size {size} along dim {shard_dim} does not divide by {self.world_size}")
+                tensor = tensor.narrow(shard_dim, self.rank * (size // self.world_size), size // self.world_size)
+        check_finite(tensor, name, self.adapter_id)
         return tensor
+
+
+def check_finite(tensor: torch.Tensor, name: str, adapter_id: str, after: str = "") -> None:
+    """AdapterError 424 naming `name` when `tensor` holds a NaN or an infinity (`after`: what produced it)."""
+    if not bool(torch.isfinite(tensor).all()):
+        raise adapter_error(adapter_id, f"tensor {name} has non-finite values{after}")
