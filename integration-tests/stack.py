@@ -59,20 +59,22 @@ def source_env() -> dict[str, str]:
 
 class LauncherProcess:
     """One `specula-launcher` subprocess serving `model_dir` on 127.0.0.1 with the given extra flags (no
-    `--model-id` when `model_dir` is None: the launcher's default, the bundled demo model)."""
+    `--model-id` when `model_dir` is None: the launcher's default, the bundled demo model).
+
+    The shard sockets and the torch.distributed port are the launcher's defaults (its own directory and a free
+    port), as a user gets them, unless `extra_args` name them; `port` reuses an HTTP port (a restart)."""
 
     def __init__(self, model_dir: Path | None, work_dir: Path, extra_args: Sequence[str] = (),
-                 name: str = "launcher"):
+                 name: str = "launcher", port: int | None = None):
         self.name = name
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         work_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = work_dir / f"{name}.log"
         self.argv = [
             sys.executable, "-m", "specula_launcher.cli",
             *(["--model-id", str(model_dir)] if model_dir is not None else []),
-            "--port", str(self.port), "--hostname", "127.0.0.1", "--shard-uds-path", str(work_dir / "shard"),
-            "--master-port", str(free_port()), "--kv-cache-memory", "64MiB",
+            "--port", str(self.port), "--hostname", "127.0.0.1", "--kv-cache-memory", "64MiB",
             "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), *extra_args,
         ]
         self.proc: subprocess.Popen[bytes] | None = None
@@ -156,6 +158,11 @@ class LauncherProcess:
         except OSError:
             return "<no output>"
         return text if tail is None else text[-tail:]
+
+    def shard_uds_path(self) -> Path:
+        """The socket prefix the launcher gave its shards (shard r listens on PREFIX-r), from shard 0's argv."""
+        argv = _cmdline(self.children()["shard-0"])
+        return Path(argv[argv.index("--uds-path") + 1])
 
     def children(self) -> dict[str, int]:
         """The launcher's live children by their log name: {"shard-0": pid, ..., "router": pid}."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
+from pathlib import Path
 
 import httpx
 import pytest
@@ -61,7 +62,8 @@ def test_a_killed_shard_stops_the_launcher_with_an_error_naming_it(launch):
     launcher = launch("--num-shard", "2")
     children = launcher.children()
     assert set(children) == {"shard-0", "shard-1", "router"}, children
-    sockets = [launcher.log_path.parent / f"shard-{rank}" for rank in range(2)]
+    prefix = launcher.shard_uds_path()  # in a directory of the launcher's own (no --shard-uds-path given)
+    sockets = [Path(f"{prefix}-{rank}") for rank in range(2)]
     assert all(s.exists() for s in sockets)
 
     with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
@@ -86,6 +88,7 @@ def test_a_killed_shard_stops_the_launcher_with_an_error_naming_it(launch):
     wait_until(lambda: not any(is_alive(pid) for pid in children.values()), timeout=10,
                what="every child to be gone")
     assert not any(s.exists() for s in sockets), "stale shard sockets left behind"
+    assert not prefix.parent.exists(), "the launcher's socket directory was left behind"
 
 
 def test_sigterm_finishes_requests_in_flight_then_exits_0(launch):

@@ -51,6 +51,14 @@ from specula_server.testing.tokenizer import BOS_ID, EOS_ID, MULTILINGUAL_TEXT, 
 DEFAULT_OUT = ROOT / "launcher" / "specula_launcher" / "demo_model"
 DRAFT_OUT = ROOT / "launcher" / "specula_launcher" / "demo_adapters" / "draft-model"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# The demo model's chat template (see its README): a code model, so the conversation is written as code.
+DEMO_CHAT_TEMPLATE = (
+    "{{- bos_token -}}{%- for message in messages -%}{%- set text = message['content'] or '' -%}"
+    "{%- if message['role'] == 'system' -%}{%- for line in text.split('\\n') -%}{{ '# ' + line + '\\n' }}"
+    "{%- endfor -%}{%- else -%}{{ text }}{%- if not loop.last and not text.endswith('\\n') -%}{{ '\\n' }}"
+    "{%- endif -%}{%- endif -%}{%- endfor -%}{%- if add_generation_prompt and messages and not "
+    "(messages[-1]['content'] or '').endswith('\\n') -%}{{ '\\n' }}{%- endif -%}"
+)
 TRAINING_RECORD = "training.json"  # each phase's recipe and measurements, which the README is written from
 MAX_BYTES = 12_000_000  # the model part of the bundled family (all of it must stay under 20 MB)
 
@@ -281,6 +289,9 @@ def train(recipe: Recipe, out_dir: Path, device: torch.device, max_minutes: floa
         print(f"tokenizer: copied from {tokenizer_from} (vocab {vocab_size})", flush=True)
     else:
         vocab_size = build_tokenizer(out_dir, recipe.vocab_size, "bytelevel", train_texts + [MULTILINGUAL_TEXT])
+    tokenizer_config = json.loads((out_dir / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = DEMO_CHAT_TEMPLATE
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
     tokenizer = Tokenizer.from_file(str(out_dir / "tokenizer.json"))
 
     edits = [e.document for e in code_corpus.code_edits(train_texts, recipe.num_edits, seed=recipe.seed)]
@@ -400,6 +411,12 @@ and it writes the block again, trying to apply the rename. It is a {metrics['num
 model trained for {minutes:.0f} minutes: its code looks like Python but rarely runs, and its copies slip (a line
 repeated or skipped, a rename missed). What matters for the server is that its continuations reuse much of the
 prompt, which is what prompt lookup and the other drafters speed up.
+
+**Chat.** It is a code model, not an assistant: it was never trained on conversations. So that
+`/v1/chat/completions` works out of the box, its `tokenizer_config.json` carries a plain chat template that
+writes the conversation as code: `<s>`, system messages as `# ` comment lines, the other messages' contents one
+after the other on their own lines, and a final newline; the answer is the model's continuation of that text.
+Send code (or an edit task as above) as the user message.
 
 Held out (files the model never saw): loss {final['held_out_loss']} on plain code; inside edit answers its
 greedy token is the right one {final['edit_answer_token_accuracy'] * 100:.1f}% of the time.

@@ -3,8 +3,9 @@
     specula-launcher --model-id meta-llama/Llama-3.1-8B-Instruct --num-shard 2 --speculative-tokens 3
 
 Every flag also reads an environment variable (MODEL_ID, NUM_SHARD, PORT, ...), as in TGI and LoRAX. The
-flags are turned into one `LauncherConfig` (config.py), the children's command lines are built from it
-(commands.py), and the `Supervisor` (processes.py) runs them until SIGINT/SIGTERM or a child fails.
+flags are turned into one `LauncherConfig` (config.py), the run's own socket path, torch.distributed port and
+instance id are claimed (endpoints.py), the children's command lines are built from it (commands.py), and the
+`Supervisor` (processes.py) runs them until SIGINT/SIGTERM or a child fails.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import typer
 
 from specula_launcher.commands import router_spec, shard_sockets, shard_specs
 from specula_launcher.config import LauncherConfig, build_config
+from specula_launcher.endpoints import claim_endpoints
 from specula_launcher.processes import LAUNCHER, LogSink, Supervisor, run_with_signal_handlers
 
 app = typer.Typer(add_completion=False, help="Start the Specula model shards and router, and supervise them.")
@@ -93,15 +95,30 @@ def main(
     max_waiting_tokens: int = typer.Option(
         20, envvar="MAX_WAITING_TOKENS", help="Decode steps before waiting requests are forced into the batch."),
     max_batch_size: Optional[int] = typer.Option(None, envvar="MAX_BATCH_SIZE", help="Largest running batch."),
-    shard_uds_path: str = typer.Option(
-        "/tmp/specula-server", envvar="SHARD_UDS_PATH", help="Shard socket prefix; shard r listens on PATH-r."),
+    shard_uds_path: Optional[str] = typer.Option(
+        None, envvar="SHARD_UDS_PATH",
+        help="Shard socket prefix; shard r listens on PATH-r. Refused when a live process serves one of them. "
+             "Default: a new directory of this launcher's own under $XDG_RUNTIME_DIR (else the temp directory), "
+             "removed at exit."),
     master_addr: str = typer.Option("localhost", envvar="MASTER_ADDR", help="torch.distributed address."),
-    master_port: int = typer.Option(29500, envvar="MASTER_PORT", help="torch.distributed port."),
+    master_port: Optional[int] = typer.Option(
+        None, envvar="MASTER_PORT",
+        help="torch.distributed port (used with --num-shard > 1; refused when something listens on it). "
+             "Default: a free port chosen at start."),
     huggingface_hub_cache: Optional[Path] = typer.Option(
         None, envvar="HUGGINGFACE_HUB_CACHE", help="Hub cache directory."),
     json_output: bool = typer.Option(
         False, "--json-output", envvar="JSON_OUTPUT", help="Log JSON lines {\"process\", \"line\"}."),
     payload_limit: int = typer.Option(2_000_000, envvar="PAYLOAD_LIMIT", help="Largest request body in bytes."),
+    validation_workers: int = typer.Option(
+        2, envvar="VALIDATION_WORKERS", help="Router threads that validate and tokenise requests off its event loop."),
+    max_adapter_labels: int = typer.Option(
+        32, envvar="MAX_ADAPTER_LABELS",
+        help="Adapters that get their own `adapter` metrics label (the first to load); the others count as `other`."),
+    chat_template: Optional[str] = typer.Option(
+        None, envvar="CHAT_TEMPLATE",
+        help="Chat template for /v1/chat/completions: a file, or the jinja template itself. Default: the model's "
+             "own (tokenizer_config.json or chat_template.jinja); without one, chat requests get a 400."),
     cors_allow_origin: Optional[List[str]] = typer.Option(
         None, envvar="CORS_ALLOW_ORIGIN", help="Allowed CORS origin (repeat the flag for several)."),
     kv_cache_memory: Optional[str] = typer.Option(
@@ -109,6 +126,10 @@ def main(
     block_size: int = typer.Option(16, envvar="BLOCK_SIZE", help="Tokens per KV cache block."),
     shutdown_timeout: int = typer.Option(
         30, envvar="SHUTDOWN_TIMEOUT", help="Seconds the router may spend draining requests on shutdown."),
+    step_timeout: float = typer.Option(
+        600.0, envvar="STEP_TIMEOUT",
+        help="Seconds a shard may take to answer one step (0: no limit). Past it the step's requests fail, "
+             "/health turns unhealthy and every process is stopped, as for a shard that died."),
     log_level: str = typer.Option("INFO", envvar="LOG_LEVEL", help="DEBUG, INFO, WARNING or ERROR."),
 ) -> None:
     """Start the model shards, wait until each is ready, start the router, and supervise them."""
@@ -122,8 +143,15 @@ def main(
 
 
 def launch(config: LauncherConfig, stream: TextIO | None = None) -> int:
-    """Runs the shards and the router described by `config` until a signal (0) or a failure (1)."""
+    """Runs the shards and the router described by `config` until a signal (0) or a failure (1); 2, with
+    nothing started, when a socket path or port it names is in use (see endpoints.py)."""
     sink = LogSink(stream or sys.stdout, config.json_output)
+    try:
+        endpoints = claim_endpoints(config)
+    except ValueError as e:
+        sink.emit(LAUNCHER, f"error: {e}")
+        return 2
+    config = endpoints.config
     sink.emit(LAUNCHER, f"{config.num_shard} shard(s) of {config.model_id} on {config.device} ({config.dtype}), "
                         f"router on {config.hostname}:{config.port}")
     sink.emit(LAUNCHER, f"max_input_tokens={config.max_input_tokens} max_total_tokens={config.max_total_tokens} "
@@ -133,11 +161,17 @@ def launch(config: LauncherConfig, stream: TextIO | None = None) -> int:
         sink.emit(LAUNCHER, f"adapters: max_active_adapters={config.max_active_adapters} "
                             f"adapter_dir={','.join(config.adapter_dir) or '-'} "
                             f"preloaded={','.join(config.preloaded_adapter_ids) or '-'}")
-    supervisor = Supervisor(
-        shards=shard_specs(config), router=router_spec(config), shard_sockets=shard_sockets(config), sink=sink,
-        drain_timeout=config.shutdown_timeout + ROUTER_CLOSE_GRACE_S, stop_timeout=SHARD_STOP_TIMEOUT_S,
-    )
-    return run_with_signal_handlers(supervisor)
+    owner = "this launcher's own directory, removed at exit" if endpoints.owned_dir else "--shard-uds-path"
+    sink.emit(LAUNCHER, f"shard sockets {config.shard_uds_path}-{{0..{config.num_shard - 1}}} ({owner}), "
+                        f"torch.distributed {config.master_addr}:{config.master_port}, instance {config.instance_id}")
+    try:
+        supervisor = Supervisor(
+            shards=shard_specs(config), router=router_spec(config), shard_sockets=shard_sockets(config), sink=sink,
+            drain_timeout=config.shutdown_timeout + ROUTER_CLOSE_GRACE_S, stop_timeout=SHARD_STOP_TIMEOUT_S,
+        )
+        return run_with_signal_handlers(supervisor)
+    finally:
+        endpoints.release()
 
 
 if __name__ == "__main__":

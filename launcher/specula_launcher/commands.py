@@ -2,17 +2,21 @@
 
 Shards (one per rank, identical arguments, the rank in the environment as torch.distributed expects):
 
-    python -m specula_server.cli serve MODEL --uds-path /tmp/specula-server --dtype float32 --device cpu
-        --block-size 16 --max-active-adapters 8 [--revision R] [--huggingface-hub-cache DIR]
-        [--kv-cache-memory SIZE] [--adapter-dir DIR ...]
+    python -m specula_server.cli serve MODEL --uds-path $XDG_RUNTIME_DIR/specula-XXXXXXXX/shard --dtype float32
+        --device cpu --block-size 16 --max-active-adapters 8 [--revision R] [--huggingface-hub-cache DIR]
+        [--kv-cache-memory SIZE] [--adapter-dir DIR ...] --instance-id ID
         [--speculative-tokens N --speculation-mode M --ngram-min A --ngram-max B --ngram-match W
          --draft-tree-width K [--speculator S]]
     env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOG_LEVEL (+ the launcher's own environment)
 
 Router (connects to shard 0, which lists the others through ServiceDiscovery):
 
-    python -m specula_router.cli --model-id MODEL --master-shard-uds-path /tmp/specula-server-0
-        --hostname 0.0.0.0 --port 3000 ... every router flag under its launcher name (see `router_command`)
+    python -m specula_router.cli --model-id MODEL --master-shard-uds-path $XDG_RUNTIME_DIR/specula-XXXXXXXX/shard-0
+        --hostname 0.0.0.0 --port 3000 --instance-id ID ... every router flag under its launcher name
+        (see `router_command`)
+
+The socket path, MASTER_PORT and the instance id are the ones `endpoints.claim_endpoints` chose for this run;
+the router refuses any shard whose Info reports another instance id.
 
 Flags whose value is None are left out so the child applies its own default; boolean flags are bare.
 `--max-active-adapters` goes to both: the router never asks for more adapters than the workers have slots.
@@ -35,18 +39,20 @@ ROUTER_FLAGS = (
     "max_top_n_tokens", "max_input_tokens",
     "max_total_tokens", "waiting_served_ratio", "max_batch_prefill_tokens", "max_batch_total_tokens",
     "max_waiting_tokens", "max_batch_size", "payload_limit", "cors_allow_origin", "json_output", "num_shard",
-    "shutdown_timeout", "log_level",
+    "shutdown_timeout", "step_timeout", "log_level", "validation_workers", "max_adapter_labels", "chat_template",
+    "adapter_dir",  # also the router's: GET /v1/models lists the local adapters
 )
 
 
 def shard_command(config: LauncherConfig) -> list[str]:
     """The worker command line; the same for every rank."""
+    assert config.shard_uds_path is not None, "the socket path is chosen at launch (endpoints.claim_endpoints)"
     argv = [
         sys.executable, "-m", "specula_server.cli", "serve", config.model_id,
         "--uds-path", config.shard_uds_path, "--dtype", config.dtype, "--device", config.device,
         "--block-size", str(config.block_size), "--max-active-adapters", str(config.max_active_adapters),
     ]
-    for name in ("revision", "huggingface_hub_cache", "kv_cache_memory", "adapter_dir"):
+    for name in ("revision", "huggingface_hub_cache", "kv_cache_memory", "adapter_dir", "instance_id"):
         argv += _flag(name, getattr(config, name))
     if config.speculative_tokens > 0:
         for name in ("speculative_tokens", "speculation_mode", "ngram_min", "ngram_max", "ngram_match",
@@ -57,6 +63,7 @@ def shard_command(config: LauncherConfig) -> list[str]:
 
 def shard_env(config: LauncherConfig, rank: int, base_env: Mapping[str, str]) -> dict[str, str]:
     """The launcher's environment (HF_TOKEN, proxies, ...) plus this shard's place in the process group."""
+    assert config.master_port is not None, "the master port is chosen at launch (endpoints.claim_endpoints)"
     return {
         **base_env,
         "RANK": str(rank), "WORLD_SIZE": str(config.num_shard), "MASTER_ADDR": config.master_addr,
@@ -70,7 +77,7 @@ def router_command(config: LauncherConfig) -> list[str]:
     argv = [
         sys.executable, "-m", "specula_router.cli", "--model-id", config.model_id,
         "--master-shard-uds-path", str(config.shard_socket(0)),
-        "--hostname", config.hostname, "--port", str(config.port),
+        "--hostname", config.hostname, "--port", str(config.port), *_flag("instance_id", config.instance_id),
     ]
     for name in ROUTER_FLAGS:
         argv += _flag(name, getattr(config, name))

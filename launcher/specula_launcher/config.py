@@ -51,7 +51,11 @@ _SIZE = re.compile(r"^\s*\d+(?:\.\d+)?\s*(?:[KMGT]i?B|B)?\s*$", re.IGNORECASE)
 
 @dataclass(frozen=True)
 class LauncherConfig:
-    """Every setting of one launcher run; field names are the flag names with `_` for `-`."""
+    """Every setting of one launcher run; field names are the flag names with `_` for `-`.
+
+    `shard_uds_path`, `master_port` and `instance_id` left None are filled in at launch, once, by
+    `endpoints.claim_endpoints`: the children's command lines are built only from a config that went through it.
+    """
 
     model_id: str
     dtype: str
@@ -82,17 +86,24 @@ class LauncherConfig:
     max_batch_total_tokens: int | None = None
     max_waiting_tokens: int = 20
     max_batch_size: int | None = None
-    shard_uds_path: str = "/tmp/specula-server"
+    shard_uds_path: str | None = None  # None: a directory of this launcher's own, chosen at launch (endpoints.py)
     master_addr: str = "localhost"
-    master_port: int = 29500
+    master_port: int | None = None  # None: a free port, chosen at launch
     huggingface_hub_cache: str | None = None
     json_output: bool = False
     payload_limit: int = 2_000_000
+    validation_workers: int = 2  # router threads that validate and tokenise requests
+    max_adapter_labels: int = 32  # adapters with their own metrics label; the rest are `other`
+    chat_template: str | None = None  # the router's template for /v1/chat/completions (a file or a template)
     cors_allow_origin: tuple[str, ...] = ()
     kv_cache_memory: str | None = None
     block_size: int = 16
     shutdown_timeout: int = 30
+    step_timeout: float = 600.0  # seconds a shard may take to answer one step (0: no limit)
     log_level: str = "INFO"
+    # Not a flag: the id of this launcher run, generated at launch and passed to every child; the router refuses
+    # a shard reporting another one. None until then.
+    instance_id: str | None = None
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -100,7 +111,8 @@ class LauncherConfig:
         _check_token_relations(self)
 
     def shard_socket(self, rank: int) -> Path:
-        """The unix socket shard `rank` listens on once its model is loaded."""
+        """The unix socket shard `rank` listens on once its model is loaded (the path must be chosen by then)."""
+        assert self.shard_uds_path is not None, "the socket path is chosen at launch (endpoints.claim_endpoints)"
         return Path(f"{self.shard_uds_path}-{rank}")
 
 
@@ -129,7 +141,7 @@ def _check_choices(c: LauncherConfig) -> None:
     if len(set(c.preloaded_adapter_ids)) > c.max_active_adapters:
         raise ValueError(f"--preloaded-adapter-ids names {len(set(c.preloaded_adapter_ids))} adapters, more than "
                          f"--max-active-adapters ({c.max_active_adapters})")
-    longest = len(str(c.shard_socket(c.num_shard - 1)).encode())
+    longest = len(str(c.shard_socket(c.num_shard - 1)).encode()) if c.shard_uds_path is not None else 0
     if longest > MAX_UDS_PATH_BYTES:
         raise ValueError(f"--shard-uds-path is too long: {c.shard_socket(c.num_shard - 1)} is {longest} bytes, "
                          f"unix sockets allow {MAX_UDS_PATH_BYTES}")
@@ -145,15 +157,18 @@ def _check_ranges(c: LauncherConfig) -> None:
         "--max-batch-prefill-tokens": (c.max_batch_prefill_tokens, 1),
         "--max-batch-total-tokens": (c.max_batch_total_tokens, 2), "--max-waiting-tokens": (c.max_waiting_tokens, 0),
         "--max-batch-size": (c.max_batch_size, 1), "--payload-limit": (c.payload_limit, 1),
+        "--validation-workers": (c.validation_workers, 1), "--max-adapter-labels": (c.max_adapter_labels, 0),
         "--block-size": (c.block_size, 1), "--shutdown-timeout": (c.shutdown_timeout, 0),
     }
     for flag, (value, low) in at_least.items():
         if value is not None and value < low:
             raise ValueError(f"{flag} must be at least {low}; got {value}")
+    if c.step_timeout < 0:
+        raise ValueError(f"--step-timeout must not be negative; got {c.step_timeout}")
     if c.waiting_served_ratio < 0:
         raise ValueError(f"--waiting-served-ratio must not be negative; got {c.waiting_served_ratio}")
     for flag, port in (("--port", c.port), ("--master-port", c.master_port)):
-        if not 1 <= port <= 65535:
+        if port is not None and not 1 <= port <= 65535:
             raise ValueError(f"{flag} must be between 1 and 65535; got {port}")
     if c.port == c.master_port:
         raise ValueError(f"--port and --master-port are both {c.port}; the router and torch.distributed "

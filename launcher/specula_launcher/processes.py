@@ -6,16 +6,19 @@ The launcher's whole life is one `Supervisor.run()`:
                                    │ a shard exits first                              │ any child exits
                                    └──────────────> failure: stop the rest, print its tail, return 1
     SIGINT / SIGTERM at any point ─> SIGTERM router, wait (it drains) ─> SIGTERM shards, wait ─> return 0
+                                     (3 when the router's drain ran out and it cut requests short)
 
 Each child runs in its own process group (a Ctrl-C in the terminal reaches only the launcher, which then stops
-the children in order) with stdout and stderr merged into one pipe. A reader thread per child prefixes every
-line with the child's name ("[shard-0] ...") or wraps it as a JSON line, and keeps the last lines so a crash
-can be explained. Anything still running when its stop timeout passes is killed (SIGKILL, whole group).
-A second signal during shutdown kills everything at once.
+the children in order) with stdout and stderr merged into one pipe, and is killed by the kernel if the launcher
+dies without stopping it (kill -9, the OOM killer): no orphan keeps a socket, a port or a GPU. A reader thread
+per child prefixes every line with the child's name ("[shard-0] ...") or wraps it as a JSON line, and keeps the
+last lines so a crash can be explained. Anything still running when its stop timeout passes is killed (SIGKILL,
+whole group). A second signal during shutdown kills everything at once.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -23,12 +26,16 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 LAUNCHER = "launcher"  # the process name on the launcher's own log lines
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# The router's exit code when its drain ran past --shutdown-timeout and requests were ended with a shutdown
+# error (specula_router.lifecycle.DRAIN_CUT_EXIT_CODE); the launcher then exits with it too.
+DRAIN_CUT_EXIT_CODE = 3
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,7 @@ class Child:
         self._proc = subprocess.Popen(
             list(self.spec.argv), env=dict(self.spec.env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, start_new_session=True,  # own process group: Ctrl-C reaches only us
+            preexec_fn=die_with_parent(),
         )
         self._reader = threading.Thread(target=self._read_output, name=f"output-{self.name}", daemon=True)
         self._reader.start()
@@ -169,9 +177,9 @@ class Supervisor:
         self._num_stop_requests += 1
 
     def run(self) -> int:
-        """Runs until stopped (0) or until a child fails (1)."""
+        """Runs until stopped (0; `DRAIN_CUT_EXIT_CODE` when the drain was cut) or until a child fails (1)."""
         try:
-            self._remove_sockets()
+            self._remove_sockets(at_start=True)
             failed = self._start_shards()
             if failed is None and not self._num_stop_requests:
                 self._log("starting router")
@@ -191,6 +199,10 @@ class Supervisor:
             return 1
         self._log(f"{self._stop_reason}: shutting down")
         self._shutdown()
+        if self._router.returncode == DRAIN_CUT_EXIT_CODE:
+            self._log("the router's drain was cut by --shutdown-timeout: the requests still in flight were "
+                      "ended with a shutdown error")
+            return DRAIN_CUT_EXIT_CODE
         return 0
 
     def _start_shards(self) -> Child | None:
@@ -266,14 +278,39 @@ class Supervisor:
         for line in tail:
             self._log(f"  | {line}")
 
-    def _remove_sockets(self) -> None:
+    def _remove_sockets(self, at_start: bool = False) -> None:
+        """Removes the shards' sockets; at start, only stale ones are left (the launcher refused live ones)."""
         for path in self._sockets:
             if path.is_dir():
                 raise OSError(f"{path} is a directory, not a shard socket; choose another --shard-uds-path")
+            if at_start and (path.exists() or path.is_symlink()):
+                self._log(f"removing {path}, stale (left by a shard that was killed)")
             path.unlink(missing_ok=True)
 
     def _log(self, line: str) -> None:
         self._sink.emit(LAUNCHER, line)
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` that has the kernel SIGKILL the child when the thread starting it ends: the launcher's
+    main thread, so when the launcher dies (Linux; None elsewhere).
+
+    Children run in their own sessions, out of reach of whatever ends the launcher; without this a launcher
+    killed with SIGKILL would leave its shards serving their sockets and its router holding its port. libc's
+    prctl is looked up here, in the parent: the child, forked from a process with threads, should only call it.
+    """
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def in_child() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    return in_child
 
 
 def run_with_signal_handlers(supervisor: Supervisor) -> int:

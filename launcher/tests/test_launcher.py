@@ -7,6 +7,7 @@ or ignore SIGTERM on demand. Real shards and a real router are started by integr
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -23,6 +24,7 @@ from typer.testing import CliRunner
 from specula_launcher import cli
 from specula_launcher.commands import router_command, router_spec, shard_command, shard_env, shard_specs
 from specula_launcher.config import DEMO_ADAPTERS_DIR, DEMO_MODEL_DIR, LauncherConfig, build_config, derive_token_limits
+from specula_launcher.endpoints import claim_endpoints
 from specula_launcher.processes import ChildSpec, LogSink, Supervisor, describe_exit
 
 LAUNCHER_DIR = Path(__file__).resolve().parent.parent
@@ -52,6 +54,11 @@ def make_model_dir(root: Path, max_positions: int = 8192) -> Path:
     return model
 
 
+def claimed(c: LauncherConfig) -> LauncherConfig:
+    """`c` as the launch step leaves it, with a fixed socket path and port where it chose none (no id)."""
+    return dataclasses.replace(c, shard_uds_path=c.shard_uds_path or "/run/s", master_port=c.master_port or 29600)
+
+
 # ---------------------------------------------------------------------------------------------------- config
 
 
@@ -64,7 +71,8 @@ def test_defaults_serve_the_bundled_demo_model() -> None:
     assert (c.max_concurrent_requests, c.max_best_of, c.max_stop_sequences, c.max_top_n_tokens) == (128, 2, 4, 5)
     assert (c.waiting_served_ratio, c.max_waiting_tokens, c.max_batch_size, c.max_batch_total_tokens) == (
         1.2, 20, None, None)
-    assert (c.shard_uds_path, c.master_addr, c.master_port) == ("/tmp/specula-server", "localhost", 29500)
+    # Chosen per launcher at launch (endpoints.py), so two launchers never share them.
+    assert (c.shard_uds_path, c.master_addr, c.master_port, c.instance_id) == (None, "localhost", None, None)
     # ... with its family: the bundled adapters are the local adapters, and local the default source.
     assert (c.speculative_tokens, c.speculator, c.adapter_source) == (0, None, "local")
     assert (c.max_active_adapters, c.preloaded_adapter_ids, c.adapter_dir) == (8, (), (str(DEMO_ADAPTERS_DIR),))
@@ -81,8 +89,9 @@ def test_the_demo_family_is_served_with_the_demo_model(tmp_path: Path) -> None:
         assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (DEMO_ADAPTERS_DIR / name).iterdir()}
     c = build_config(model_id=str(DEMO_MODEL_DIR), **NO_GPU)  # the demo model named explicitly
     assert (c.adapter_dir, c.adapter_source) == ((str(DEMO_ADAPTERS_DIR),), "local")
-    assert shard_command(c)[-2:] == ["--adapter-dir", str(DEMO_ADAPTERS_DIR)]
-    assert router_command(c)[router_command(c).index("--adapter-source") + 1] == "local"
+    assert shard_command(claimed(c))[-2:] == ["--adapter-dir", str(DEMO_ADAPTERS_DIR)]
+    argv = router_command(claimed(c))
+    assert argv[argv.index("--adapter-source") + 1] == "local"
     c = build_config(adapter_dir=[str(tmp_path)], adapter_source="hub", **NO_GPU)
     assert (c.adapter_dir, c.adapter_source) == ((str(tmp_path),), "hub")
     other = str(make_model_dir(tmp_path))
@@ -91,7 +100,8 @@ def test_the_demo_family_is_served_with_the_demo_model(tmp_path: Path) -> None:
     for name in ("draft-model", "mlp-speculator", "medusa"):
         c = build_config(speculative_tokens=3, speculator=name, **NO_GPU)
         assert c.speculator == str(DEMO_ADAPTERS_DIR / name)
-        assert shard_command(c)[shard_command(c).index("--speculator") + 1] == str(DEMO_ADAPTERS_DIR / name)
+        argv = shard_command(claimed(c))
+        assert argv[argv.index("--speculator") + 1] == str(DEMO_ADAPTERS_DIR / name)
     assert build_config(speculative_tokens=3, speculator="org/heads", **NO_GPU).speculator == "org/heads"
     assert build_config(model_id=other, speculative_tokens=3, speculator="draft-model",
                         **NO_GPU).speculator == "draft-model"  # not the demo model: a Hub id as given
@@ -148,7 +158,8 @@ def test_hub_models_leave_limits_to_the_router() -> None:
                                                                         r"not exceed --max-batch-total-tokens"),
     (dict(dtype="fp8"), r"--dtype must be one of float32, bfloat16, float16; got 'fp8'"),
     (dict(port=70000), r"--port must be between 1 and 65535; got 70000"),
-    (dict(port=29500), r"--port and --master-port are both 29500"),
+    (dict(port=29500, master_port=29500), r"--port and --master-port are both 29500"),
+    (dict(master_port=0), r"--master-port must be between 1 and 65535; got 0"),
     (dict(num_shard=0), r"--num-shard must be at least 1; got 0"),
     (dict(adapter_source="s3"), r"--adapter-source must be one of hub, local; got 's3'"),
     (dict(max_active_adapters=0), r"--max-active-adapters must be at least 1; got 0"),
@@ -216,10 +227,11 @@ def test_cli_max_input_length_alias_and_errors(monkeypatch: pytest.MonkeyPatch) 
 
 def test_shard_command_and_environment(tmp_path: Path) -> None:
     model = str(make_model_dir(tmp_path))
-    c = build_config(model_id=model, num_shard=2, master_port=29600, log_level="debug", **NO_GPU)
+    c = build_config(model_id=model, num_shard=2, master_port=29600, log_level="debug", shard_uds_path="/run/x",
+                     instance_id="abc", **NO_GPU)
     assert shard_command(c) == [sys.executable, "-m", "specula_server.cli", "serve", model,
-                                "--uds-path", "/tmp/specula-server", "--dtype", "float32", "--device", "cpu",
-                                "--block-size", "16", "--max-active-adapters", "8"]
+                                "--uds-path", "/run/x", "--dtype", "float32", "--device", "cpu",
+                                "--block-size", "16", "--max-active-adapters", "8", "--instance-id", "abc"]
     c = build_config(model_id="org/model", revision="v1", huggingface_hub_cache="/data", kv_cache_memory="4GiB",
                      dtype="bfloat16", block_size=32, shard_uds_path="/run/s", **NO_GPU)
     assert shard_command(c) == [sys.executable, "-m", "specula_server.cli", "serve", "org/model",
@@ -227,31 +239,34 @@ def test_shard_command_and_environment(tmp_path: Path) -> None:
                                 "--max-active-adapters", "8", "--revision", "v1", "--huggingface-hub-cache", "/data",
                                 "--kv-cache-memory", "4GiB"]
     c = build_config(model_id=model, speculative_tokens=4, speculation_mode="fixed", ngram_max=4, **NO_GPU)
-    assert shard_command(c)[-12:] == ["--speculative-tokens", "4", "--speculation-mode", "fixed", "--ngram-min", "1",
+    assert shard_command(claimed(c))[-12:] == ["--speculative-tokens", "4", "--speculation-mode", "fixed", "--ngram-min", "1",
                                       "--ngram-max", "4", "--ngram-match", "latest", "--draft-tree-width", "1"]
     c = build_config(model_id=model, speculative_tokens=4, speculator="/m/heads", draft_tree_width=3, **NO_GPU)
-    assert shard_command(c)[-4:] == ["--speculator", "/m/heads", "--draft-tree-width", "3"]
+    assert shard_command(claimed(c))[-4:] == ["--speculator", "/m/heads", "--draft-tree-width", "3"]
     with pytest.raises(ValueError, match="--speculation-mode"):
         build_config(model_id=model, speculation_mode="sometimes", **NO_GPU)
     c = build_config(model_id=model, num_shard=2, master_port=29600, log_level="debug", **NO_GPU)
     env = shard_env(c, 1, {"HF_TOKEN": "secret", "PATH": "/bin"})
     assert env == {"HF_TOKEN": "secret", "PATH": "/bin", "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost",
                    "MASTER_PORT": "29600", "LOG_LEVEL": "DEBUG", "PYTHONUNBUFFERED": "1"}
-    specs = shard_specs(c, {"HF_TOKEN": "secret"})
+    specs = shard_specs(claimed(c), {"HF_TOKEN": "secret"})
     assert [s.name for s in specs] == ["shard-0", "shard-1"] and [s.env["RANK"] for s in specs] == ["0", "1"]
 
 
-def test_router_command_with_defaults() -> None:
-    c = build_config(**NO_GPU)
+def test_router_command_with_defaults(tmp_path: Path) -> None:
+    c = claim_endpoints(build_config(**NO_GPU), parent=tmp_path).config  # a socket directory of its own
+    assert Path(c.shard_uds_path).parent.parent == tmp_path and len(c.instance_id) == 32
     assert router_command(c) == [
         sys.executable, "-m", "specula_router.cli", "--model-id", str(DEMO_MODEL_DIR),
-        "--master-shard-uds-path", "/tmp/specula-server-0", "--hostname", "0.0.0.0", "--port", "3000",
+        "--master-shard-uds-path", f"{c.shard_uds_path}-0", "--hostname", "0.0.0.0", "--port", "3000",
+        "--instance-id", c.instance_id,
         "--speculative-tokens", "0", "--adapter-source", "local", "--max-active-adapters", "8",
         "--max-concurrent-requests", "128",
         "--max-best-of", "2", "--max-stop-sequences", "4", "--max-top-n-tokens", "5", "--max-input-tokens", "2047",
         "--max-total-tokens", "2048", "--waiting-served-ratio", "1.2", "--max-batch-prefill-tokens", "2097",
         "--max-waiting-tokens", "20", "--payload-limit", "2000000", "--num-shard", "1", "--shutdown-timeout", "30",
-        "--log-level", "INFO",
+        "--step-timeout", "600.0", "--log-level", "INFO",
+        "--validation-workers", "2", "--max-adapter-labels", "32", "--adapter-dir", str(DEMO_ADAPTERS_DIR),
     ]
     assert router_spec(c, {"HF_TOKEN": "t"}).env == {"HF_TOKEN": "t", "PYTHONUNBUFFERED": "1"}
 
@@ -264,8 +279,9 @@ def test_router_command_passes_every_flag() -> None:
         max_stop_sequences=2, max_top_n_tokens=0, max_input_tokens=1000, max_total_tokens=2000,
         waiting_served_ratio=0.5, max_batch_prefill_tokens=4000, max_batch_total_tokens=16000, max_waiting_tokens=5,
         max_batch_size=8, payload_limit=100, cors_allow_origin=["https://a", "https://b"], json_output=True,
-        num_shard=2, shutdown_timeout=9, log_level="warning", hostname="127.0.0.1", port=8080,
-        shard_uds_path="/run/s", **NO_GPU,
+        num_shard=2, shutdown_timeout=9, step_timeout=45, log_level="warning", hostname="127.0.0.1", port=8080,
+        shard_uds_path="/run/s", validation_workers=3, max_adapter_labels=7, chat_template="/t/chat.jinja",
+        adapter_dir=["/", "/tmp"], **NO_GPU,
     )
     assert router_command(c)[1:] == [
         "-m", "specula_router.cli", "--model-id", "org/model", "--master-shard-uds-path", "/run/s-0",
@@ -278,7 +294,9 @@ def test_router_command_passes_every_flag() -> None:
         "--waiting-served-ratio", "0.5", "--max-batch-prefill-tokens", "4000", "--max-batch-total-tokens", "16000",
         "--max-waiting-tokens", "5", "--max-batch-size", "8", "--payload-limit", "100",
         "--cors-allow-origin", "https://a", "--cors-allow-origin", "https://b", "--json-output", "--num-shard", "2",
-        "--shutdown-timeout", "9", "--log-level", "WARNING",
+        "--shutdown-timeout", "9", "--step-timeout", "45", "--log-level", "WARNING",
+        "--validation-workers", "3", "--max-adapter-labels", "7", "--chat-template", "/t/chat.jinja",
+        "--adapter-dir", "/", "--adapter-dir", "/tmp",
     ]
 
 
@@ -299,9 +317,9 @@ def test_adapter_flags_reach_the_router_and_every_shard(tmp_path: Path, monkeypa
                                           "org/x", "--preloaded-adapter-ids", "org/y,org/x"])
     assert result.exit_code == 0, result.output
     assert (seen[1].adapter_dir, seen[1].preloaded_adapter_ids) == ((str(dirs[1]),), ("org/x", "org/y"))
-    assert shard_command(c)[11:] == ["--block-size", "16", "--max-active-adapters", "3",
-                                     "--adapter-dir", str(dirs[0]), "--adapter-dir", str(dirs[1])]
-    argv = router_command(c)
+    assert shard_command(claimed(c))[11:] == ["--block-size", "16", "--max-active-adapters", "3",
+                                              "--adapter-dir", str(dirs[0]), "--adapter-dir", str(dirs[1])]
+    argv = router_command(claimed(c))
     assert argv[argv.index("--max-active-adapters"):argv.index("--max-concurrent-requests")] == [
         "--max-active-adapters", "3", "--preloaded-adapter-ids", "org/a", "--preloaded-adapter-ids", "org/b",
         "--preloaded-adapter-ids", "org/c"]
@@ -324,16 +342,22 @@ def test_command_lines_parse_with_the_children_clis(tmp_path: Path) -> None:
     c = build_config(model_id="org/model", revision="main", speculator="org/medusa", max_input_tokens=100,
                      max_batch_size=4, cors_allow_origin=["https://a", "https://b"], json_output=True,
                      kv_cache_memory="1GiB", huggingface_hub_cache="/data", adapter_dir=[str(tmp_path)] * 2,
-                     max_active_adapters=2, preloaded_adapter_ids=["org/a", "org/b"], **NO_GPU)
+                     max_active_adapters=2, preloaded_adapter_ids=["org/a", "org/b"], chat_template="{{ x }}",
+                     **NO_GPU)
+    endpoints = claim_endpoints(c, parent=tmp_path)
+    c = endpoints.config
     params = typer.main.get_command(router_cli.app).make_context("specula-router", router_command(c)[3:]).params
-    assert params["model_id"] == "org/model" and params["master_shard_uds_path"] == "/tmp/specula-server-0"
+    assert params["model_id"] == "org/model" and params["master_shard_uds_path"] == f"{c.shard_uds_path}-0"
+    assert params["instance_id"] == c.instance_id
     assert params["max_input_tokens"] == 100 and params["max_batch_size"] == 4 and params["json_output"] is True
     assert tuple(params["cors_allow_origin"]) == ("https://a", "https://b") and params["speculator"] == "org/medusa"
     assert params["max_active_adapters"] == 2 and tuple(params["preloaded_adapter_ids"]) == ("org/a", "org/b")
+    assert params["chat_template"] == "{{ x }}" and tuple(params["adapter_dir"]) == (str(tmp_path),) * 2
     serve = typer.main.get_command(server_cli.app).commands["serve"]  # type: ignore[attr-defined]
     params = serve.make_context("serve", shard_command(c)[4:]).params
-    assert (params["model_id"], params["uds_path"], params["kv_cache_memory"]) == ("org/model", "/tmp/specula-server",
+    assert (params["model_id"], params["uds_path"], params["kv_cache_memory"]) == ("org/model", c.shard_uds_path,
                                                                                    "1GiB")
+    assert params["instance_id"] == c.instance_id
     assert (params["revision"], str(params["huggingface_hub_cache"]), params["block_size"]) == ("main", "/data", 16)
     assert params["max_active_adapters"] == 2 and [str(d) for d in params["adapter_dir"]] == [str(tmp_path)] * 2
 
@@ -342,7 +366,7 @@ def test_command_lines_parse_with_the_children_clis(tmp_path: Path) -> None:
 
 # A stand-in for a shard or the router. argv: name, events file, behaviour, then for a shard: socket, delay.
 #   serve: run until SIGTERM; drain: on SIGTERM print, wait 0.3 s, then exit; stubborn: ignore SIGTERM;
-#   crash: print 30 lines and an error on stderr, exit 3.
+#   crash: print 30 lines and an error on stderr, exit 3; cut: on SIGTERM exit 3 (a router whose drain was cut).
 FAKE_CHILD = r"""
 import os, signal, socket, sys, time
 name, events, behaviour, rest = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
@@ -355,7 +379,7 @@ def on_term(signum, frame):
         print(f"{name} draining", flush=True)
         time.sleep(0.3)
     event("exit")
-    sys.exit(0)
+    sys.exit(3 if behaviour == "cut" else 0)
 signal.signal(signal.SIGTERM, signal.SIG_IGN if behaviour == "stubborn" else on_term)
 event(f"start own_group={os.getpgid(0) == os.getpid()}" + (f" stale={os.path.exists(rest[0])}" if rest else ""))
 print(f"{name} starting", flush=True)
@@ -560,3 +584,17 @@ def test_signals_shut_down_in_order_and_exit_zero(tmp_path: Path, sig: signal.Si
 def test_describe_exit() -> None:
     assert describe_exit(3) == "exit code 3"
     assert describe_exit(-9) == "killed by SIGKILL"
+
+
+def test_a_router_whose_drain_was_cut_makes_the_launcher_exit_with_its_code(tmp_path: Path) -> None:
+    from specula_router.lifecycle import DRAIN_CUT_EXIT_CODE as ROUTER_CODE
+
+    from specula_launcher.processes import DRAIN_CUT_EXIT_CODE
+
+    assert DRAIN_CUT_EXIT_CODE == ROUTER_CODE
+    h = Harness(tmp_path)
+    sup = h.supervisor(router="cut")
+    stopper = h.stop_when(sup, "router start")
+    assert sup.run() == DRAIN_CUT_EXIT_CODE
+    stopper.join()
+    assert any("drain was cut by --shutdown-timeout" in line for line in h.output())

@@ -220,7 +220,7 @@ class AdapterManager:
             # The slot may stay taken in a worker; a later load then fails with the worker's reason.
             logger.error("could not offload adapter %s: %s", adapter_id, e)
             return
-        self.metrics.adapter_offload.labels(adapter_id).inc()
+        self.metrics.adapter_offload.labels(self.metrics.adapter_label(adapter_id)).inc()
         logger.info("offloaded adapter %s", adapter_id)
 
     async def _load_and_settle(self, adapter: Adapter) -> None:
@@ -248,7 +248,9 @@ class AdapterManager:
         if failure is not None:
             adapter.state = AdapterState.FAILED
             del self._adapters[adapter_id]
-            self.metrics.adapter_load_failure.labels(adapter_id, str(failure.status)).inc()
+            # Labelled `other` unless this id loaded once before: a client-chosen id is not a label value.
+            label = self.metrics.adapter_label(adapter_id)
+            self.metrics.adapter_load_failure.labels(label, str(failure.status)).inc()
             self._update_gauges()
             logger.warning("adapter %s failed to load (%d): %s", adapter_id, failure.status, failure.message)
             return failure
@@ -257,7 +259,7 @@ class AdapterManager:
         adapter.kind = response.kind
         adapter.load_seconds = elapsed
         adapter.last_used = next(self._clock)
-        self.metrics.adapter_load_duration.labels(adapter_id).observe(elapsed)
+        self.metrics.adapter_load_duration.labels(self.metrics.add_adapter_label(adapter_id)).observe(elapsed)
         self._update_gauges()
         logger.info("adapter %s (%s, source %s) loaded in %.2fs (workers: %.2fs)", adapter_id,
                     adapter.kind or "unknown kind", adapter.source, elapsed, response.load_seconds)

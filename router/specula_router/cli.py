@@ -1,8 +1,9 @@
 """`specula-router`: the HTTP front of a Specula deployment (started by `specula-launcher`).
 
-Startup follows TGI: connect to shard 0, discover every shard, clear their caches, read Info, derive and check
-the token limits, Warmup (the KV cache size comes back), load the preloaded adapters, then serve HTTP while the
-batching loop runs. Every option also reads an environment variable.
+Startup follows TGI: connect to shard 0, discover every shard, refuse any that belongs to another launcher run
+(`--instance-id` against each shard's Info), clear their caches, read Info, derive and check the token limits,
+Warmup (the KV cache size comes back), load the preloaded adapters, then serve HTTP while the batching loop runs.
+Every option also reads an environment variable.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ logger = logging.getLogger("specula.router")
 class RouterConfig:
     model_id: str
     master_shard_uds_path: str
+    instance_id: str = ""  # the launcher run whose shards this router may use; "": any (started by hand)
     revision: str | None = None
     huggingface_hub_cache: Path | None = None
     hostname: str = "0.0.0.0"
@@ -50,6 +52,11 @@ class RouterConfig:
     num_shard: int = 1
     shutdown_timeout: float = 30.0
     pipeline_depth: int = 2
+    validation_workers: int = 2  # threads that validate and tokenise requests off the event loop
+    max_adapter_labels: int = 32  # adapters with their own metrics label; the rest are `other`
+    step_timeout: float = 600.0  # seconds a shard may take to answer one step; 0: no limit
+    chat_template: str | None = None  # --chat-template: a file or a template, overriding the model's
+    adapter_dir: tuple[str, ...] = ()  # the workers' --adapter-dir, whose adapters GET /v1/models lists
 
     def __post_init__(self) -> None:
         from specula_router.schemas import ADAPTER_SOURCES, MAX_ADAPTER_ID_LENGTH
@@ -62,6 +69,12 @@ class RouterConfig:
         if len(set(self.preloaded_adapter_ids)) > self.max_active_adapters:
             raise ValueError(f"--preloaded-adapter-ids names {len(set(self.preloaded_adapter_ids))} adapters, more "
                              f"than --max-active-adapters ({self.max_active_adapters})")
+        if self.validation_workers < 1:
+            raise ValueError(f"--validation-workers must be at least 1; got {self.validation_workers}")
+        if self.max_adapter_labels < 0:
+            raise ValueError(f"--max-adapter-labels must not be negative; got {self.max_adapter_labels}")
+        if self.step_timeout < 0:
+            raise ValueError(f"--step-timeout must not be negative; got {self.step_timeout}")
         for adapter_id in self.preloaded_adapter_ids:
             if not adapter_id or len(adapter_id) > MAX_ADAPTER_ID_LENGTH:
                 raise ValueError(f"--preloaded-adapter-ids: {adapter_id!r} is not an adapter id")
@@ -103,14 +116,16 @@ async def run(config: RouterConfig) -> int:
     from specula_router.adapters import AdapterManager
     from specula_router.block_allocator import BlockAllocator
     from specula_router.client import ShardedClient
+    from specula_router.lifecycle import DRAIN_CUT_EXIT_CODE, DrainingServer
     from specula_router.metrics import Metrics
+    from specula_router.openai_models import OpenAISettings
     from specula_router.scheduler import Scheduler, SchedulerConfig
     from specula_router.server import RouterState, create_app
     from specula_router.validation import ValidationLimits, Validator
     from specula_server.hub import resolve_model_dir
     from specula_server.tokens import load_tokenizer
 
-    client = await ShardedClient.connect(f"unix://{config.master_shard_uds_path}")
+    client = await ShardedClient.connect(f"unix://{config.master_shard_uds_path}", instance_id=config.instance_id)
     await client.clear_cache()
     info = await client.info()
     limits = derive_limits(config, info.max_position_embeddings)
@@ -127,13 +142,14 @@ async def run(config: RouterConfig) -> int:
                 num_blocks * info.block_size)
 
     model_dir = resolve_model_dir(config.model_id, config.revision, config.huggingface_hub_cache,
-                                  allow_patterns=("*.json", "tokenizer.model"))
+                                  allow_patterns=("*.json", "tokenizer.model", "*.jinja"))
     validator = Validator(load_tokenizer(model_dir), ValidationLimits(
         max_input_tokens=limits.max_input_tokens, max_total_tokens=limits.max_total_tokens,
         max_stop_sequences=config.max_stop_sequences, max_best_of=config.max_best_of,
         max_top_n_tokens=config.max_top_n_tokens, max_speculative_tokens=config.speculative_tokens,
-        max_position_embeddings=info.max_position_embeddings), default_adapter_source=config.adapter_source)
-    metrics = Metrics()
+        max_position_embeddings=info.max_position_embeddings, vocab_size=info.vocab_size or None),
+        default_adapter_source=config.adapter_source)
+    metrics = Metrics(max_adapter_labels=config.max_adapter_labels)
     adapters = AdapterManager(client, metrics, config.max_active_adapters, config.adapter_source)
     if config.preloaded_adapter_ids:
         logger.info("preloading adapters: %s", ", ".join(config.preloaded_adapter_ids))
@@ -142,12 +158,16 @@ async def run(config: RouterConfig) -> int:
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens, waiting_served_ratio=config.waiting_served_ratio,
         max_waiting_tokens=config.max_waiting_tokens, max_batch_size=config.max_batch_size,
         lookahead=lookahead, pipeline_depth=config.pipeline_depth,
-        speculation_method=info.speculation.method or "none"), metrics, adapters)
+        speculation_method=info.speculation.method or "none", step_timeout=config.step_timeout or None),
+        metrics, adapters)
     state = RouterState(scheduler, validator, client, metrics, info_body(config, info, limits, num_blocks),
-                        config.max_concurrent_requests, "gpu" if info.device_type == "cuda" else "cpu")
+                        config.max_concurrent_requests, "gpu" if info.device_type == "cuda" else "cpu",
+                        validation_workers=config.validation_workers,
+                        openai=OpenAISettings(_chat_template(model_dir, config.chat_template),
+                                              tuple(Path(d) for d in config.adapter_dir)))
     app_ = create_app(state, config.payload_limit, list(config.cors_allow_origin))
-    server = uvicorn.Server(uvicorn.Config(app_, host=config.hostname, port=config.port, log_config=None,
-                                           timeout_graceful_shutdown=int(config.shutdown_timeout)))
+    server = DrainingServer(uvicorn.Config(app_, host=config.hostname, port=config.port, log_config=None),
+                            scheduler, config.shutdown_timeout)
     failures: list[BaseException] = []
 
     def on_loop_done(task: asyncio.Task) -> None:
@@ -163,7 +183,21 @@ async def run(config: RouterConfig) -> int:
     loop_task.cancel()
     await adapters.close()
     await client.close()
-    return 1 if failures else 0
+    if failures:
+        return 1
+    return DRAIN_CUT_EXIT_CODE if server.num_cut else 0
+
+
+def _chat_template(model_dir: Path, override: str | None):
+    """The model's chat template (or --chat-template), read once at startup; logged, since chat depends on it."""
+    from specula_router.chat_template import load_chat_template
+
+    template = load_chat_template(model_dir, override)
+    if template is None:
+        logger.info("no chat template: /v1/chat/completions answers 400 until --chat-template is given")
+    else:
+        logger.info("chat template from %s", template.source)
+    return template
 
 
 def info_body(config: RouterConfig, info, limits: Limits, num_blocks: int) -> dict:
@@ -191,7 +225,8 @@ def info_body(config: RouterConfig, info, limits: Limits, num_blocks: int) -> di
         max_total_tokens=limits.max_total_tokens, max_position_embeddings=info.max_position_embeddings,
         waiting_served_ratio=config.waiting_served_ratio, max_batch_total_tokens=num_blocks * info.block_size,
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens, max_waiting_tokens=config.max_waiting_tokens,
-        max_batch_size=config.max_batch_size, validation_workers=1, num_shard=info.world_size,
+        max_batch_size=config.max_batch_size, validation_workers=config.validation_workers,
+        num_shard=info.world_size,
         block_size=info.block_size, speculation=speculation, version=specula_version,
         adapters=AdapterInfo(max_active_adapters=config.max_active_adapters, adapter_source=config.adapter_source,
                              preloaded_adapter_ids=list(dict.fromkeys(config.preloaded_adapter_ids))),
@@ -221,6 +256,10 @@ def main(
     model_id: str = typer.Option(..., envvar="MODEL_ID", help="Model id or directory (for the tokenizer and /info)."),
     master_shard_uds_path: str = typer.Option("/tmp/specula-server-0", envvar="MASTER_SHARD_UDS_PATH",
                                               help="Unix socket of shard 0."),
+    instance_id: str = typer.Option(
+        "", envvar="SPECULA_INSTANCE_ID",
+        help="Id of the launcher run whose shards this router serves: a shard reporting another id in Info is "
+             "refused at startup. Empty: any shard, as long as all report the same id."),
     revision: Optional[str] = typer.Option(None, envvar="REVISION", help="Hub revision."),
     huggingface_hub_cache: Optional[Path] = typer.Option(None, envvar="HUGGINGFACE_HUB_CACHE", help="Hub cache."),
     hostname: str = typer.Option("0.0.0.0", envvar="SPECULA_HOSTNAME", help="HTTP bind address."),
@@ -263,12 +302,30 @@ def main(
     log_level: str = typer.Option("INFO", envvar="LOG_LEVEL", help="Python logging level."),
     pipeline_depth: int = typer.Option(2, envvar="PIPELINE_DEPTH", min=1, max=4,
                                        help="Decode steps queued in the workers at once (1: no pipelining)."),
+    validation_workers: int = typer.Option(
+        2, envvar="VALIDATION_WORKERS", min=1,
+        help="Threads that validate and tokenise requests (/generate, /tokenize) off the event loop."),
+    max_adapter_labels: int = typer.Option(
+        32, envvar="MAX_ADAPTER_LABELS", min=0,
+        help="Adapters that get their own `adapter` metrics label, the first to load successfully; "
+             "every other adapter is counted as `other`."),
+    step_timeout: float = typer.Option(
+        600.0, envvar="STEP_TIMEOUT",
+        help="Seconds a shard may take to answer one step (0: no limit). Past it the step's requests fail, "
+             "/health turns unhealthy and the router exits, so the launcher stops the group."),
+    chat_template: Optional[str] = typer.Option(
+        None, envvar="CHAT_TEMPLATE",
+        help="Chat template for /v1/chat/completions: a file, or the jinja template itself. Default: the model's "
+             "(tokenizer_config.json or chat_template.jinja)."),
+    adapter_dir: List[str] = typer.Option(
+        [], envvar="ADAPTER_DIR",
+        help="The workers' adapter directories (repeat the flag): their adapters are listed by GET /v1/models."),
 ) -> None:
     """Serve the HTTP API in front of running model shards."""
     _setup_logging(log_level, json_output)
     try:
         config = RouterConfig(
-            model_id=model_id, master_shard_uds_path=master_shard_uds_path, revision=revision,
+            model_id=model_id, master_shard_uds_path=master_shard_uds_path, instance_id=instance_id, revision=revision,
             huggingface_hub_cache=huggingface_hub_cache, hostname=hostname, port=port,
             speculative_tokens=speculative_tokens, speculator=speculator, adapter_source=adapter_source,
             max_active_adapters=max_active_adapters, preloaded_adapter_ids=split_ids(preloaded_adapter_ids),
@@ -279,6 +336,8 @@ def main(
             max_waiting_tokens=max_waiting_tokens, max_batch_size=max_batch_size, payload_limit=payload_limit,
             cors_allow_origin=tuple(cors_allow_origin), json_output=json_output, num_shard=num_shard,
             shutdown_timeout=shutdown_timeout, pipeline_depth=pipeline_depth,
+            validation_workers=validation_workers, max_adapter_labels=max_adapter_labels, step_timeout=step_timeout,
+            chat_template=chat_template, adapter_dir=split_ids(adapter_dir),
         )
         code = asyncio.run(run(config))
     except ValueError as e:

@@ -25,6 +25,10 @@ class ShardError(Exception):
     """A shard failed an RPC; the message is the shard's own error."""
 
 
+class ForeignShardError(ValueError):
+    """A shard belongs to another launcher run: answering with it would answer with another server's model."""
+
+
 @dataclass
 class StepResponse:
     generations: list[pb.Generation]
@@ -43,15 +47,37 @@ class ShardedClient:
         return self._sequence
 
     @classmethod
-    async def connect(cls, master_url: str, timeout: float = 30.0) -> ShardedClient:
-        """Connects to shard 0, asks it for every shard's URL, and connects to all of them."""
+    async def connect(cls, master_url: str, timeout: float = 30.0, instance_id: str = "") -> ShardedClient:
+        """Connects to shard 0, asks it for every shard's URL, connects to all of them, and checks that each one
+        belongs to `instance_id`'s launcher run (see `check_instance`)."""
         master = grpc.aio.insecure_channel(master_url)
         stub = generate_pb2_grpc.TextGenerationServiceStub(master)
         response = await stub.ServiceDiscovery(pb.ServiceDiscoveryRequest(), timeout=timeout, wait_for_ready=True)
         await master.close()
         urls = list(response.urls) or [master_url]
+        client = cls([grpc.aio.insecure_channel(u) for u in urls])
+        try:
+            await client.check_instance(urls, instance_id, timeout)
+        except BaseException:
+            await client.close()
+            raise
         logger.info("connected to %d shard(s): %s", len(urls), ", ".join(urls))
-        return cls([grpc.aio.insecure_channel(u) for u in urls])
+        return client
+
+    async def check_instance(self, urls: Sequence[str], instance_id: str, timeout: float) -> None:
+        """Raises ForeignShardError unless every shard reports `instance_id` in Info ("": any, as long as all
+        shards report the same). A shard of another launcher, reached through a shared socket path, would
+        answer steps it never saw (or with another model), so it is refused before any request runs."""
+        infos = await asyncio.gather(*(stub.Info(pb.InfoRequest(), timeout=timeout, wait_for_ready=True)
+                                       for stub in self._stubs))
+        expected, whose = (instance_id, "this router's") if instance_id else (infos[0].instance_id, "shard 0's")
+        for rank, (url, info) in enumerate(zip(urls, infos)):
+            if info.instance_id != expected:
+                owner = f"instance {info.instance_id}" if info.instance_id else "no launcher (started alone)"
+                raise ForeignShardError(
+                    f"shard {rank} at {url} belongs to {owner} (serving {info.model_id}), not to {whose} instance "
+                    f"{expected or '(none)'}: another server's shards use the same socket path; give each launcher "
+                    f"its own --shard-uds-path, or leave it unset")
 
     @property
     def num_shards(self) -> int:

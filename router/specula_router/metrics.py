@@ -3,11 +3,18 @@
 Additions: time to first token, inter-token latency, an `adapter` label on per-request metrics (empty
 for the base model), and the adapters' own loads, failures and offloads. Each `Metrics` owns its registry, so
 several routers (or tests) can live in one process.
+
+Adapter ids are chosen by clients, so they never become label values by themselves: `adapter_label` gives an
+adapter its own label only once it has loaded successfully (`add_adapter_label`), for the first
+`max_adapter_labels` adapters to do so; every other adapter id (unknown, still loading, failed, or past the
+cap) is `other`. The series count stays bounded, and /metrics never shows an id nobody could load.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+OTHER_ADAPTERS = "other"  # the label of every adapter without its own
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -16,7 +23,11 @@ _LOAD_SECONDS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 12
 
 
 class Metrics:
-    def __init__(self, prefix: str = "specula") -> None:
+    def __init__(self, prefix: str = "specula", max_adapter_labels: int = 32) -> None:
+        if max_adapter_labels < 0:
+            raise ValueError(f"--max-adapter-labels must be >= 0; got {max_adapter_labels}")
+        self.max_adapter_labels = max_adapter_labels
+        self._adapter_labels: set[str] = set()
         self.registry = CollectorRegistry()
         r, p = self.registry, prefix
 
@@ -91,5 +102,21 @@ class Metrics:
         self.adapter_waiting_requests = gauge(
             "adapter_waiting_requests", "Requests waiting for their adapter to load (also in queue_size)")
 
+    def adapter_label(self, adapter_id: str | None) -> str:
+        """The `adapter` label of a request or adapter: "" for the base model, the id once it has its own label
+        (see `add_adapter_label`), else `other`."""
+        if not adapter_id:
+            return ""
+        return adapter_id if adapter_id in self._adapter_labels else OTHER_ADAPTERS
+
+    def add_adapter_label(self, adapter_id: str) -> str:
+        """An adapter loaded: it gets its own label while fewer than `max_adapter_labels` have one. Labels are
+        never taken back (a series that disappeared would look like a counter reset). Returns its label."""
+        if adapter_id and len(self._adapter_labels) < self.max_adapter_labels and adapter_id != OTHER_ADAPTERS:
+            self._adapter_labels.add(adapter_id)
+        return self.adapter_label(adapter_id)
+
     def render(self) -> bytes:
+        """The text format. Safe from any thread (prometheus_client locks each metric): the HTTP route runs it off
+        the event loop, since a scrape's cost grows with the number of series."""
         return generate_latest(self.registry)

@@ -104,14 +104,16 @@ async def collect(entry: Entry, is_disconnected: Callable[[], Awaitable[bool]]) 
 
 
 def _logprob(value: float) -> float | None:
-    return None if math.isnan(value) else value
+    """JSON has no NaN nor Infinity: the first prompt token's NaN, or a -inf, is written as null."""
+    return value if math.isfinite(value) else None
 
 
 def token_body(token: TokenOut, skipped: bool = False, alternatives: list[TokenOut] | None = None) -> dict:
-    body = {"id": token.id, "text": token.text, "logprob": token.logprob, "special": token.special,
+    body = {"id": token.id, "text": token.text, "logprob": _logprob(token.logprob), "special": token.special,
             "skipped": skipped}
     if alternatives is not None:
-        body["alternative_tokens"] = [{"id": t.id, "text": t.text, "logprob": t.logprob} for t in alternatives]
+        body["alternative_tokens"] = [{"id": t.id, "text": t.text, "logprob": _logprob(t.logprob)}
+                                      for t in alternatives]
     return body
 
 

@@ -22,21 +22,26 @@ counted as in use, and an adapter in use is never offloaded.
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Awaitable
+from dataclasses import dataclass
+from typing import Awaitable, TypeVar
 
 from specula_proto import generate_pb2 as pb
 from specula_router.adapters import AdapterFailure, AdapterManager
 from specula_router.block_allocator import BlockAllocator
 from specula_router.client import ShardedClient, ShardError, StepResponse
+from specula_router.entries import Entry, EntryState, ErrorEvent, FinalEvent, TokenOut, TokensEvent
 from specula_router.metrics import Metrics
 from specula_router.requests import ValidGenerateRequest
+
+__all__ = ["Entry", "EntryState", "ErrorEvent", "FinalEvent", "TokenOut", "TokensEvent", "Scheduler",
+           "SchedulerConfig", "ShardUnresponsive"]
+
+T = TypeVar("T")
 
 logger = logging.getLogger("specula.router.scheduler")
 
@@ -56,95 +61,11 @@ class SchedulerConfig:
     lookahead: int = 0  # KV positions reserved past max_new_tokens for speculative drafts
     pipeline_depth: int = 2  # decode steps queued in the workers at once (1: wait for each result)
     speculation_method: str = "none"  # label of the speculation metrics
+    step_timeout: float | None = None  # seconds a shard may take to answer one step (None: no limit)
 
 
-# --- events sent to the HTTP handler ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TokenOut:
-    id: int
-    text: str
-    logprob: float
-    special: bool
-
-
-@dataclass(frozen=True)
-class FinalEvent:
-    generated_text: str
-    finish_reason: str
-    generated_tokens: int
-    seed: int | None
-
-
-@dataclass(frozen=True)
-class TokensEvent:
-    """Tokens of one step: one, or several under speculation (all but the first are 'skipped').
-
-    `final` is set when the request finished in this step, so the last token and the end arrive together.
-    """
-
-    tokens: list[TokenOut]
-    top_tokens: list[list[TokenOut]]
-    prefill: list[TokenOut] | None = None
-    final: FinalEvent | None = None
-
-
-@dataclass(frozen=True)
-class ErrorEvent:
-    """The request failed: `/generate` answers `status`; a started stream sends `{error, error_type}`."""
-
-    message: str
-    error_type: str = "generation"
-    status: int = 424
-
-
-class EntryState(enum.IntEnum):
-    WAITING_ADAPTER = 0  # in its adapter's queue until the adapter is loaded
-    QUEUED = 1  # in the FIFO
-    RUNNING = 2
-    DONE = 3
-
-
-@dataclass(eq=False)
-class Entry:
-    id: int
-    request: ValidGenerateRequest
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    state: EntryState = EntryState.QUEUED
-    blocks: list[int] = field(default_factory=list)
-    cancelled: bool = False
-    queued_at: float = field(default_factory=time.monotonic)
-    admitted_at: float | None = None
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    num_generated: int = 0
-    num_skipped: int = 0
-
-    @property
-    def adapter(self) -> str:
-        return self.request.adapter_id or ""
-
-    def to_pb(self) -> pb.Request:
-        r, s, t = self.request, self.request.sampling, self.request.stopping
-        return pb.Request(
-            id=self.id,
-            input_ids=r.input_ids,
-            parameters=pb.NextTokenChooserParameters(
-                do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                typical_p=s.typical_p, seed=s.seed, repetition_penalty=s.repetition_penalty,
-                frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
-            ),
-            stopping_parameters=pb.StoppingCriteriaParameters(
-                max_new_tokens=t.max_new_tokens, stop_sequences=t.stop_sequences,
-                ignore_eos_token=t.ignore_eos_token,
-            ),
-            prefill_logprobs=r.decoder_input_details,
-            top_n_tokens=r.top_n_tokens,
-            blocks=self.blocks,
-            adapter_id=r.adapter_id or "",
-            speculative_tokens=r.speculative_tokens,
-        )
+class ShardUnresponsive(Exception):
+    """A shard did not answer a step within `step_timeout`: the router cannot go on and stops."""
 
 
 def _tokens(tokens: pb.Tokens) -> list[TokenOut]:
@@ -169,12 +90,18 @@ class Scheduler:
         self._batch_ids = itertools.count()
         self._wake = asyncio.Event()
         self._outbox: list[tuple[Entry, object]] = []  # events held until the next step is on the wire
+        self._ahead: deque[tuple[Awaitable[StepResponse], tuple[int, ...], float]] = deque()  # decodes on the wire
         self.last_step_ok: float | None = None  # monotonic time of the last successful worker step
+        self.failure: str | None = None  # set once a shard stopped answering: the router is unhealthy for good
 
     # --- called by the HTTP handlers ----------------------------------------------------------------------
 
     def submit(self, request: ValidGenerateRequest) -> Entry:
         entry = Entry(next(self._ids), request)
+        if self.failure is not None:
+            entry.state = EntryState.DONE
+            entry.events.put_nowait(ErrorEvent(self.failure, "unhealthy", 503))
+            return entry
         if self.adapters.is_ready(entry.adapter):
             self._enqueue(entry)
         else:
@@ -184,8 +111,9 @@ class Scheduler:
         self._count_waiting()
         return entry
 
-    def cancel(self, entry: Entry) -> None:
-        """The client went away: drop a waiting request now, a running one after the current step."""
+    def cancel(self, entry: Entry, event: ErrorEvent | None = None) -> None:
+        """The client went away (or, with `event`, the request is ended for it): drop a waiting request now,
+        a running one after the current step."""
         if entry.state is EntryState.WAITING_ADAPTER:
             waiting = self.waiting[entry.adapter]
             waiting.remove(entry)
@@ -202,7 +130,31 @@ class Scheduler:
             return
         entry.state = EntryState.DONE
         self._count_waiting()
-        self.metrics.request_failure.labels("cancelled", entry.adapter).inc()
+        label = self.metrics.adapter_label(entry.adapter)
+        self.metrics.request_failure.labels(event.error_type if event else "cancelled", label).inc()
+        if event is not None:
+            entry.events.put_nowait(event)
+
+    def abort_all(self, event: ErrorEvent) -> int:
+        """Ends every request now with `event` (e.g. the drain at shutdown ran out); returns how many.
+
+        Waiting and queued requests end at once. Running ones are answered at once and leave the workers'
+        batches at the next step, as for a client that went away; their blocks are freed only then.
+        """
+        num_ended = 0
+        for entries in list(self.waiting.values()):
+            for entry in list(entries):
+                self.cancel(entry, event)
+                num_ended += 1
+        for entry in list(self.queue):
+            self.cancel(entry, event)
+            num_ended += 1
+        for entry in list(self.running.values()):
+            if not entry.cancelled:
+                self._fail_running(entry, event)
+                num_ended += 1
+        self._flush()
+        return num_ended
 
     @property
     def num_waiting(self) -> int:
@@ -234,17 +186,66 @@ class Scheduler:
     # --- the loop -----------------------------------------------------------------------------------------
 
     async def run(self) -> None:
+        """Serves requests until cancelled. Nothing a request carries can end it: an unexpected error fails the
+        requests running at that moment and the loop goes on. It ends only by raising `ShardUnresponsive`, after
+        failing every request, when a shard did not answer within `step_timeout`."""
         while True:
             await self._wake.wait()
             self._wake.clear()
-            entries = self._next_batch(min_size=None, max_size=self.config.max_batch_size)
-            if not entries:
-                continue
-            live = await self._prefill(entries)
-            await self._decode_while_running(live)
-            self._flush()
+            try:
+                try:
+                    await self._serve_until_idle()
+                except ShardUnresponsive:
+                    raise
+                except Exception as e:  # a defect must cost the requests of this moment, never the server
+                    logger.exception("batching loop error; failing the running requests")
+                    await self._recover(ErrorEvent(f"internal error: {type(e).__name__}: {e}", "internal", 500))
+            except ShardUnresponsive as e:
+                self._give_up(str(e))
+                raise
             if self.queue:
                 self._wake.set()
+
+    async def _serve_until_idle(self) -> None:
+        entries = self._next_batch(min_size=None, max_size=self.config.max_batch_size)
+        if not entries:
+            return
+        live = await self._prefill(entries)
+        await self._decode_while_running(live)
+        self._flush()
+
+    async def _recover(self, event: ErrorEvent) -> None:
+        """After an unexpected error: wait out the steps on the wire, clear the workers, fail what ran."""
+        await self._abandon(self._ahead)
+        self._ahead.clear()
+        for entry in list(self.running.values()):
+            self._end(entry, event)
+        self._flush()
+
+    def _give_up(self, reason: str) -> None:
+        """A shard hangs: fail everything, and every later request, with `reason` (the router then exits)."""
+        self.failure = reason
+        logger.error("%s; failing every request", reason)
+        for pending, _, _ in self._ahead:  # never to be awaited: the shard does not answer
+            if asyncio.iscoroutine(pending):
+                pending.close()
+            elif isinstance(pending, asyncio.Future):
+                pending.cancel()
+        self._ahead.clear()
+        for entry in list(self.running.values()):
+            self._end(entry, ErrorEvent(reason))
+        self.abort_all(ErrorEvent(reason, "unhealthy", 503))
+        self._flush()
+
+    async def _timed(self, what: str, pending: Awaitable[T]) -> T:
+        """Awaits a worker call, raising `ShardUnresponsive` when it takes longer than `step_timeout`."""
+        if self.config.step_timeout is None:
+            return await pending
+        try:
+            return await asyncio.wait_for(pending, self.config.step_timeout)
+        except asyncio.TimeoutError:
+            raise ShardUnresponsive(f"a shard did not answer {what} within --step-timeout "
+                                    f"({self.config.step_timeout:g}s)") from None
 
     async def _decode_while_running(self, live: list[int]) -> None:
         """Decode steps until no request runs; `live` holds the ids of batches cached in the workers.
@@ -253,7 +254,7 @@ class Scheduler:
         workers start step k+1 as soon as step k ends instead of waiting a router round trip. The workers
         skip batches that ended in the step before (see `TextGenerator.decode`).
         """
-        ahead: deque[tuple[Awaitable[StepResponse], tuple[int, ...], float]] = deque()
+        ahead = self._ahead
         waiting_steps = 1
         while live or ahead:
             while live and len(ahead) < self.config.pipeline_depth:
@@ -265,6 +266,7 @@ class Scheduler:
             response = await self._await_step("decode", pending, sent_at, list(self.running.values()))
             if response is None:
                 await self._abandon(ahead)
+                ahead.clear()
                 return
             survivor = response.batch.id if response.batch is not None else None
             live = [i for i in live if i not in sent or i == survivor]
@@ -317,14 +319,29 @@ class Scheduler:
             self.queue.popleft()
             entry.state, entry.admitted_at = EntryState.RUNNING, now
             self.running[entry.id] = entry
-            self.metrics.request_queue_duration.labels(entry.adapter).observe(now - entry.queued_at)
+            self.metrics.request_queue_duration.labels(self.metrics.adapter_label(entry.adapter)).observe(
+                now - entry.queued_at)
         self._count_waiting()
         self.metrics.batch_next_size.observe(len(batch))
         return batch
 
     async def _prefill(self, entries: list[Entry]) -> list[int]:
-        """Prefills new requests; returns the new batch id when some of them keep running."""
-        batch = pb.Batch(id=next(self._batch_ids), requests=[e.to_pb() for e in entries])
+        """Prefills new requests; returns the new batch id when some of them keep running.
+
+        A request the workers' message cannot encode (validation should have refused it) fails alone.
+        """
+        requests = []
+        for entry in list(entries):
+            try:
+                requests.append(entry.to_pb())
+            except (ValueError, TypeError, OverflowError) as e:
+                logger.error("request %d cannot be sent to the workers: %s", entry.id, e)
+                self._finish(entry, ErrorEvent(f"the request cannot be sent to the workers: {e}", "validation", 422))
+                entries.remove(entry)
+        if not requests:
+            self._flush()
+            return []
+        batch = pb.Batch(id=next(self._batch_ids), requests=requests)
         self.metrics.batch_inference_count.labels("prefill").inc()
         pending = self.client.prefill(batch)
         self._flush()
@@ -338,12 +355,12 @@ class Scheduler:
                           failing: list[Entry]) -> StepResponse | None:
         """Waits for a step and delivers its tokens; on a worker failure fails `failing` and returns None."""
         try:
-            response = await pending
+            response = await self._timed(f"a {method} step", pending)
         except ShardError as e:
             logger.error("%s failed: %s", method, e)
             self.metrics.batch_inference_failure.labels(method).inc()
             for entry in failing:
-                self._finish(entry, ErrorEvent(str(e)))
+                self._end(entry, ErrorEvent(str(e)))
             self._flush()
             return None
         now = time.monotonic()
@@ -355,7 +372,14 @@ class Scheduler:
         m.batch_decode_duration.labels(method).observe(response.timings.decode_ns / 1e9)
         self.last_step_ok = now
         for generation in response.generations:
-            self._deliver(generation)
+            try:
+                self._deliver(generation)
+            except Exception as e:  # one request's result must not fail the others'
+                logger.exception("could not deliver the result of request %d", generation.request_id)
+                entry = self.running.get(generation.request_id)
+                if entry is not None and not entry.cancelled:
+                    self._fail_running(entry, ErrorEvent(f"internal error: {type(e).__name__}: {e}", "internal",
+                                                         500))
         m.batch_current_size.set(len(self.running))
         m.batch_current_max_tokens.set(self.allocator.num_used_tokens)
         return response
@@ -373,22 +397,22 @@ class Scheduler:
         survivors = []
         for batch_id in live:
             try:
-                batch = await self.client.filter_batch(batch_id, keep)
+                batch = await self._timed("FilterBatch", self.client.filter_batch(batch_id, keep))
             except ShardError as e:
                 for entry in list(self.running.values()):
-                    self._finish(entry, ErrorEvent(str(e)))
+                    self._end(entry, ErrorEvent(str(e)))
                 return []
             if batch.request_ids:
                 survivors.append(batch_id)
         for entry in cancelled:
-            self._finish(entry, None)
+            self._finish(entry, entry.failure, send=False)  # a failure was sent when it happened
         return survivors
 
     async def _abandon(self, ahead: deque) -> None:
         """After a failed step: wait out the steps still queued and clear the workers' batches."""
         for pending, _, _ in ahead:
             try:
-                await pending
+                await self._timed("a decode step", pending)
             except ShardError:
                 pass
         await self._clear_quietly(None)
@@ -396,6 +420,9 @@ class Scheduler:
     def _deliver(self, generation: pb.Generation) -> None:
         entry = self.running.get(generation.request_id)
         if entry is None:
+            return
+        if generation.error:  # it failed alone in the worker, which has already dropped it
+            self._finish(entry, ErrorEvent(generation.error), send=not entry.cancelled)
             return
         now = time.monotonic()
         tokens = _tokens(generation.tokens)
@@ -405,13 +432,14 @@ class Scheduler:
             seed = g.seed if g.HasField("seed") else None
             final = FinalEvent(g.text, _FINISH_REASONS[g.finish_reason], g.generated_tokens, seed)
         if tokens:
+            label = self.metrics.adapter_label(entry.adapter)
             if entry.first_token_at is None:
                 entry.first_token_at = now
-                self.metrics.request_time_to_first_token.labels(entry.adapter).observe(now - entry.queued_at)
+                self.metrics.request_time_to_first_token.labels(label).observe(now - entry.queued_at)
             else:
                 gap = (now - entry.last_token_at) / len(tokens)
                 for _ in tokens:
-                    self.metrics.request_inter_token_latency.labels(entry.adapter).observe(gap)
+                    self.metrics.request_inter_token_latency.labels(label).observe(gap)
             entry.last_token_at = now
             entry.num_generated += len(tokens)
             entry.num_skipped += len(tokens) - 1
@@ -428,7 +456,7 @@ class Scheduler:
         ones: an adapter's Medusa heads, prompt lookup)."""
         if self.config.speculation_method == "none":
             return
-        labels = (method or self.config.speculation_method, entry.adapter)
+        labels = (method or self.config.speculation_method, self.metrics.adapter_label(entry.adapter))
         m = self.metrics
         m.spec_decode_draft_length.labels(*labels).observe(drafted)
         if drafted == 0:
@@ -449,7 +477,7 @@ class Scheduler:
         self.running.pop(entry.id, None)
         self.allocator.free(entry.blocks)
         entry.blocks = []
-        m, adapter = self.metrics, entry.adapter
+        m, adapter = self.metrics, self.metrics.adapter_label(entry.adapter)  # never a client-chosen id by itself
         if isinstance(event, FinalEvent):
             m.request_success.labels(adapter).inc()
             now = time.monotonic()
@@ -466,6 +494,16 @@ class Scheduler:
         if event is not None and send:
             self._outbox.append((entry, event))
 
+    def _end(self, entry: Entry, event: ErrorEvent) -> None:
+        """Ends a request the workers no longer hold with `event`, unless it already left or failed."""
+        self._finish(entry, entry.failure if entry.cancelled else event, send=not entry.cancelled)
+
+    def _fail_running(self, entry: Entry, event: ErrorEvent) -> None:
+        """Answers a running request with `event` now; it leaves the workers' batch (and frees its blocks) at
+        the next step, since a step on the wire may still write to them."""
+        entry.cancelled, entry.failure = True, event
+        self._outbox.append((entry, event))
+
     def _flush(self) -> None:
         for entry, event in self._outbox:
             entry.events.put_nowait(event)
@@ -473,6 +511,6 @@ class Scheduler:
 
     async def _clear_quietly(self, batch_id: int | None) -> None:
         try:
-            await self.client.clear_cache(batch_id)
+            await self._timed("ClearCache", self.client.clear_cache(batch_id))
         except ShardError as e:
             logger.warning("could not clear %s: %s", "every batch" if batch_id is None else f"batch {batch_id}", e)

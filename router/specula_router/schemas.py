@@ -7,9 +7,11 @@ from the worker's generations. Field descriptions and examples feed FastAPI's Op
 Parsing follows TGI where TGI is lenient and serde where it is strict:
 - unknown fields are ignored and `null` means "not given" for every parameter, so the published
   `text-generation` and `lorax-client` bodies (which send every field, mostly as `null`) parse;
-- types are strict: `"0.5"` is not a number, `5.0` is not an integer, `"true"` is not a boolean.
+- types are strict: `"0.5"` is not a number, `5.0` is not an integer, `"true"` is not a boolean;
+- strings must be valid Unicode: a lone surrogate (`"\ud800"`) can be neither tokenised nor sent to a worker.
 Value ranges are *not* enforced here but in `Validator`, so every range error carries TGI's wording
-and the limit configured at launch (`max_best_of`, `max_top_n_tokens`, ...).
+and the limit configured at launch (`max_best_of`, `max_top_n_tokens`, ...). The JSON schema states them all
+(`wire.py` for what the workers' types can hold; `openapi.py` adds the configured limits and declares `null`).
 
 Responses omit `details`, `top_tokens`, `best_of_sequences` and `alternative_tokens` when absent, as
 TGI and LoRAX do; both published clients parse them unchanged (`router/tests/test_schemas.py`).
@@ -22,8 +24,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
+from specula_router.openapi import COUNT, POSITIVE_COUNT, POSITIVE_FLOAT32, declare_nulls, only_null, stop_schema
+from specula_router.wire import FLOAT32_BELOW_ONE, FLOAT32_MIN_NORMAL, UINT64_MAX
+
 ADAPTER_SOURCES = ("hub", "local")  # LoRAX also has s3 and pbase; refused with a 422 naming these
 MAX_ADAPTER_ID_LENGTH = 256
+# What `Validator._adapter` accepts: "" or an id without control characters nor surrounding whitespace.
+_ADAPTER_ID_PATTERN = r"^$|^[^\s\x00-\x1f\x7f-\x9f]([^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f])?$"
 
 
 def _is_none(value: Any) -> bool:
@@ -46,6 +53,24 @@ class _RequestModel(BaseModel):
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if value is not None}
         return data
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        for text in value if isinstance(value, list) else (value,):
+            if isinstance(text, str) and not text.isascii():
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(f"must be valid Unicode: lone surrogate {text[e.start]!r} at character "
+                                     f"{e.start}") from None
+        return value
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> dict[str, Any]:
+        json_schema = handler(core_schema)
+        declare_nulls(handler.resolve_ref_schema(json_schema))  # `_drop_nulls`: every optional field takes null
+        return json_schema
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -70,20 +95,22 @@ class GenerateParameters(_RequestModel):
         None, description="Adapter to apply (LoRAX): a Hub repository id, or a directory under the server's "
         "`--adapter-dir` for source `local`; at most 256 characters. Absent or empty: the base model. The first "
         "request for an adapter loads it; its requests wait for the load while others keep running.",
-        json_schema_extra={"maxLength": MAX_ADAPTER_ID_LENGTH}, examples=["predibase/conllpp"],
+        json_schema_extra={"maxLength": MAX_ADAPTER_ID_LENGTH, "pattern": _ADAPTER_ID_PATTERN},
+        examples=["predibase/conllpp"],
     )
     adapter_source: str | None = Field(
         None, description="Where `adapter_id` lives. Default: the server's `--adapter-source`.",
         json_schema_extra={"enum": list(ADAPTER_SOURCES)}, examples=["hub"],
     )
-    merged_adapters: MergedAdapters | None = Field(None, description="LoRAX adapter merging; not supported yet.")
+    merged_adapters: MergedAdapters | None = Field(None, description="LoRAX adapter merging; not supported yet.",
+                                                   json_schema_extra=only_null)
     api_token: str | None = Field(
         None, description="Hub token used to download a private adapter (default: the server's HF_TOKEN). "
         "Never logged nor echoed.")
     best_of: int | None = Field(
         None, description="Sample this many sequences and return the one with the highest log-probability. "
-        "> 1 needs sampling, no `seed`, and no streaming.", json_schema_extra={"exclusiveMinimum": 0},
-        examples=[1],
+        "> 1 needs sampling, no `seed`, and no streaming; at most `max_best_of`.",
+        json_schema_extra=POSITIVE_COUNT, examples=[1],
     )
     decoder_input_details: bool = Field(
         False, description="Return the prompt tokens with their log-probabilities in `details.prefill`."
@@ -107,61 +134,65 @@ class GenerateParameters(_RequestModel):
     ignore_eos_token: bool = Field(False, description="Keep generating past end-of-sequence tokens.")
     max_new_tokens: int | None = Field(
         None, description="Most tokens to generate. Default: as many as `max_total_tokens` (and the "
-        "model's position limit) leave after the prompt.", json_schema_extra={"exclusiveMinimum": 0},
-        examples=[20],
+        "model's position limit) leave after the prompt; prompt + `max_new_tokens` <= `max_total_tokens`.",
+        json_schema_extra=POSITIVE_COUNT, examples=[20],
     )
     repetition_penalty: float | None = Field(
-        None, description="Repetition penalty, > 0; 1.0 means none.", json_schema_extra={"exclusiveMinimum": 0},
-        examples=[1.03],
+        None, description="Repetition penalty, > 0 (a normal float32); 1.0 means none.",
+        json_schema_extra=POSITIVE_FLOAT32, examples=[1.03],
     )
     return_full_text: bool | None = Field(None, description="Prepend the prompt to `generated_text`.")
     seed: int | None = Field(
         None, description="Random seed (unsigned 64-bit). Chosen by the server when absent.",
-        json_schema_extra={"minimum": 0, "maximum": 2**64 - 1}, examples=[42],
+        json_schema_extra={"minimum": 0, "maximum": UINT64_MAX}, examples=[42],
     )
     stop: list[str] = Field(
         default_factory=list, description="Stop when the generated text contains one of these "
-        "(at most `max_stop_sequences`). A single string is read as a list of one.",
-        examples=[["photographer"]],
+        "(at most `max_stop_sequences`, none empty). A single string is read as a list of one.",
+        json_schema_extra=stop_schema, examples=[["photographer"]],
     )
     temperature: float | None = Field(
-        None, description="Softmax temperature, > 0.", json_schema_extra={"exclusiveMinimum": 0}, examples=[0.5]
+        None, description="Softmax temperature, > 0 (a normal float32).", json_schema_extra=POSITIVE_FLOAT32,
+        examples=[0.5],
     )
     top_k: int | None = Field(
-        None, description="Sample among the k most likely tokens.", json_schema_extra={"exclusiveMinimum": 0},
-        examples=[10],
+        None, description="Sample among the k most likely tokens; at most the vocabulary size.",
+        json_schema_extra=POSITIVE_COUNT, examples=[10],
     )
     top_p: float | None = Field(
         None, description="Nucleus sampling mass in (0, 1]; 1.0 means off.",
-        json_schema_extra={"exclusiveMinimum": 0, "maximum": 1}, examples=[0.95],
+        json_schema_extra={"minimum": FLOAT32_MIN_NORMAL, "maximum": 1}, examples=[0.95],
     )
     truncate: int | None = Field(
         None, description="Keep only the last `truncate` prompt tokens (at most `max_input_tokens`).",
-        json_schema_extra={"exclusiveMinimum": 0},
+        json_schema_extra=POSITIVE_COUNT,
     )
     typical_p: float | None = Field(
-        None, description="Typical sampling mass in (0, 1).",
-        json_schema_extra={"exclusiveMinimum": 0, "exclusiveMaximum": 1}, examples=[0.95],
+        None, description="Typical sampling mass in (0, 1), as a float32 (so at most 1 - 2**-24).",
+        json_schema_extra={"minimum": FLOAT32_MIN_NORMAL, "maximum": FLOAT32_BELOW_ONE}, examples=[0.95],
     )
-    watermark: bool = Field(False, description="Watermarking (Kirchenbauer et al.); not supported.")
+    watermark: bool = Field(False, description="Watermarking (Kirchenbauer et al.); not supported: false only.",
+                            json_schema_extra={"const": False})
     top_n_tokens: int | None = Field(
         None, description="Return this many most likely alternatives per generated token (TGI name; "
-        "alias of `return_k_alternatives`), at most `max_top_n_tokens`.", json_schema_extra={"minimum": 0},
+        "alias of `return_k_alternatives`), at most `max_top_n_tokens`.", json_schema_extra=COUNT,
         examples=[5],
     )
     return_k_alternatives: int | None = Field(
         None, description="LoRAX name of `top_n_tokens`; given both, they must agree.",
-        json_schema_extra={"minimum": 0},
+        json_schema_extra=COUNT,
     )
     response_format: dict[str, Any] | None = Field(
-        None, description="LoRAX structured output (`{type: json_object, schema}`); not supported yet."
+        None, description="LoRAX structured output (`{type: json_object, schema}`); not supported yet.",
+        json_schema_extra=only_null,
     )
     grammar: dict[str, Any] | None = Field(
-        None, description="TGI structured output (`{type: json|regex, value}`); not supported yet."
+        None, description="TGI structured output (`{type: json|regex, value}`); not supported yet.",
+        json_schema_extra=only_null,
     )
     speculative_tokens: int | None = Field(
         None, description="Specula: cap this request's draft length per step, in [0, the server's "
-        "`max_speculative_tokens`]; 0 turns speculation off for it.", json_schema_extra={"minimum": 0},
+        "`max_speculative_tokens`]; 0 turns speculation off for it.", json_schema_extra=COUNT,
         examples=[3],
     )
 
@@ -178,7 +209,8 @@ class GenerateRequest(_RequestModel):
         json_schema_extra={"examples": [{"inputs": "My name is Olivier and I", "parameters": {"max_new_tokens": 20}}]}
     )
 
-    inputs: str = Field(..., description="The prompt.", examples=["My name is Olivier and I"])
+    inputs: str = Field(..., description="The prompt, at most `max_input_tokens` tokens (after `truncate`).",
+                        json_schema_extra={"minLength": 1}, examples=["My name is Olivier and I"])
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
 
 
@@ -188,11 +220,21 @@ class CompatGenerateRequest(GenerateRequest):
     stream: bool = Field(False, description="Stream tokens as server-sent events.")
 
 
+class TokenizeParameters(_RequestModel):
+    """`parameters` of `POST /tokenize`: TGI sends the generate parameters; only `truncate` applies."""
+
+    truncate: int | None = Field(
+        None, description="Keep only the last `truncate` tokens (at most `max_input_tokens`).",
+        json_schema_extra=POSITIVE_COUNT,
+    )
+
+
 class TokenizeRequest(_RequestModel):
-    """Body of `POST /tokenize` (`parameters` is accepted for TGI compatibility and ignored)."""
+    """Body of `POST /tokenize`: the limits of `/generate` apply (at most `max_input_tokens` after `truncate`)."""
 
     inputs: str = Field(..., description="Text to tokenize.", examples=["My name is Olivier and I"])
-    parameters: dict[str, Any] | None = Field(None, description="Ignored.")
+    parameters: TokenizeParameters = Field(default_factory=TokenizeParameters,
+                                           description="Only `truncate` is read; other fields are ignored.")
     add_special_tokens: bool = Field(True, description="Add the tokenizer's special tokens (BOS).")
 
 
@@ -214,7 +256,8 @@ class AlternativeToken(BaseModel):
 
     id: int = Field(..., examples=[0])
     text: str = Field(..., examples=["test"])
-    logprob: float = Field(..., examples=[-0.34])
+    logprob: float | None = Field(..., description="null when not finite (JSON has no NaN nor infinity).",
+                                  examples=[-0.34])
 
 
 class Token(BaseModel):
@@ -222,8 +265,8 @@ class Token(BaseModel):
 
     id: int = Field(..., examples=[0])
     text: str = Field(..., examples=["test"])
-    logprob: float = Field(..., description="Log-probability under the (warped) sampling distribution.",
-                           examples=[-0.34])
+    logprob: float | None = Field(..., description="Log-probability under the (warped) sampling distribution; "
+                                  "null when not finite (JSON has no NaN nor infinity).", examples=[-0.34])
     special: bool = Field(..., description="A special token (e.g. EOS): skip it when concatenating text.")
     alternative_tokens: list[AlternativeToken] | None = _omitted_if_none(
         description="The `top_n_tokens` most likely tokens at this position (LoRAX)."

@@ -3,8 +3,12 @@
 Routes: `POST /` (compat: JSON array or SSE), `/generate`, `/generate_stream`, `/tokenize`, `GET /health`,
 `/info`, `/metrics`, OpenAPI at `/docs` and `/api-doc/openapi.json`. Errors are `{"error", "error_type"}`:
 422 validation, 429 overloaded (rejected at once), 424 generation (worker or adapter failure), 400 an adapter
-id the workers refuse, 413 payload too large, 503 unhealthy; inside a started stream an error is an SSE event.
-A stream whose adapter is still loading starts only once it is loaded, so a failed load is an HTTP status too.
+id the workers refuse, 413 payload too large, 503 unhealthy, 404/405 unknown route or method (`http_errors.py`);
+inside a started stream an error is an SSE event. A stream whose adapter is still loading starts only once it
+is loaded, so a failed load is an HTTP status too.
+
+Nothing slow runs on the event loop, which also answers /health: validation and tokenisation run in a bounded
+pool of `validation_workers` threads (the tokenizer releases the GIL), and /metrics renders in a thread.
 """
 
 from __future__ import annotations
@@ -14,15 +18,17 @@ import dataclasses
 import json
 import logging
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from specula_router import openapi
 from specula_router.client import ShardedClient
+from specula_router.http_errors import PayloadLimitMiddleware, error, install_error_handlers
 from specula_router.metrics import Metrics
 from specula_router.requests import ValidGenerateRequest
 from specula_router.responses import (
@@ -34,9 +40,13 @@ from specula_router.schemas import (
     CompatGenerateRequest, ErrorResponse, GenerateRequest, GenerateResponse, Info, SimpleToken, StreamResponse,
     TokenizeRequest,
 )
-from specula_router.validation import ValidationError, Validator, format_request_errors
+from specula_router.validation import ValidationError, Validator
+
+if TYPE_CHECKING:
+    from specula_router.openai_models import OpenAISettings
 
 logger = logging.getLogger("specula.router.http")
+T = TypeVar("T")
 
 
 @dataclass
@@ -51,15 +61,32 @@ class RouterState:
     max_concurrent_requests: int
     compute_type: str
     in_flight: int = 0
+    validation_workers: int = 2  # threads that validate and tokenise (TGI's --validation-workers)
+    openai: OpenAISettings | None = None  # chat template and adapter directories of the /v1/* routes
+    validation_pool: ThreadPoolExecutor = field(init=False, repr=False)
+    _metrics_render: asyncio.Future | None = field(default=None, init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        if self.validation_workers < 1:
+            raise ValueError(f"--validation-workers must be at least 1; got {self.validation_workers}")
+        self.validation_pool = ThreadPoolExecutor(self.validation_workers, thread_name_prefix="validation")
 
-def error(status: int, message: str, error_type: str) -> JSONResponse:
-    return JSONResponse({"error": message, "error_type": error_type}, status_code=status)
+    async def in_validation_worker(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` in the validation pool: at most `validation_workers` run at once, the rest wait their turn."""
+        return await asyncio.get_running_loop().run_in_executor(self.validation_pool, fn, *args)
+
+    async def render_metrics(self) -> bytes:
+        """The metrics text, rendered in a thread; scrapes that arrive during a render share its result."""
+        if self._metrics_render is None or self._metrics_render.done():
+            self._metrics_render = asyncio.ensure_future(asyncio.to_thread(self.metrics.render))
+        return await asyncio.shield(self._metrics_render)
+
 
 
 class _Rejected(Exception):
-    def __init__(self, response: JSONResponse) -> None:
+    def __init__(self, response: JSONResponse, cause: Exception | None = None) -> None:
         self.response = response
+        self.cause = cause  # the ValidationError refused, for routes that word it their own way (/v1/*)
 
 
 def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins: list[str] | None = None) -> FastAPI:
@@ -72,14 +99,11 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
 
         app.add_middleware(CORSMiddleware, allow_origins=cors_origins, allow_methods=["*"], allow_headers=["*"])
     app.add_middleware(PayloadLimitMiddleware, limit=payload_limit)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid_body(request: Request, exc: RequestValidationError):
-        state.metrics.request_failure.labels("validation", "").inc()
-        return error(422, format_request_errors(exc.errors()), "validation")
+    install_error_handlers(app, state.metrics)
+    _serve_exact_openapi(app, state)
 
     errors = {code: {"model": ErrorResponse} for code in (400, 413, 422, 424, 429)}
-    sse = {"text/event-stream": {"schema": StreamResponse.model_json_schema(ref_template="#/components/schemas/{model}")}}
+    sse = {"text/event-stream": {"schema": openapi.sse_event_schema("StreamResponse", "ErrorResponse")}}
 
     @app.post("/generate", tags=["Text Generation Inference"],
               responses={200: {"model": GenerateResponse}, **errors})
@@ -87,7 +111,7 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
         """Generate tokens; answers once generation has finished."""
         return await _generate(state, body.inputs, body.parameters, request)
 
-    @app.post("/generate_stream", tags=["Text Generation Inference"],
+    @app.post("/generate_stream", tags=["Text Generation Inference"], response_class=StreamingResponse,
               responses={200: {"content": sse, "description": "One event per token"}, **errors})
     async def generate_stream(body: GenerateRequest, request: Request):
         """Generate tokens as Server-Sent Events, one event per token."""
@@ -104,18 +128,28 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
             return response
         return JSONResponse([json.loads(response.body)], headers=_copy_headers(response))
 
-    @app.post("/tokenize", tags=["Text Generation Inference"], responses={200: {"model": list[SimpleToken]}})
+    @app.post("/tokenize", tags=["Text Generation Inference"],
+              responses={200: {"model": list[SimpleToken]}, **{code: errors[code] for code in (413, 422, 429)}})
     async def tokenize(body: TokenizeRequest):
-        """Tokenize the inputs with the model's tokenizer."""
+        """Tokenize the inputs with the model's tokenizer; the input limits of `/generate` apply."""
+        if state.in_flight >= state.max_concurrent_requests:
+            return error(429, "Model is overloaded", "overloaded")
+        state.in_flight += 1  # a long input is as costly to tokenise here as in /generate: same admission
         try:
-            tokens = await asyncio.to_thread(state.validator.tokenize, body.inputs)
+            tokens = await state.in_validation_worker(state.validator.tokenize, body.inputs, body.add_special_tokens,
+                                                      body.parameters.truncate)
         except ValidationError as e:
             return error(422, e.message, "validation")
+        finally:
+            state.in_flight -= 1
         return JSONResponse([t if isinstance(t, dict) else t.model_dump() for t in tokens])
 
-    @app.get("/health", tags=["Text Generation Inference"], responses={503: {"model": ErrorResponse}})
+    @app.get("/health", tags=["Text Generation Inference"], response_class=Response,
+             responses={200: {"description": "Healthy (empty body)", "content": {}}, 503: {"model": ErrorResponse}})
     async def health():
         """200 when the workers answer; 503 otherwise. Does not wait behind a running step."""
+        if state.scheduler.failure is not None:  # a shard stopped answering: unhealthy until restarted
+            return error(503, state.scheduler.failure, "healthcheck")
         last = state.scheduler.last_step_ok
         if last is not None and time.monotonic() - last < 5.0:
             return Response(status_code=200)
@@ -131,19 +165,43 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
         """Model, limits and speculation configuration."""
         return JSONResponse(state.info)
 
-    @app.get("/metrics", tags=["Text Generation Inference"])
+    @app.get("/metrics", tags=["Text Generation Inference"], response_class=Response,
+             responses={200: {"description": "Prometheus text format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
-        """Prometheus metrics."""
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        """Prometheus metrics, rendered off the event loop."""
+        return Response(await state.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
+    from specula_router import openai_api  # imported here: it builds on this module's admission and headers
+
+    openai_api.register(app, state)
     return app
+
+
+def _serve_exact_openapi(app: FastAPI, state: RouterState) -> None:
+    """Serve FastAPI's document made exact and narrowed to this deployment's limits (`openapi.py`)."""
+    generate_base = app.openapi
+
+    def exact() -> dict:
+        if app.openapi_schema is None:
+            limits = state.validator.limits
+            app.openapi_schema = openapi.document(generate_base(), openapi.DeploymentLimits(
+                max_best_of=limits.max_best_of, max_top_n_tokens=limits.max_top_n_tokens,
+                max_stop_sequences=limits.max_stop_sequences, max_input_tokens=limits.max_input_tokens,
+                max_total_tokens=limits.max_total_tokens, max_speculative_tokens=limits.max_speculative_tokens,
+                max_top_k=state.validator.max_top_k),
+                (CompatGenerateRequest, GenerateRequest, TokenizeRequest, StreamResponse))
+        return app.openapi_schema
+
+    app.openapi = exact
 
 
 def _copy_headers(response: Response) -> dict:
     return {k: v for k, v in response.headers.items() if k.startswith("x-")}
 
 
-async def _admit(state: RouterState, inputs: str, parameters, stream: bool) -> tuple[ValidGenerateRequest, float]:
+async def _admit(state: RouterState, inputs: str, parameters, stream: bool,
+                 add_special_tokens: bool = True) -> tuple[ValidGenerateRequest, float]:
     """Concurrency limit, then validation (in a thread: tokenising a long prompt is slow).
 
     On success the request counts as in flight; the caller must decrement `state.in_flight` when it ends.
@@ -154,14 +212,15 @@ async def _admit(state: RouterState, inputs: str, parameters, stream: bool) -> t
     state.in_flight += 1  # counted before the first await, so concurrent arrivals see it
     start = time.monotonic()
     try:
-        valid = await asyncio.to_thread(state.validator.validate, inputs, parameters, stream)
+        valid = await state.in_validation_worker(state.validator.validate, inputs, parameters, stream,
+                                                 add_special_tokens)
     except ValidationError as e:
         state.in_flight -= 1
         state.metrics.request_failure.labels("validation", "").inc()
-        raise _Rejected(error(422, e.message, "validation")) from None
+        raise _Rejected(error(422, e.message, "validation"), e) from None
     elapsed = time.monotonic() - start
     state.metrics.request_validation_duration.observe(elapsed)
-    m, adapter = state.metrics, valid.adapter_id or ""
+    m, adapter = state.metrics, state.metrics.adapter_label(valid.adapter_id)
     m.request_count.labels(adapter).inc()
     m.request_input_length.labels(adapter).observe(valid.input_length)
     m.request_max_new_tokens.observe(valid.stopping.max_new_tokens)
@@ -214,7 +273,8 @@ async def _generate(state: RouterState, inputs: str, parameters, request: Reques
     others = [(t, g) for t, (g, _) in zip(texts[1:], ranked[1:])]
     body = generate_body(texts[0], best, others, valid.input_length, valid.details, valid.top_n_tokens > 0)
     headers = _timing_headers(state, best_entry, arrived, validation_s, best, valid.input_length)
-    state.metrics.request_duration.labels(valid.adapter_id or "").observe(time.monotonic() - arrived)
+    state.metrics.request_duration.labels(state.metrics.adapter_label(valid.adapter_id)).observe(
+        time.monotonic() - arrived)
     return JSONResponse(body, headers=headers)
 
 
@@ -246,7 +306,8 @@ async def _generate_stream(state: RouterState, inputs: str, parameters, request:
 
 
 def _sse(payload: dict) -> str:
-    return f"data:{json.dumps(payload, ensure_ascii=False)}\n\n"
+    # allow_nan=False: NaN and Infinity are not JSON; `responses.py` already wrote non-finite floats as null.
+    return f"data:{json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 async def _events(state: RouterState, valid: ValidGenerateRequest, entry: Entry, request: Request,
@@ -283,59 +344,11 @@ async def _events(state: RouterState, valid: ValidGenerateRequest, entry: Entry,
                                               "generated_tokens": final.generated_tokens, "seed": final.seed}
                 yield _sse(payload)
             if final is not None:
-                state.metrics.request_duration.labels(valid.adapter_id or "").observe(time.monotonic() - arrived)
+                state.metrics.request_duration.labels(state.metrics.adapter_label(valid.adapter_id)).observe(
+                    time.monotonic() - arrived)
                 return
     except ClientGone:
         return
     finally:
         state.in_flight -= 1
         state.scheduler.cancel(entry)
-
-
-class PayloadLimitMiddleware:
-    """413 for request bodies over the limit: at once by Content-Length, else by reading a chunked body first.
-
-    A chunked body is buffered (at most `limit` bytes) before the app sees it, so an oversized one is answered
-    413 rather than failing later inside the app's body parsing.
-    """
-
-    def __init__(self, app, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None:
-            if length.isdigit() and int(length) > self.limit:
-                return await self._reject(send)
-            return await self.app(scope, receive, send)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return await self.app(scope, _replay([message], receive), send)
-            size += len(message.get("body", b""))
-            if size > self.limit:
-                return await self._reject(send)
-            chunks.append(message)
-            if not message.get("more_body", False):
-                break
-        await self.app(scope, _replay(chunks, receive), send)
-
-    async def _reject(self, send) -> None:
-        body = json.dumps({"error": f"payload larger than {self.limit} bytes", "error_type": "payload_limit"}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
-
-def _replay(messages: list, receive):
-    """An ASGI receive that first returns `messages`, then defers to the real one."""
-    pending = list(messages)
-
-    async def replay():
-        return pending.pop(0) if pending else await receive()
-
-    return replay

@@ -15,25 +15,27 @@ Resolution rules (where Specula differs from TGI/LoRAX, the reason is given):
 - `grammar`, `response_format`, `watermark` and `merged_adapters` are refused, never silently ignored.
 - `adapter_id` "" means the base model (LoRAX); a named adapter gets `adapter_source` (default: the server's
   `--adapter-source`) and keeps the request's `api_token`, which no error message ever repeats.
+- Every number must fit the worker's wire type (`wire.py`): `top_k` at most the vocabulary, floats that stay
+  normal and finite as a float32. TGI checks only the sign, so its `top_k` 2**32 fails building the message.
 
-`Validator.validate` is synchronous and may tokenise a long prompt: run it in a thread pool.
+`Validator.validate` and `Validator.tokenize` are synchronous and may tokenise a long prompt: run them in the
+router's validation workers. Tokenisation releases the GIL, so it never stalls the event loop.
 """
 
 from __future__ import annotations
 
-import math
 import random
 import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import tokenizers
 
 from specula_router.requests import SamplingParameters, StoppingParameters, ValidGenerateRequest
 from specula_router.schemas import ADAPTER_SOURCES, MAX_ADAPTER_ID_LENGTH, GenerateParameters, SimpleToken
+from specula_router.wire import FLOAT32_BELOW_ONE, FLOAT32_MAX, FLOAT32_MIN_NORMAL, UINT64_MAX, float_range_text
 
-MAX_SEED = 2**64 - 1
+MAX_SEED = UINT64_MAX
 
 
 class ValidationError(Exception):
@@ -58,6 +60,7 @@ class ValidationLimits:
     max_top_n_tokens: int = 5
     max_speculative_tokens: int = 0
     max_position_embeddings: int | None = None
+    vocab_size: int | None = None  # rows of the workers' LM head, the largest `top_k`; None: the tokenizer's
 
     def __post_init__(self) -> None:
         if self.max_input_tokens < 1:
@@ -73,6 +76,8 @@ class ValidationLimits:
             raise ValueError(f"max_best_of must be >= 1, got {self.max_best_of}")
         if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
             raise ValueError(f"max_position_embeddings must be >= 1, got {self.max_position_embeddings}")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
 
 
 class Validator:
@@ -90,10 +95,17 @@ class Validator:
         self.rng = rng if rng is not None else random.Random()
         self.default_adapter_source = default_adapter_source
 
-    def validate(self, inputs: str, params: GenerateParameters, stream: bool = False) -> ValidGenerateRequest:
+    @property
+    def max_top_k(self) -> int:
+        """The largest `top_k`: the vocabulary size (the worker's, else the tokenizer's with added tokens)."""
+        return self.limits.vocab_size or self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def validate(self, inputs: str, params: GenerateParameters, stream: bool = False,
+                 add_special_tokens: bool = True) -> ValidGenerateRequest:
         """Check every parameter, tokenise and truncate the prompt, and fill in every default.
 
         Cheap checks run before tokenisation, so a bad parameter fails fast even for a long prompt.
+        `add_special_tokens` False: the prompt already holds them (a rendered chat template writes its own BOS).
         """
         if not inputs:
             raise ValidationError("`inputs` cannot be empty", "inputs")
@@ -112,14 +124,10 @@ class Validator:
         if params.max_new_tokens is not None and params.max_new_tokens <= 0:
             raise ValidationError("`max_new_tokens` must be strictly positive", "max_new_tokens")
 
-        input_ids = self._encode(inputs)
+        input_ids = self._encoding(inputs, add_special_tokens).ids
         if truncate is not None:
             input_ids = input_ids[-truncate:]
-        if len(input_ids) > self.limits.max_input_tokens:
-            raise ValidationError(
-                f"`inputs` must have less than {self.limits.max_input_tokens} tokens. Given: {len(input_ids)}",
-                "inputs",
-            )
+        self._check_input_length(len(input_ids))
         lookahead = self.limits.max_speculative_tokens if speculative_tokens is None else speculative_tokens
         max_new_tokens = self._max_new_tokens(len(input_ids), params.max_new_tokens, lookahead)
 
@@ -144,8 +152,11 @@ class Validator:
             speculative_tokens=speculative_tokens,
         )
 
-    def tokenize(self, inputs: str, add_special_tokens: bool = True) -> list[SimpleToken]:
+    def tokenize(self, inputs: str, add_special_tokens: bool = True, truncate: int | None = None) -> list[SimpleToken]:
         """The prompt's tokens for `POST /tokenize`, with UTF-8 byte offsets into `inputs` (as TGI).
+
+        The limits of `validate` apply: `truncate` keeps the last tokens, and more than `max_input_tokens` tokens
+        is a 422, so an answer is never larger than a prompt the server would accept.
 
         Example (a byte-level BPE with BOS `<s>` = 1; "é" is two bytes and here two tokens, which both
         report the whole character):
@@ -155,12 +166,16 @@ class Validator:
                                 SimpleToken(id=105, text="é", start=1, stop=3),
                                 SimpleToken(id=3, text="!", start=3, stop=4)]
         """
+        truncate = self._truncate(truncate)
         encoding = self._encoding(inputs, add_special_tokens)
-        byte_offset = _char_to_byte_offsets(inputs)
+        first = 0 if truncate is None else max(len(encoding) - truncate, 0)
+        self._check_input_length(len(encoding) - first)
+        offsets = encoding.offsets[first:]
+        byte_offset = _byte_offsets(inputs, [char for span in offsets for char in span])
         encoded = inputs.encode("utf-8")
         tokens = []
         for token_id, token, (start, stop), special in zip(
-            encoding.ids, encoding.tokens, encoding.offsets, encoding.special_tokens_mask
+            encoding.ids[first:], encoding.tokens[first:], offsets, encoding.special_tokens_mask[first:]
         ):
             byte_start, byte_stop = byte_offset[start], byte_offset[stop]
             text = token if special else encoded[byte_start:byte_stop].decode("utf-8", errors="replace")
@@ -205,21 +220,17 @@ class Validator:
         return adapter_id, source or self.default_adapter_source
 
     def _sampling(self, params: GenerateParameters) -> SamplingParameters:
-        temperature = params.temperature if params.temperature is not None else 1.0
-        if not (math.isfinite(temperature) and temperature > 0.0):
-            raise ValidationError("`temperature` must be strictly positive", "temperature")
+        # Floats travel as float32: a float64 that is positive here must not round to 0 or to infinity there.
+        temperature = _float32(params.temperature, 1.0, "temperature", "strictly positive", FLOAT32_MIN_NORMAL)
         top_k = params.top_k if params.top_k is not None else 0
-        if params.top_k is not None and params.top_k <= 0:
-            raise ValidationError("`top_k` must be strictly positive", "top_k")
-        top_p = params.top_p if params.top_p is not None else 1.0
-        if not (0.0 < top_p <= 1.0):
-            raise ValidationError("`top_p` must be > 0.0 and <= 1.0", "top_p")
-        typical_p = params.typical_p if params.typical_p is not None else 1.0
-        if params.typical_p is not None and not (0.0 < params.typical_p < 1.0):
-            raise ValidationError("`typical_p` must be > 0.0 and < 1.0", "typical_p")
-        repetition_penalty = params.repetition_penalty if params.repetition_penalty is not None else 1.0
-        if not (math.isfinite(repetition_penalty) and repetition_penalty > 0.0):
-            raise ValidationError("`repetition_penalty` must be strictly positive", "repetition_penalty")
+        if params.top_k is not None and not (0 < params.top_k <= self.max_top_k):
+            raise ValidationError(f"`top_k` must be strictly positive and at most the vocabulary size "
+                                  f"({self.max_top_k}). Given: {params.top_k}", "top_k")
+        top_p = _float32(params.top_p, 1.0, "top_p", "> 0.0 and <= 1.0", FLOAT32_MIN_NORMAL, 1.0)
+        typical_p = _float32(params.typical_p, 1.0, "typical_p", "> 0.0 and < 1.0", FLOAT32_MIN_NORMAL,
+                             FLOAT32_BELOW_ONE)
+        repetition_penalty = _float32(params.repetition_penalty, 1.0, "repetition_penalty", "strictly positive",
+                                      FLOAT32_MIN_NORMAL)
         frequency_penalty = _penalty(params.frequency_penalty, "frequency_penalty")
         presence_penalty = _penalty(params.presence_penalty, "presence_penalty")
         seed = params.seed
@@ -304,6 +315,12 @@ class Validator:
             )
         return value
 
+    def _check_input_length(self, num_tokens: int) -> None:
+        if num_tokens > self.limits.max_input_tokens:
+            raise ValidationError(
+                f"`inputs` must have less than {self.limits.max_input_tokens} tokens. Given: {num_tokens}", "inputs"
+            )
+
     def _max_new_tokens(self, input_length: int, requested: int | None, lookahead: int) -> int:
         """The request's `max_new_tokens`: checked when given, else the most the limits allow.
 
@@ -339,41 +356,46 @@ class Validator:
 
     def _encoding(self, inputs: str, add_special_tokens: bool) -> tokenizers.Encoding:
         try:
-            return self.tokenizer.encode(inputs, add_special_tokens=add_special_tokens)
+            # `encode_batch` releases the GIL while the Rust tokenizer runs and `encode` does not: a 2 MB prompt
+            # in a validation worker would otherwise hold up the event loop (and /health) for seconds.
+            return self.tokenizer.encode_batch([inputs], add_special_tokens=add_special_tokens)[0]
         except Exception as exc:  # the Rust tokenizer raises plain Exception subclasses
             raise ValidationError(f"tokenizer error {exc}", "inputs") from exc
-
-    def _encode(self, inputs: str) -> list[int]:
-        return self._encoding(inputs, add_special_tokens=True).ids
-
-
-def format_request_errors(errors: Sequence[Mapping[str, Any]]) -> str:
-    """One readable message from pydantic's (FastAPI's `RequestValidationError.errors()`) error list.
-
-    Example: [{"loc": ("body", "parameters", "top_k"), "msg": "Input should be a valid integer"}]
-             -> "`parameters.top_k`: Input should be a valid integer"
-    """
-    parts = []
-    for error in errors:
-        loc = [str(part) for part in error.get("loc", ()) if part != "body"]
-        where = ".".join(loc) or "body"
-        parts.append(f"`{where}`: {error.get('msg', 'invalid value')}")
-    return "; ".join(parts) or "invalid request body"
 
 
 def _penalty(value: float | None, name: str) -> float:
     if value is None:
         return 0.0
-    if not (-2.0 <= value <= 2.0):  # also refuses NaN
-        raise ValidationError(f"`{name}` must be >= -2.0 and <= 2.0", name)
+    if not (-2.0 <= value <= 2.0):  # also refuses NaN; a tiny value rounds to 0 as a float32, which it means
+        raise ValidationError(f"`{name}` must be >= -2.0 and <= 2.0. Given: {value!r}", name)
     return value
 
 
-def _char_to_byte_offsets(text: str) -> list[int]:
-    """`offsets[i]` is the UTF-8 byte offset of character `i` (`offsets[len(text)]` = byte length)."""
+def _float32(value: float | None, default: float, name: str, rule: str, low: float,
+             high: float = FLOAT32_MAX) -> float:
+    """`value` (or `default` when absent) if it lies in [low, high], the bounds that keep it meaningful as a float32.
+
+    Example: temperature 1e-50 is positive but rounds to 0.0 as a float32, so it is refused:
+        "`temperature` must be strictly positive: in [1.1754944e-38, 3.4028235e+38] as a float32. Given: 1e-50"
+    """
+    if value is None:
+        return default
+    if not (low <= value <= high):  # also refuses NaN and infinities
+        raise ValidationError(f"`{name}` must be {rule}: in {float_range_text(low, high)} as a float32. "
+                              f"Given: {value!r}", name)
+    return value
+
+
+def _byte_offsets(text: str, positions: Sequence[int]) -> dict[int, int]:
+    """The UTF-8 byte offset of each character position in `positions`.
+
+    Walks `text` once, in C-speed slices between the positions asked for, so a long input with a short
+    truncated tail costs one `encode` rather than a Python loop over every character.
+    """
     if text.isascii():
-        return list(range(len(text) + 1))
-    offsets = [0]
-    for char in text:
-        offsets.append(offsets[-1] + len(char.encode("utf-8")))
+        return {position: position for position in positions}
+    offsets, byte, previous = {}, 0, 0
+    for position in sorted(set(positions)):
+        byte += len(text[previous:position].encode("utf-8"))
+        offsets[position], previous = byte, position
     return offsets

@@ -35,6 +35,9 @@ class FakeClient:
         self.generated: dict[int, int] = {}
         self.calls: list[tuple[str, object]] = []
         self.fail_next: str | None = None  # "prefill" or "decode": the next such call fails
+        self.raise_next: tuple[str, Exception] | None = None  # (method, error): the next such call raises it
+        self.failing_rows: set[int] = set()  # requests that fail alone in their next step (Generation.error)
+        self.hang: str | None = None  # "prefill" or "decode": such calls never answer (a stopped shard)
         self.step_delay = step_delay
         self._lock = asyncio.Lock()
         self.adapters: dict[str, AdapterBehaviour] = {}  # per adapter id; others load at once
@@ -54,13 +57,22 @@ class FakeClient:
 
     async def _maybe_fail(self, method: str) -> None:
         await asyncio.sleep(self.step_delay)
+        if self.hang == method:
+            await asyncio.Event().wait()
         if self.fail_next == method:
             self.fail_next = None
             raise ShardError(f"{method} failed: shard exploded")
+        if self.raise_next is not None and self.raise_next[0] == method:
+            error, self.raise_next = self.raise_next[1], None
+            raise error
 
     def _step(self, batch_id: int, requests: list[pb.Request]) -> StepResponse:
         generations, live = [], []
         for r in requests:
+            if r.id in self.failing_rows:  # like the worker: the row is dropped and reported alone
+                self.failing_rows.discard(r.id)
+                generations.append(pb.Generation(request_id=r.id, error=f"request {r.id}: non-finite logits"))
+                continue
             k = self.generated.get(r.id, 0)
             self.generated[r.id] = k + 1
             gen = pb.Generation(request_id=r.id, tokens=pb.Tokens(

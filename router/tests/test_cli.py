@@ -44,6 +44,8 @@ def test_adapter_flags_and_environment(monkeypatch):
     (dict(max_active_adapters=1, preloaded_adapter_ids=("a", "b")),
      r"--preloaded-adapter-ids names 2 adapters, more than --max-active-adapters \(1\)"),
     (dict(preloaded_adapter_ids=("x" * 300,)), "is not an adapter id"),
+    (dict(validation_workers=0), "--validation-workers must be at least 1; got 0"),
+    (dict(max_adapter_labels=-1), "--max-adapter-labels must not be negative; got -1"),
 ])
 def test_adapter_settings_are_checked(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -73,7 +75,7 @@ def startup(tmp_path, monkeypatch):
     client = StartupClient()
     served: list[server.RouterState] = []
 
-    async def connect(url, timeout=30.0):
+    async def connect(url, timeout=30.0, instance_id=""):
         return client
 
     async def serve(self):
@@ -95,6 +97,29 @@ def test_preloaded_adapters_are_loaded_before_serving_and_reported(startup):
     assert state.info["adapters"] == {"max_active_adapters": 2, "adapter_source": "hub",
                                       "preloaded_adapter_ids": ["org/a", "org/b"]}
     assert state.scheduler.adapters.is_ready("org/a") and state.scheduler.adapters.max_active_adapters == 2
+
+
+def test_validation_and_metrics_flags_and_environment(monkeypatch):
+    for name in ("VALIDATION_WORKERS", "MAX_ADAPTER_LABELS"):
+        monkeypatch.delenv(name, raising=False)
+    params = parse([])
+    assert (params["validation_workers"], params["max_adapter_labels"]) == (2, 32)
+    params = parse([], {"VALIDATION_WORKERS": "4", "MAX_ADAPTER_LABELS": "0"}, monkeypatch)
+    assert (params["validation_workers"], params["max_adapter_labels"]) == (4, 0)
+    with pytest.raises(Exception, match="greater than or equal to 1"):
+        parse(["--validation-workers", "0"])
+
+
+def test_validation_workers_and_adapter_labels_reach_the_served_state(startup):
+    client, served, config = startup
+    run_config = cli.RouterConfig(**config, preloaded_adapter_ids=("org/a", "org/b"), validation_workers=3,
+                                  max_adapter_labels=1)
+    assert asyncio.run(cli.run(run_config)) == 0
+    state = served[0]
+    assert state.validation_workers == 3 and state.validation_pool._max_workers == 3
+    assert state.info["validation_workers"] == 3
+    assert [state.metrics.adapter_label(a) for a in ("org/a", "org/b", "")] == ["org/a", "other", ""]
+    assert state.validator.max_top_k == state.validator.tokenizer.get_vocab_size(with_added_tokens=True)
 
 
 def test_a_preload_failure_stops_startup_naming_the_adapter(startup, caplog):

@@ -1,4 +1,5 @@
-"""`ShardedClient`'s adapter RPCs over real gRPC, against two in-process shards that answer as told."""
+"""`ShardedClient` over real gRPC, against in-process shards that answer as told: the adapter RPCs, and the
+check at connect that every shard belongs to the router's launcher run."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import grpc
 
 from specula_proto import generate_pb2 as pb
 from specula_proto import generate_pb2_grpc
-from specula_router.client import ShardedClient
+from specula_router.client import ForeignShardError, ShardedClient
 
 
 class AdapterShard(generate_pb2_grpc.TextGenerationServiceServicer):
@@ -91,3 +92,61 @@ def test_a_failed_rpc_is_a_424_with_its_message(tmp_path):
         assert shards[1].loaded == set()
 
     with_shards(tmp_path, shards, body)
+
+
+class InstanceShard(generate_pb2_grpc.TextGenerationServiceServicer):
+    """Lists every shard's URL (as shard 0 does) and reports a launcher run's instance id in Info."""
+
+    def __init__(self, urls: list[str], instance_id: str, model_id: str = "m") -> None:
+        self.urls, self.instance_id, self.model_id = urls, instance_id, model_id
+
+    async def ServiceDiscovery(self, request, context):
+        return pb.ServiceDiscoveryResponse(urls=self.urls)
+
+    async def Info(self, request, context):
+        return pb.InfoResponse(model_id=self.model_id, instance_id=self.instance_id)
+
+
+def connect_to(tmp_path, shard_ids: list[str], router_id: str) -> str | None:
+    """Serves one InstanceShard per id and connects to shard 0 as a router given `router_id`; returns the
+    ForeignShardError's message, or None when the router accepted every shard."""
+    async def main():
+        urls = [f"unix://{tmp_path}/shard-{rank}" for rank in range(len(shard_ids))]
+        servers = []
+        for rank, (url, shard_id) in enumerate(zip(urls, shard_ids)):
+            server = grpc.aio.server()
+            generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(
+                InstanceShard(urls, shard_id, model_id=f"model-of-{shard_id or 'none'}"), server)
+            server.add_insecure_port(url)
+            await server.start()
+            servers.append(server)
+        try:
+            client = await ShardedClient.connect(urls[0], timeout=10, instance_id=router_id)
+            assert client.num_shards == len(shard_ids)
+            await client.close()
+            return None
+        except ForeignShardError as e:
+            return str(e)
+        finally:
+            await asyncio.gather(*(s.stop(None) for s in servers))
+
+    return asyncio.run(main())
+
+
+def test_a_router_connects_to_the_shards_of_its_own_launcher_run(tmp_path):
+    assert connect_to(tmp_path, ["run-a", "run-a"], "run-a") is None
+    assert connect_to(tmp_path, ["", ""], "") is None  # started by hand: no ids on either side
+
+
+def test_a_shard_of_another_launcher_run_is_refused_naming_it(tmp_path):
+    error = connect_to(tmp_path, ["run-a", "run-b"], "run-a")
+    assert error is not None and error.startswith(f"shard 1 at unix://{tmp_path}/shard-1 belongs to instance run-b "
+                                                  f"(serving model-of-run-b), not to this router's instance run-a")
+    assert "--shard-uds-path" in error
+    error = connect_to(tmp_path, ["run-b"], "run-a")
+    assert error is not None and error.startswith("shard 0 at") and "belongs to instance run-b" in error
+    error = connect_to(tmp_path, [""], "run-a")  # a shard started alone is no shard of this launcher's
+    assert error is not None and "belongs to no launcher (started alone)" in error
+    # A router given no id still refuses shards that disagree among themselves.
+    error = connect_to(tmp_path, ["run-a", "run-b"], "")
+    assert error is not None and "not to shard 0's instance run-a" in error

@@ -268,19 +268,24 @@ def test_api_token_is_never_logged_nor_echoed(tokenizer, caplog):
 
 def test_adapter_metrics_are_served(tokenizer):
     async def fn(client):
-        for adapter_id in ("a", "bad", "b"):  # one slot: a is offloaded for bad, whose slot b then takes
+        for adapter_id in ("a", "bad", "b", "b"):  # one slot: a is offloaded for bad, whose slot b then takes
             await client.post("/generate", json={"inputs": "x", "parameters": {"adapter_id": adapter_id,
                                                                                "max_new_tokens": 1}})
         text = (await client.get("/metrics")).text
         families = {f.name: f for f in text_string_to_metric_families(text)}
         samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families.values() for s in f.samples}
         assert samples[("specula_adapter_load_duration_count", (("adapter", "a"),))] == 1
-        assert samples[("specula_adapter_load_failure_total", (("adapter", "bad"), ("status", "424")))] == 1
+        # A load that failed never gives its client-chosen id a label.
+        assert samples[("specula_adapter_load_failure_total", (("adapter", "other"), ("status", "424")))] == 1
+        assert "bad" not in text
         assert samples[("specula_adapter_offload_total", (("adapter", "a"),))] == 1
         assert samples[("specula_adapter_active", ())] == 1
+        # Labels exist from the load on: the first request of each adapter arrived before it, as `other`.
         assert samples[("specula_request_count_total", (("adapter", "b"),))] == 1
+        assert samples[("specula_request_count_total", (("adapter", "other"),))] == 3
         assert samples[("specula_request_success_total", (("adapter", "a"),))] == 1
-        assert samples[("specula_request_failure_total", (("adapter", "bad"), ("err", "generation")))] == 1
+        assert samples[("specula_request_success_total", (("adapter", "b"),))] == 2
+        assert samples[("specula_request_failure_total", (("adapter", "other"), ("err", "generation")))] == 1
 
     call(make_state(tokenizer, max_active_adapters=1, adapters={"bad": AdapterBehaviour(error="no such adapter")}),
          fn)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from fake_worker import FakeClient
@@ -10,7 +11,9 @@ from fake_worker import FakeClient
 from specula_router.block_allocator import BlockAllocator
 from specula_router.metrics import Metrics
 from specula_router.requests import SamplingParameters, StoppingParameters, ValidGenerateRequest
-from specula_router.scheduler import ErrorEvent, FinalEvent, Scheduler, SchedulerConfig, TokensEvent
+from specula_router.scheduler import (
+    ErrorEvent, FinalEvent, Scheduler, SchedulerConfig, ShardUnresponsive, TokensEvent,
+)
 
 
 def make_request(prompt_len: int = 4, max_new: int = 3) -> ValidGenerateRequest:
@@ -183,4 +186,130 @@ def test_pipelined_decode_of_a_batch_that_just_ended_is_harmless():
         loop.cancel()
         assert events[-1].generated_tokens == 2 and not scheduler.running
         assert ("decode", [0]) in client.calls and client.batches == {}
+    run(body())
+
+
+# --- one request, one failure: the loop goes on ------------------------------------------------------------
+
+
+def _tokens_of(events) -> list[int]:
+    return [t.id for e in events if isinstance(e, TokensEvent) for t in e.tokens]
+
+
+def test_a_request_the_wire_cannot_hold_fails_alone_and_the_loop_goes_on():
+    """top_k = 2**32 does not fit the proto's uint32: building the Prefill raised and ended the loop."""
+    async def body():
+        scheduler, client = make_scheduler()
+        loop = asyncio.create_task(scheduler.run())
+        bad = make_request()
+        bad = dataclasses.replace(bad, sampling=dataclasses.replace(bad.sampling, top_k=2**32))
+        entries = [scheduler.submit(make_request(max_new=3)), scheduler.submit(bad),
+                   scheduler.submit(make_request(max_new=2))]
+        results = [await drain(e) for e in entries]
+        assert isinstance(results[1][-1], ErrorEvent) and results[1][-1].status == 422
+        assert "4294967296" in results[1][-1].message  # protobuf names the value it could not hold
+        assert [len(_tokens_of(r)) for r in (results[0], results[2])] == [3, 2]
+        later = scheduler.submit(make_request(max_new=2))
+        assert isinstance((await drain(later))[-1], FinalEvent)
+        assert not loop.done()
+        loop.cancel()
+        assert scheduler.allocator.num_free_blocks == 64 and not scheduler.running
+    run(body())
+
+
+def test_an_error_delivering_one_result_fails_that_request_only():
+    async def body():
+        scheduler, client = make_scheduler(step_delay=0.001)
+        loop = asyncio.create_task(scheduler.run())
+        good, bad = scheduler.submit(make_request(max_new=6)), scheduler.submit(make_request(max_new=6))
+        deliver = scheduler._deliver
+
+        def flaky(generation):
+            if generation.request_id == bad.id and scheduler.running[bad.id].num_generated == 2:
+                raise RuntimeError("cannot encode this token")
+            deliver(generation)
+
+        scheduler._deliver = flaky
+        bad_events, good_events = await drain(bad), await drain(good)
+        assert isinstance(bad_events[-1], ErrorEvent) and bad_events[-1].status == 500
+        assert "cannot encode this token" in bad_events[-1].message
+        assert len(_tokens_of(bad_events)) == 2  # what it had before the failure, nothing after
+        assert _tokens_of(good_events) == [1000 * good.id + k for k in range(6)]
+        await asyncio.sleep(0.02)
+        loop.cancel()
+        # It left the workers' batch before its blocks were freed.
+        assert any(kind == "filter" and ids == [good.id] for kind, ids in client.calls)
+        assert scheduler.allocator.num_free_blocks == 64 and not scheduler.running
+    run(body())
+
+
+@pytest.mark.parametrize("method", ["prefill", "decode"])
+def test_an_unexpected_error_in_a_step_fails_its_requests_and_the_loop_goes_on(method):
+    async def body():
+        scheduler, client = make_scheduler()
+        loop = asyncio.create_task(scheduler.run())
+        client.raise_next = (method, RuntimeError("unexpected"))
+        failed = scheduler.submit(make_request(max_new=4))
+        events = await drain(failed)
+        assert isinstance(events[-1], ErrorEvent) and events[-1].status == 500
+        assert "unexpected" in events[-1].message
+        ok = scheduler.submit(make_request(max_new=2))
+        assert isinstance((await drain(ok))[-1], FinalEvent)
+        assert not loop.done()
+        loop.cancel()
+        assert scheduler.allocator.num_free_blocks == 64
+        assert ("clear", None) in client.calls  # the workers' batches were dropped with the requests
+    run(body())
+
+
+def test_a_request_the_worker_fails_alone_ends_with_its_error_and_its_neighbours_go_on():
+    async def body():
+        scheduler, client = make_scheduler(step_delay=0.001)
+        loop = asyncio.create_task(scheduler.run())
+        entries = [scheduler.submit(make_request(max_new=5)) for _ in range(3)]
+        await asyncio.sleep(0.005)
+        client.failing_rows.add(entries[1].id)
+        results = [await drain(e) for e in entries]
+        assert isinstance(results[1][-1], ErrorEvent) and results[1][-1].status == 424
+        assert "non-finite" in results[1][-1].message
+        for entry, events in zip(entries[::2], results[::2]):
+            assert _tokens_of(events) == [1000 * entry.id + k for k in range(5)]
+        loop.cancel()
+        assert scheduler.allocator.num_free_blocks == 64 and not scheduler.running
+    run(body())
+
+
+def test_a_shard_that_does_not_answer_fails_every_request_and_stops_the_loop():
+    async def body():
+        scheduler, client = make_scheduler(step_timeout=0.2, step_delay=0.001)
+        loop = asyncio.create_task(scheduler.run())
+        running = scheduler.submit(make_request(max_new=50))
+        await asyncio.sleep(0.01)
+        client.hang = "decode"
+        events = await drain(running)
+        assert isinstance(events[-1], ErrorEvent) and "--step-timeout" in events[-1].message
+        with pytest.raises(ShardUnresponsive):
+            await asyncio.wait_for(loop, 5)
+        assert scheduler.failure is not None
+        later = await drain(scheduler.submit(make_request()))
+        assert isinstance(later[-1], ErrorEvent) and later[-1].status == 503
+    run(body())
+
+
+def test_abort_all_answers_running_and_queued_requests_at_once():
+    async def body():
+        scheduler, client = make_scheduler(num_blocks=4, block_size=4, step_delay=0.005)
+        loop = asyncio.create_task(scheduler.run())
+        running = [scheduler.submit(make_request(max_new=4)) for _ in range(2)]
+        queued = scheduler.submit(make_request(max_new=4))  # no blocks left: it waits in the queue
+        await asyncio.sleep(0.02)
+        assert queued.state.name == "QUEUED"
+        shutdown = ErrorEvent("shutting down", "shutdown", 503)
+        assert scheduler.abort_all(shutdown) == 3
+        for entry in [*running, queued]:
+            events = await drain(entry)
+            assert events[-1] == shutdown
+        await asyncio.sleep(0.05)
+        loop.cancel()
+        assert scheduler.allocator.num_free_blocks == 4 and not scheduler.running
     run(body())

@@ -118,8 +118,10 @@ def test_every_parameter_is_documented():
     schema = GenerateParameters.model_json_schema()
     undocumented = [name for name, prop in schema["properties"].items() if not prop.get("description")]
     assert undocumented == []
-    assert schema["properties"]["adapter_source"]["enum"] == ["hub", "local"]
-    assert schema["properties"]["adapter_id"]["maxLength"] == 256
+    props = {name: prop["anyOf"][0] for name, prop in schema["properties"].items()}  # [value, null]
+    assert all(prop["anyOf"][-1] == {"type": "null"} for prop in schema["properties"].values())
+    assert props["adapter_source"]["enum"] == ["hub", "local"]
+    assert props["adapter_id"]["maxLength"] == 256
     assert GenerateRequest.model_json_schema()["examples"][0]["inputs"]
 
 

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import math
 import random
+import struct
 
 import pytest
 import tokenizers
 
+from specula_router.http_errors import format_request_errors
 from specula_router.schemas import GenerateParameters
 from specula_router.validation import (
     MAX_SEED,
     ValidationError,
     ValidationLimits,
     Validator,
-    format_request_errors,
 )
+from specula_router.wire import FLOAT32_BELOW_ONE, FLOAT32_MAX, FLOAT32_MIN_NORMAL
 from specula_server.testing.tokenizer import BOS_ID, build_tokenizer
 
 PROMPT = "def hello(name):\n    return name"
@@ -114,23 +116,49 @@ def test_sampling_is_on_iff_asked_or_warped(validator, kwargs, do_sample):
     assert validator.validate(PROMPT, params(**kwargs)).sampling.do_sample is do_sample
 
 
+POSITIVE = "in [1.1754944e-38, 3.4028235e+38] as a float32."  # float32's normal range
+
 # (parameters, stream, field, exact message)
 REJECTED = [
-    ({"temperature": 0.0}, False, "temperature", "`temperature` must be strictly positive"),
-    ({"temperature": -1.0}, False, "temperature", "`temperature` must be strictly positive"),
-    ({"temperature": math.inf}, False, "temperature", "`temperature` must be strictly positive"),
-    ({"temperature": math.nan}, False, "temperature", "`temperature` must be strictly positive"),
-    ({"top_k": 0}, False, "top_k", "`top_k` must be strictly positive"),
-    ({"top_k": -3}, False, "top_k", "`top_k` must be strictly positive"),
-    ({"top_p": 0.0}, False, "top_p", "`top_p` must be > 0.0 and <= 1.0"),
-    ({"top_p": 1.01}, False, "top_p", "`top_p` must be > 0.0 and <= 1.0"),
-    ({"typical_p": 0.0}, False, "typical_p", "`typical_p` must be > 0.0 and < 1.0"),
-    ({"typical_p": 1.0}, False, "typical_p", "`typical_p` must be > 0.0 and < 1.0"),
-    ({"repetition_penalty": 0.0}, False, "repetition_penalty", "`repetition_penalty` must be strictly positive"),
-    ({"frequency_penalty": 2.5}, False, "frequency_penalty", "`frequency_penalty` must be >= -2.0 and <= 2.0"),
-    ({"frequency_penalty": -2.01}, False, "frequency_penalty", "`frequency_penalty` must be >= -2.0 and <= 2.0"),
-    ({"presence_penalty": 3.0}, False, "presence_penalty", "`presence_penalty` must be >= -2.0 and <= 2.0"),
-    ({"presence_penalty": math.nan}, False, "presence_penalty", "`presence_penalty` must be >= -2.0 and <= 2.0"),
+    ({"temperature": 0.0}, False, "temperature", f"`temperature` must be strictly positive: {POSITIVE} Given: 0.0"),
+    ({"temperature": -1.0}, False, "temperature", f"`temperature` must be strictly positive: {POSITIVE} Given: -1.0"),
+    ({"temperature": math.inf}, False, "temperature",
+     f"`temperature` must be strictly positive: {POSITIVE} Given: inf"),
+    ({"temperature": math.nan}, False, "temperature",
+     f"`temperature` must be strictly positive: {POSITIVE} Given: nan"),
+    # Positive and finite in float64, but 0 or infinity once sent as a float32.
+    ({"temperature": 1e-50}, False, "temperature", f"`temperature` must be strictly positive: {POSITIVE} Given: 1e-50"),
+    ({"temperature": 1e39}, False, "temperature", f"`temperature` must be strictly positive: {POSITIVE} Given: 1e+39"),
+    ({"top_k": 0}, False, "top_k", "`top_k` must be strictly positive and at most the vocabulary size (512). Given: 0"),
+    ({"top_k": -3}, False, "top_k",
+     "`top_k` must be strictly positive and at most the vocabulary size (512). Given: -3"),
+    ({"top_k": 513}, False, "top_k",
+     "`top_k` must be strictly positive and at most the vocabulary size (512). Given: 513"),
+    ({"top_k": 2**32}, False, "top_k",
+     "`top_k` must be strictly positive and at most the vocabulary size (512). Given: 4294967296"),
+    ({"top_p": 0.0}, False, "top_p",
+     "`top_p` must be > 0.0 and <= 1.0: in [1.1754944e-38, 1] as a float32. Given: 0.0"),
+    ({"top_p": 1.01}, False, "top_p",
+     "`top_p` must be > 0.0 and <= 1.0: in [1.1754944e-38, 1] as a float32. Given: 1.01"),
+    ({"top_p": 1e-50}, False, "top_p",
+     "`top_p` must be > 0.0 and <= 1.0: in [1.1754944e-38, 1] as a float32. Given: 1e-50"),
+    ({"typical_p": 0.0}, False, "typical_p",
+     "`typical_p` must be > 0.0 and < 1.0: in [1.1754944e-38, 0.99999994] as a float32. Given: 0.0"),
+    ({"typical_p": 1.0}, False, "typical_p",
+     "`typical_p` must be > 0.0 and < 1.0: in [1.1754944e-38, 0.99999994] as a float32. Given: 1.0"),
+    ({"typical_p": 0.99999999}, False, "typical_p",  # below 1, but 1.0 as a float32
+     "`typical_p` must be > 0.0 and < 1.0: in [1.1754944e-38, 0.99999994] as a float32. Given: 0.99999999"),
+    ({"repetition_penalty": 0.0}, False, "repetition_penalty",
+     f"`repetition_penalty` must be strictly positive: {POSITIVE} Given: 0.0"),
+    ({"repetition_penalty": 1e39}, False, "repetition_penalty",
+     f"`repetition_penalty` must be strictly positive: {POSITIVE} Given: 1e+39"),
+    ({"frequency_penalty": 2.5}, False, "frequency_penalty",
+     "`frequency_penalty` must be >= -2.0 and <= 2.0. Given: 2.5"),
+    ({"frequency_penalty": -2.01}, False, "frequency_penalty",
+     "`frequency_penalty` must be >= -2.0 and <= 2.0. Given: -2.01"),
+    ({"presence_penalty": 3.0}, False, "presence_penalty", "`presence_penalty` must be >= -2.0 and <= 2.0. Given: 3.0"),
+    ({"presence_penalty": math.nan}, False, "presence_penalty",
+     "`presence_penalty` must be >= -2.0 and <= 2.0. Given: nan"),
     ({"max_new_tokens": 0}, False, "max_new_tokens", "`max_new_tokens` must be strictly positive"),
     ({"max_new_tokens": -5}, False, "max_new_tokens", "`max_new_tokens` must be strictly positive"),
     ({"seed": -1}, False, "seed", f"`seed` must be >= 0 and <= {MAX_SEED}. Given: -1"),
@@ -336,7 +364,7 @@ def test_api_token_is_kept_for_the_load_but_never_shown(validator):
 
 def test_checks_run_before_tokenisation(tokenizer):
     class ExplodingTokenizer:
-        def encode(self, *args, **kwargs):
+        def encode_batch(self, *args, **kwargs):
             raise AssertionError("tokenised an invalid request")
 
     validator = Validator(ExplodingTokenizer(), LIMITS)  # type: ignore[arg-type]
@@ -346,13 +374,55 @@ def test_checks_run_before_tokenisation(tokenizer):
 
 def test_tokenizer_failure_is_a_validation_error():
     class FailingTokenizer:
-        def encode(self, *args, **kwargs):
+        def encode_batch(self, *args, **kwargs):
             raise Exception("bad input")
 
     validator = Validator(FailingTokenizer(), LIMITS)  # type: ignore[arg-type]
     with pytest.raises(ValidationError) as info:
         validator.validate(PROMPT, GenerateParameters())
     assert (info.value.field, info.value.message) == ("inputs", "tokenizer error bad input")
+
+
+def test_wire_type_edges_are_accepted(validator):
+    """The largest and smallest values each float32 / uint32 field can hold pass, so the bounds are not too tight."""
+    tiny, huge, below_one = FLOAT32_MIN_NORMAL, FLOAT32_MAX, FLOAT32_BELOW_ONE
+    s = validator.validate(PROMPT, params(temperature=tiny, top_k=512, top_p=tiny, typical_p=below_one,
+                                          repetition_penalty=huge, frequency_penalty=1e-45, seed=MAX_SEED)).sampling
+    assert (s.temperature, s.top_k, s.top_p, s.typical_p, s.repetition_penalty) == (tiny, 512, tiny, below_one, huge)
+    assert struct.unpack("f", struct.pack("f", s.temperature))[0] > 0.0  # still positive on the wire
+    assert struct.unpack("f", struct.pack("f", s.typical_p))[0] < 1.0
+    assert validator.validate(PROMPT, params(temperature=huge)).sampling.temperature == huge
+
+
+def test_top_k_is_bounded_by_the_workers_vocabulary(tokenizer):
+    validator = Validator(tokenizer, ValidationLimits(max_input_tokens=32, max_total_tokens=64, vocab_size=1024))
+    assert validator.max_top_k == 1024 and validator.validate(PROMPT, params(top_k=1024)).sampling.top_k == 1024
+    with pytest.raises(ValidationError, match=r"vocabulary size \(1024\). Given: 1025"):
+        validator.validate(PROMPT, params(top_k=1025))
+
+
+def test_tokenize_applies_the_input_limits_and_truncate(validator, tokenizer):
+    long_text = "def f(x): return x\n" * 20
+    num_tokens = len(tokenizer.encode(long_text).ids)
+    assert num_tokens > LIMITS.max_input_tokens
+    with pytest.raises(ValidationError) as info:
+        validator.tokenize(long_text)
+    assert (info.value.field, info.value.message) == (
+        "inputs", f"`inputs` must have less than {LIMITS.max_input_tokens} tokens. Given: {num_tokens}")
+    tail = validator.tokenize(long_text, truncate=10)
+    assert [t.id for t in tail] == tokenizer.encode(long_text).ids[-10:]
+    encoded = long_text.encode("utf-8")
+    assert tail[-1].stop == len(encoded) and all(t.text == encoded[t.start:t.stop].decode() for t in tail)
+    with pytest.raises(ValidationError, match="`truncate` must be strictly positive and less than 32. Given: 33"):
+        validator.tokenize("hi", truncate=33)
+
+
+def test_truncated_tokenize_keeps_byte_offsets_into_the_whole_input(validator, tokenizer):
+    text = "é🚀" * 40 + " tail"
+    tail = validator.tokenize(text, truncate=3)
+    encoded = text.encode("utf-8")
+    assert [t.id for t in tail] == tokenizer.encode(text).ids[-3:]
+    assert tail[-1].stop == len(encoded) and tail[-1].text == encoded[tail[-1].start:tail[-1].stop].decode()
 
 
 def test_tokenize_offsets_are_utf8_bytes(validator, tokenizer):

@@ -74,6 +74,10 @@ def serve(
     max_active_adapters: int = typer.Option(8, envvar="MAX_ACTIVE_ADAPTERS", min=1,
                                             help="Adapters loaded at once (slots of the LoRA stacks)."),
     log_level: str = typer.Option("INFO", envvar="LOG_LEVEL", help="Python logging level."),
+    instance_id: str = typer.Option(
+        "", envvar="SPECULA_INSTANCE_ID",
+        help="Id of the launcher run this shard belongs to, reported in Info; a router given another id refuses "
+             "the shard. Empty when started alone."),
 ) -> None:
     """Load a model shard and serve it over gRPC on a unix socket."""
     from specula_server.server import ServerConfig, serve as serve_async
@@ -88,6 +92,7 @@ def serve(
             speculative_tokens=speculative_tokens, speculation_mode=speculation_mode, ngram_min=ngram_min,
             ngram_max=ngram_max, ngram_match=ngram_match, adapter_dirs=tuple(adapter_dir),
             max_active_adapters=max_active_adapters, speculator=speculator, draft_tree_width=draft_tree_width,
+            instance_id=instance_id,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,7 @@ class ServerConfig:
     max_active_adapters: int = 8
     speculator: str | None = None  # Medusa heads or an MLP speculator for every request: a directory or Hub id
     draft_tree_width: int = 1  # candidates per Medusa head / MLP speculator stage (1: the top-1 chain only)
+    instance_id: str = ""  # the launcher run this shard belongs to (reported in Info); "" when started alone
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -192,6 +194,7 @@ async def serve(config: ServerConfig) -> int:
         world_size=config.world_size,
         uds_urls=tuple(config.uds_url(r) for r in range(config.world_size)),
         kv_cache_memory=config.kv_cache_memory,
+        instance_id=config.instance_id,
     )
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -205,7 +208,10 @@ async def serve(config: ServerConfig) -> int:
     server = grpc.aio.server(interceptors=[ExceptionInterceptor(on_fatal, fault_policy(info))])
     generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(TextGenerationService(generator, info), server)
     socket_path = f"{config.uds_path}-{config.rank}"
-    if os.path.exists(socket_path):
+    if is_live_socket(socket_path):  # never take over another server's socket: its router would reach us
+        logger.error("%s is in use by another process (a live socket); choose another --uds-path", socket_path)
+        return 1
+    if os.path.exists(socket_path):  # stale: its server was killed before it could remove it
         os.unlink(socket_path)
     server.add_insecure_port(config.uds_url(config.rank))
     await server.start()
@@ -217,3 +223,18 @@ async def serve(config: ServerConfig) -> int:
     if os.path.exists(socket_path):
         os.unlink(socket_path)
     return 1 if failures else 0
+
+
+def is_live_socket(path: str) -> bool:
+    """Whether a process accepts connections on the unix socket `path` (a killed server's file refuses them)."""
+    if not os.path.exists(path):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError, NotADirectoryError):
+            return False
+        except OSError:
+            return True  # a full backlog or a slow accept: someone listens
+        return True

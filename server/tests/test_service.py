@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -132,7 +133,7 @@ def test_cli_serves_on_a_socket_and_stops_on_sigterm(llama_dir, tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-m", "specula_server.cli", "serve", str(llama_dir), "--uds-path", str(uds),
          "--kv-cache-memory", "4MiB"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**env, "SPECULA_INSTANCE_ID": "run-1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
         deadline = time.monotonic() + 60
@@ -145,12 +146,30 @@ def test_cli_serves_on_a_socket_and_stops_on_sigterm(llama_dir, tmp_path):
             async with grpc.aio.insecure_channel(f"unix://{uds}-0") as channel:
                 return await generate_pb2_grpc.TextGenerationServiceStub(channel).Info(pb.InfoRequest())
 
-        assert asyncio.run(info()).model_id == str(llama_dir)
+        served = asyncio.run(info())
+        assert (served.model_id, served.instance_id) == (str(llama_dir), "run-1")  # the launcher run it belongs to
     finally:
         proc.send_signal(signal.SIGTERM)
         output = proc.communicate(timeout=30)[0]
     assert proc.returncode == 0, output
     assert not Path(f"{uds}-0").exists()
+
+
+def test_cli_never_takes_over_a_live_socket(llama_dir, tmp_path):
+    """Another server's socket at our path: refuse (exit 1) rather than unlink it and answer its router."""
+    uds = tmp_path / "shard"
+    taken = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    taken.bind(f"{uds}-0")
+    taken.listen(1)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(REPO / p) for p in ("server", "kernels", "proto")))
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "specula_server.cli", "serve", str(llama_dir), "--uds-path", str(uds),
+             "--kv-cache-memory", "4MiB"], env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        taken.close()
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"{uds}-0 is in use by another process (a live socket)" in result.stdout + result.stderr
 
 
 def test_cli_help_lists_every_option():

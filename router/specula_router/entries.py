@@ -1,0 +1,109 @@
+"""One admitted HTTP request inside the router (`Entry`) and the events it sends to its HTTP handler.
+
+The scheduler owns entries; a handler only reads `entry.events`, which yields, in order:
+
+    TokensEvent*  then  FinalEvent (or the last TokensEvent carrying `final`)   a request that completed
+    TokensEvent*  then  ErrorEvent                                              a request that failed
+
+`Entry.to_pb` is the only place a validated request becomes the workers' `pb.Request`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from specula_proto import generate_pb2 as pb
+from specula_router.requests import ValidGenerateRequest
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    id: int
+    text: str
+    logprob: float  # NaN where undefined (the first prompt token): encoded as JSON null
+    special: bool
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    generated_text: str
+    finish_reason: str
+    generated_tokens: int
+    seed: int | None
+
+
+@dataclass(frozen=True)
+class TokensEvent:
+    """Tokens of one step: one, or several under speculation (all but the first are 'skipped').
+
+    `final` is set when the request finished in this step, so the last token and the end arrive together.
+    """
+
+    tokens: list[TokenOut]
+    top_tokens: list[list[TokenOut]]
+    prefill: list[TokenOut] | None = None
+    final: FinalEvent | None = None
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    """The request failed: `/generate` answers `status`; a started stream sends `{error, error_type}`."""
+
+    message: str
+    error_type: str = "generation"
+    status: int = 424
+
+
+class EntryState(enum.IntEnum):
+    WAITING_ADAPTER = 0  # in its adapter's queue until the adapter is loaded
+    QUEUED = 1  # in the FIFO
+    RUNNING = 2
+    DONE = 3
+
+
+@dataclass(eq=False)
+class Entry:
+    id: int
+    request: ValidGenerateRequest
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    state: EntryState = EntryState.QUEUED
+    blocks: list[int] = field(default_factory=list)
+    # Set while RUNNING when the request must leave the workers' batch at the next step: its client went away,
+    # or it failed on the router's side (then `failure` was already sent to its handler).
+    cancelled: bool = False
+    failure: ErrorEvent | None = None
+    queued_at: float = field(default_factory=time.monotonic)
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_generated: int = 0
+    num_skipped: int = 0
+
+    @property
+    def adapter(self) -> str:
+        return self.request.adapter_id or ""
+
+    def to_pb(self) -> pb.Request:
+        """The workers' message; raises ValueError (or TypeError) for a value its wire type cannot hold."""
+        r, s, t = self.request, self.request.sampling, self.request.stopping
+        return pb.Request(
+            id=self.id,
+            input_ids=r.input_ids,
+            parameters=pb.NextTokenChooserParameters(
+                do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                typical_p=s.typical_p, seed=s.seed, repetition_penalty=s.repetition_penalty,
+                frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+            ),
+            stopping_parameters=pb.StoppingCriteriaParameters(
+                max_new_tokens=t.max_new_tokens, stop_sequences=t.stop_sequences,
+                ignore_eos_token=t.ignore_eos_token,
+            ),
+            prefill_logprobs=r.decoder_input_details,
+            top_n_tokens=r.top_n_tokens,
+            blocks=self.blocks,
+            adapter_id=r.adapter_id or "",
+            speculative_tokens=r.speculative_tokens,
+        )

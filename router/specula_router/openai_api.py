@@ -1,0 +1,356 @@
+"""The OpenAI-compatible routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models[/{id}]`.
+
+Registered by `server.create_app` beside the TGI routes, and built on them: each request is translated into the
+router's one `GenerateParameters` and goes through the same admission, validation (`Validator`, with the limits
+and messages of `/generate`, field names translated), scheduler, metrics and timing headers as `/generate`;
+events come back as OpenAI's bodies and chunks (`openai_responses.py`, `openai_streams.py`).
+
+    chat body ── model → adapter (openai_models) ── messages → chat template (chat_template) → prompt text
+              └─ sampling fields → GenerateParameters ── server._admit (validation, in flight, 429) ──
+              n entries (seed + i) → scheduler → events → choices, usage / SSE chunks, data: [DONE]
+
+Sampling follows OpenAI: `temperature` 0 is greedy, an absent one is 1 (sampling); `n` choices of one prompt
+share its admission and sample with seeds seed, seed + 1, ... (as `best_of` does). A chat prompt is tokenised
+without adding special tokens again: the template writes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from specula_router import openai_errors
+from specula_router.chat_template import ChatTemplateError
+from specula_router.entries import Entry
+from specula_router.openai_errors import OpenAIError
+from specula_router.openai_models import ModelCatalog, ModelChoice, ModelNotFound, OpenAISettings
+from specula_router.openai_responses import (
+    chat_logprobs, completion_logprobs, finish_reason, new_id, trim_at_stop, usage,
+)
+from specula_router.openai_schemas import ROLES, ChatCompletionRequest, CompletionRequest, SamplingFields
+from specula_router.openai_streams import ChatChoiceStream, CompletionChoiceStream, stream_response
+from specula_router.requests import ValidGenerateRequest
+from specula_router.responses import ClientGone, Generation, GenerationError, collect
+from specula_router.schemas import GenerateParameters
+from specula_router.server import RouterState, _admit, _Rejected, _timing_headers
+from specula_router.tool_calls import parse_tool_calls
+from specula_router.validation import ValidationError
+
+# How `/generate`'s field names read in a message about an OpenAI request: {route: {generate name: OpenAI name}}.
+_CHAT_FIELDS = {"inputs": "messages", "max_new_tokens": "max_tokens", "top_n_tokens": "top_logprobs"}
+_COMPLETION_FIELDS = {"inputs": "prompt", "max_new_tokens": "max_tokens", "top_n_tokens": "logprobs"}
+# Fields copied unchanged into GenerateParameters.
+_PASSED_THROUGH = ("frequency_penalty", "presence_penalty", "repetition_penalty", "seed", "stop",
+                   "speculative_tokens", "api_token")
+
+
+def register(app: FastAPI, state: RouterState) -> None:
+    """Adds the `/v1/*` routes and their error shape to `app`."""
+    settings = state.openai or OpenAISettings()
+    preloaded = (state.info.get("adapters") or {}).get("preloaded_adapter_ids") or ()
+    api = OpenAIRoutes(state, settings, ModelCatalog(str(state.info.get("model_id", "")), settings,
+                                                     state.scheduler.adapters, preloaded))
+    openai_errors.install(app, state.metrics)
+    errors = {code: {"description": "OpenAI error body {error: {message, type, param, code}}"}
+              for code in (400, 404, 413, 422, 424, 429)}
+
+    @app.post("/v1/chat/completions", tags=["OpenAI"], responses=errors)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        """OpenAI chat completions; SSE chunks ending with `data: [DONE]` when `stream`."""
+        return await api.chat(body, request)
+
+    @app.post("/v1/completions", tags=["OpenAI"], responses=errors)
+    async def completions(body: CompletionRequest, request: Request):
+        """OpenAI (legacy) completions of a prompt or a list of prompts."""
+        return await api.complete(body, request)
+
+    @app.get("/v1/models", tags=["OpenAI"])
+    async def list_models():
+        """The base model and every adapter the server can name now: loaded, preloaded and local."""
+        return JSONResponse({"object": "list", "data": api.catalog.cards()})
+
+    @app.get("/v1/models/{model:path}", tags=["OpenAI"], responses={404: errors[404]})
+    async def retrieve_model(model: str):
+        """One model card, or 404 `model_not_found`."""
+        card = api.catalog.card(model)
+        if card is None:
+            return OpenAIError(404, str(ModelNotFound(model)), "model", "model_not_found").response()
+        return JSONResponse(card)
+
+
+@dataclass
+class Job:
+    """One admitted prompt and the entries of its choices."""
+
+    valid: ValidGenerateRequest
+    validation_s: float
+    entries: list[Entry] = dataclasses.field(default_factory=list)
+
+
+class OpenAIRoutes:
+    def __init__(self, state: RouterState, settings: OpenAISettings, catalog: ModelCatalog) -> None:
+        self.state = state
+        self.settings = settings
+        self.catalog = catalog
+        self.fingerprint = f"specula-{state.info.get('version') or '0'}"
+
+    # --- chat ------------------------------------------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, request: Request):
+        arrived = time.monotonic()
+        try:
+            params = self._parameters(body, body.max_completion_tokens or body.max_tokens,
+                                      body.top_logprobs if body.logprobs else None)
+            _check_response_format(body.response_format)
+            template = self.settings.chat_template
+            if template is None:
+                raise OpenAIError(400, "this model has no chat template: start the server with --chat-template "
+                                       "(a file or a template), or use /v1/completions", "messages", "chat_template")
+            tools = _template_tools(body)
+            messages = _template_messages(body)
+            try:
+                prompt = await self.state.in_validation_worker(template.render, messages, tools, True)
+            except ChatTemplateError as e:
+                raise OpenAIError(422, f"the chat template refused the messages: {e}", "messages",
+                                  "chat_template") from None
+            fields = dict(_CHAT_FIELDS, max_new_tokens="max_completion_tokens" if body.max_completion_tokens
+                          else "max_tokens")
+            jobs = await self._admit([prompt], params, body.n, body.stream, False, fields)
+        except OpenAIError as e:
+            return e.response()
+        names = {t.function.name for t in body.tools or ()} if _parses_tools(body) else set()
+        model = body.model or self.catalog.model_id
+        if body.stream:
+            choices = [ChatChoiceStream(i, jobs[0].valid.stopping.stop_sequences, body.logprobs, names)
+                       for i in range(body.n)]
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await stream_response(self.state, jobs, choices, request, arrived, "chat.completion.chunk",
+                                   new_id("chatcmpl"), model, self.fingerprint, include_usage)
+        outcome = await self._collect(jobs, request, arrived)
+        if isinstance(outcome, JSONResponse):
+            return outcome
+        generations, headers = outcome
+        job = jobs[0]
+        choices = [_chat_choice(i, g, job.valid.stopping.stop_sequences, body.logprobs, names)
+                   for i, g in enumerate(generations[0])]
+        completion_tokens = sum(g.final.generated_tokens for g in generations[0])
+        return JSONResponse({
+            "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
+            "system_fingerprint": self.fingerprint, "choices": choices,
+            "usage": usage(job.valid.input_length, completion_tokens)}, headers=headers)
+
+    # --- completions -----------------------------------------------------------------------------------------
+
+    async def complete(self, body: CompletionRequest, request: Request):
+        arrived = time.monotonic()
+        try:
+            if body.suffix is not None:
+                raise OpenAIError(400, "`suffix` is not supported: the models served here are not trained to fill "
+                                       "in the middle", "suffix", "unsupported")
+            if body.best_of not in (None, 1):
+                raise OpenAIError(400, f"`best_of` must be 1 (or absent) here; use `n` for several choices. "
+                                       f"Given: {body.best_of}", "best_of", "unsupported")
+            prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+            if not prompts:
+                raise OpenAIError(422, "`prompt` must not be an empty list", "prompt", "validation")
+            params = self._parameters(body, body.max_tokens, body.logprobs)
+            if body.echo and body.logprobs is not None and not body.stream:
+                params = params.model_copy(update={"decoder_input_details": True})
+            jobs = await self._admit(prompts, params, body.n, body.stream, True, _COMPLETION_FIELDS)
+        except OpenAIError as e:
+            return e.response()
+        model = body.model or self.catalog.model_id
+        if body.stream:
+            choices = [CompletionChoiceStream(p * body.n + i, job.valid.stopping.stop_sequences, body.logprobs,
+                                              job.valid.inputs if body.echo else "")
+                       for p, job in enumerate(jobs) for i in range(body.n)]
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return await stream_response(self.state, jobs, choices, request, arrived, "text_completion", new_id("cmpl"),
+                                   model, self.fingerprint, include_usage)
+        outcome = await self._collect(jobs, request, arrived)
+        if isinstance(outcome, JSONResponse):
+            return outcome
+        generations, headers = outcome
+        choices = [_completion_choice(p * body.n + i, job.valid, g, body)
+                   for p, (job, gens) in enumerate(zip(jobs, generations)) for i, g in enumerate(gens)]
+        prompt_tokens = sum(job.valid.input_length for job in jobs)
+        completion_tokens = sum(g.final.generated_tokens for gens in generations for g in gens)
+        return JSONResponse({
+            "id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()), "model": model,
+            "system_fingerprint": self.fingerprint, "choices": choices,
+            "usage": usage(prompt_tokens, completion_tokens)}, headers=headers)
+
+    # --- shared: parameters, admission, collection ---------------------------------------------------------------
+
+    def _parameters(self, body: SamplingFields, max_new_tokens: int | None, top_n: int | None) -> GenerateParameters:
+        """The body's fields as `/generate`'s parameters (ranges are the Validator's to check)."""
+        if body.logit_bias:
+            raise OpenAIError(400, "`logit_bias` is not supported yet", "logit_bias", "unsupported")
+        try:
+            choice = self.catalog.resolve(body.model, body.adapter_id, body.adapter_source)
+        except ModelNotFound as e:
+            raise OpenAIError(404, str(e), "model", "model_not_found") from None
+        fields = {name: getattr(body, name) for name in _PASSED_THROUGH if getattr(body, name) is not None}
+        fields.update(_sampling(body), details=True, max_new_tokens=max_new_tokens, top_n_tokens=top_n,
+                      **_adapter(choice))
+        return GenerateParameters.model_validate({k: v for k, v in fields.items() if v is not None})
+
+    async def _admit(self, prompts: list[str], params: GenerateParameters, n: int, stream: bool,
+                     add_special_tokens: bool, fields: dict[str, str]) -> list[Job]:
+        """Admits every prompt through `/generate`'s admission and submits `n` entries for each."""
+        limit = self.state.max_concurrent_requests
+        if n < 1 or n * len(prompts) > limit:
+            raise OpenAIError(422, f"`n` must be >= 1, and `n` times the number of prompts at most {limit} "
+                                   f"(--max-concurrent-requests). Given: n={n}, {len(prompts)} prompt(s)", "n",
+                              "validation")
+        jobs: list[Job] = []
+        try:
+            for prompt in prompts:
+                valid, validation_s = await _admit(self.state, prompt, params, stream, add_special_tokens)
+                jobs.append(Job(valid, validation_s))
+        except _Rejected as r:
+            self.state.in_flight -= len(jobs)  # the prompts admitted before this one
+            raise _openai_error(r, fields) from None
+        for job in jobs:
+            for i in range(n):
+                sampling = dataclasses.replace(job.valid.sampling, seed=(job.valid.sampling.seed + i) % 2**64)
+                job.entries.append(self.state.scheduler.submit(dataclasses.replace(job.valid, sampling=sampling)))
+        return jobs
+
+    async def _collect(self, jobs: list[Job], request: Request, arrived: float):
+        """Every choice's generation ([job][choice]) and the first one's timing headers, or an error response."""
+        state = self.state
+        entries = [e for job in jobs for e in job.entries]
+        try:
+            flat = await asyncio.gather(*(collect(e, request.is_disconnected) for e in entries))
+        except GenerationError as e:
+            return OpenAIError(e.status, str(e), None, e.error_type).response()
+        except ClientGone:
+            return OpenAIError(499, "client disconnected", None, "cancelled").response()
+        finally:
+            state.in_flight -= len(jobs)
+            for entry in entries:
+                state.scheduler.cancel(entry)  # no-op for finished entries; frees the rest
+        per_job, k = [], 0
+        for job in jobs:
+            per_job.append(flat[k:k + len(job.entries)])
+            k += len(job.entries)
+            state.metrics.request_duration.labels(state.metrics.adapter_label(job.valid.adapter_id)).observe(
+                time.monotonic() - arrived)
+        first = jobs[0]
+        headers = _timing_headers(state, first.entries[0], arrived, first.validation_s, per_job[0][0],
+                                  first.valid.input_length)
+        return per_job, headers
+
+
+def _sampling(body: SamplingFields) -> dict:
+    """OpenAI's sampling: temperature 0 is greedy (top_p and top_k then mean nothing), absent samples at 1."""
+    if body.temperature == 0:
+        return {"do_sample": False}
+    return {"do_sample": True, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}
+
+
+def _adapter(choice: ModelChoice) -> dict:
+    return {"adapter_id": choice.adapter_id, "adapter_source": choice.adapter_source}
+
+
+def _openai_error(rejected: _Rejected, fields: dict[str, str]) -> OpenAIError:
+    """`/generate`'s refusal, with the OpenAI request's field names in its message and `param`."""
+    cause = rejected.cause
+    if isinstance(cause, ValidationError):
+        message = cause.message
+        for generate_name, openai_name in fields.items():
+            message = message.replace(f"`{generate_name}`", f"`{openai_name}`")
+        return OpenAIError(422, message, fields.get(cause.field, cause.field), "validation")
+    response = rejected.response
+    body = openai_errors.from_tgi(response.status_code, json.loads(response.body))["error"]
+    return OpenAIError(response.status_code, body["message"], None, body["code"])
+
+
+def _check_response_format(response_format: dict | None) -> None:
+    kind = (response_format or {}).get("type", "text")
+    if kind != "text":
+        raise OpenAIError(400, f"`response_format` {kind!r} (structured output) is not supported yet; only "
+                               f"{{\"type\": \"text\"}}", "response_format", "unsupported")
+
+
+def _parses_tools(body: ChatCompletionRequest) -> bool:
+    return bool(body.tools) and body.tool_choice != "none"
+
+
+def _template_tools(body: ChatCompletionRequest) -> list[dict] | None:
+    if not _parses_tools(body):
+        return None
+    return [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+
+
+def _template_messages(body: ChatCompletionRequest) -> list[dict]:
+    """The messages as a template reads them (as vLLM passes them): text parts joined with newlines, `developer`
+    read as `system`, a tool call's JSON `arguments` as an object."""
+    messages = []
+    for i, message in enumerate(body.messages):
+        if message.role not in ROLES:
+            raise OpenAIError(422, f"`messages[{i}].role` must be one of {', '.join(ROLES)}. Given: "
+                                   f"{message.role!r}", f"messages[{i}].role", "validation")
+        out: dict = {"role": "system" if message.role == "developer" else message.role,
+                     "content": _text(message.content, i)}
+        if message.name is not None:
+            out["name"] = message.name
+        if message.tool_calls:
+            out["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
+                "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            out["tool_call_id"] = message.tool_call_id
+        messages.append(out)
+    if not messages:
+        raise OpenAIError(422, "`messages` must hold at least one message", "messages", "validation")
+    return messages
+
+
+def _text(content, i: int) -> str | None:
+    if content is None or isinstance(content, str):
+        return content
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise OpenAIError(400, f"`messages[{i}].content[{j}]`: only text parts are supported. Given: "
+                                   f"{part.type!r}", f"messages[{i}].content[{j}].type", "unsupported")
+    return "\n".join(part.text for part in content)
+
+
+def _arguments(arguments: str) -> object:
+    try:
+        value = json.loads(arguments)
+    except (json.JSONDecodeError, RecursionError):
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+def _chat_choice(index: int, g: Generation, stops, logprobs: bool, tool_names: set[str]) -> dict:
+    text = trim_at_stop(g.final.generated_text, stops)
+    content, calls = parse_tool_calls(text, tool_names) if tool_names else (text, [])
+    message: dict = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [call.body() for call in calls]
+    return {"index": index, "message": message,
+            "logprobs": chat_logprobs(g.tokens, g.top_tokens) if logprobs else None,
+            "finish_reason": "tool_calls" if calls else finish_reason(g.final.finish_reason)}
+
+
+def _completion_choice(index: int, valid: ValidGenerateRequest, g: Generation, body: CompletionRequest) -> dict:
+    generated = trim_at_stop(g.final.generated_text, valid.stopping.stop_sequences)
+    prefix = valid.inputs if body.echo else ""
+    logprobs = None
+    if body.logprobs is not None:
+        tokens, tops = list(g.tokens), list(g.top_tokens) + [[]] * (len(g.tokens) - len(g.top_tokens))
+        if body.echo:
+            tokens, tops = list(g.prefill) + tokens, [None] * len(g.prefill) + tops
+        logprobs = completion_logprobs(tokens, tops, body.logprobs)
+    return {"index": index, "text": prefix + generated, "logprobs": logprobs,
+            "finish_reason": finish_reason(g.final.finish_reason)}
