@@ -21,6 +21,7 @@ def adapter_server(model_dir, tmp_path_factory):
     adapters = tmp_path_factory.mktemp("adapters")
     build_lora_adapter(model_dir, adapters / "code-lora", rank=8, std=0.2)
     build_medusa_adapter(model_dir, adapters / "heads", num_heads=3)
+    _poison(build_lora_adapter(model_dir, adapters / "nan-lora", rank=8, std=0.2))
     launcher = _start(model_dir, tmp_path_factory.mktemp("adapters-run"),
                       ["--speculative-tokens", "4", "--speculation-mode", "fixed",  # drafts every step:
                        # random heads accept almost nothing, and the adaptive controller may never try them
@@ -45,6 +46,35 @@ def test_lora_and_medusa_adapters_beside_the_base_model(base_url, adapter_server
     assert texts[2] == texts[5] == base  # Medusa heads only draft: greedy text is the base model's
     assert metric(url, "specula_spec_decode_num_draft_tokens_total", method="medusa", adapter="heads") > 0
     assert metric(url, "specula_request_success_total", adapter="code-lora") == 2
+
+
+def _poison(adapter_dir):
+    """One NaN in a LoRA B matrix: loaded, it would turn its requests' logits (and, before the worker kept
+    padding to each request's own KV slots, its neighbours') into NaN."""
+    from safetensors.torch import load_file, save_file
+
+    path = adapter_dir / "adapter_model.safetensors"
+    tensors = load_file(path)
+    name = next(n for n in sorted(tensors) if "lora_B" in n)
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, path)
+    return adapter_dir
+
+
+def test_an_adapter_with_nan_weights_is_refused_naming_the_tensor_and_others_are_untouched(adapter_server):
+    url = adapter_server.url
+    base = generate(url, PROMPT, max_new_tokens=16).json()["generated_text"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(generate, url, PROMPT, max_new_tokens=16, adapter_id=adapter, details=True)
+                   for adapter in ("", "nan-lora", "", "nan-lora")]
+        responses = [f.result() for f in futures]
+    for r in responses[1::2]:
+        assert r.status_code == 424, (r.text, adapter_server.output())
+        assert "nan-lora" in r.json()["error"] and "non-finite" in r.json()["error"]
+        assert "lora_B" in r.json()["error"]  # the tensor is named
+    for r in responses[0::2]:
+        assert r.status_code == 200 and r.json()["generated_text"] == base, r.text
+    assert "nan-lora" not in httpx.get(f"{url}/metrics", timeout=30).text  # never loaded: never a label
 
 
 @pytest.mark.parametrize("adapter_id,status", [("../outside", 400), ("missing", 424)])

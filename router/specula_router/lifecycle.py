@@ -40,6 +40,13 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout = drain_timeout
         self.num_cut = 0  # requests the drain's end cut short
 
+    def handle_exit(self, sig: int, frame) -> None:
+        super().handle_exit(sig, frame)
+        # uvicorn raises the signal again once it has stopped serving, so the process would end by SIGTERM
+        # whatever happened; the router ends with its own exit code instead, which tells the launcher how the
+        # drain went.
+        self._captured_signals.clear()
+
     async def shutdown(self, sockets=None) -> None:
         cut = asyncio.get_running_loop().call_later(self.drain_timeout, self._cut_drain)
         try:

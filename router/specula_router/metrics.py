@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from specula_router.entries import Entry, ErrorEvent, FinalEvent
+
 OTHER_ADAPTERS = "other"  # the label of every adapter without its own
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -115,6 +117,48 @@ class Metrics:
         if adapter_id and len(self._adapter_labels) < self.max_adapter_labels and adapter_id != OTHER_ADAPTERS:
             self._adapter_labels.add(adapter_id)
         return self.adapter_label(adapter_id)
+
+    # --- what a request's life records (called by the scheduler) -------------------------------------------
+
+    def observe_tokens(self, entry: Entry, num_tokens: int, now: float) -> None:
+        """A step gave `entry` `num_tokens` tokens (several under speculation): its first token's latency, or
+        the gap since its last step spread over the tokens."""
+        label = self.adapter_label(entry.adapter)
+        if entry.first_token_at is None:
+            self.request_time_to_first_token.labels(label).observe(now - entry.queued_at)
+            return
+        gap = (now - (entry.last_token_at or now)) / num_tokens
+        for _ in range(num_tokens):
+            self.request_inter_token_latency.labels(label).observe(gap)
+
+    def observe_speculation(self, method: str, adapter_id: str, drafted: int, accepted: int) -> None:
+        """One request step's drafts: how many were verified and accepted, and at which positions."""
+        labels = (method, self.adapter_label(adapter_id))
+        self.spec_decode_draft_length.labels(*labels).observe(drafted)
+        if drafted == 0:
+            return
+        self.spec_decode_num_drafts.labels(*labels).inc()
+        self.spec_decode_num_draft_tokens.labels(*labels).inc(drafted)
+        self.spec_decode_num_accepted_tokens.labels(*labels).inc(accepted)
+        for position in range(1, accepted + 1):
+            self.spec_decode_accepted_tokens_per_pos.labels(*labels, str(position)).inc()
+
+    def observe_end(self, entry: Entry, event: FinalEvent | ErrorEvent | None, now: float) -> None:
+        """A request ended: completed (`FinalEvent`), failed (`ErrorEvent`) or cancelled (None)."""
+        adapter = self.adapter_label(entry.adapter)  # never a client-chosen id by itself
+        if isinstance(event, ErrorEvent):
+            self.request_failure.labels(event.error_type, adapter).inc()
+            return
+        if event is None:
+            self.request_failure.labels("cancelled", adapter).inc()
+            return
+        self.request_success.labels(adapter).inc()
+        inference = now - (entry.admitted_at or now)
+        self.request_inference_duration.labels(adapter).observe(inference)
+        if entry.num_generated:
+            self.request_mean_time_per_token_duration.labels(adapter).observe(inference / entry.num_generated)
+        self.request_generated_tokens.labels(adapter).observe(entry.num_generated)
+        self.request_skipped_tokens.labels(adapter).observe(entry.num_skipped)
 
     def render(self) -> bytes:
         """The text format. Safe from any thread (prometheus_client locks each metric): the HTTP route runs it off

@@ -432,40 +432,22 @@ class Scheduler:
             seed = g.seed if g.HasField("seed") else None
             final = FinalEvent(g.text, _FINISH_REASONS[g.finish_reason], g.generated_tokens, seed)
         if tokens:
-            label = self.metrics.adapter_label(entry.adapter)
-            if entry.first_token_at is None:
-                entry.first_token_at = now
-                self.metrics.request_time_to_first_token.labels(label).observe(now - entry.queued_at)
-            else:
-                gap = (now - entry.last_token_at) / len(tokens)
-                for _ in tokens:
-                    self.metrics.request_inter_token_latency.labels(label).observe(gap)
+            self.metrics.observe_tokens(entry, len(tokens), now)
+            entry.first_token_at = entry.first_token_at or now
             entry.last_token_at = now
             entry.num_generated += len(tokens)
             entry.num_skipped += len(tokens) - 1
-            self._count_speculation(entry, generation.drafted_tokens, generation.accepted_tokens,
-                                    generation.draft_method)
+            if self.config.speculation_method != "none":
+                # Labelled by this step's drafter: requests of one batch may use different ones (an adapter's
+                # Medusa heads, prompt lookup).
+                self.metrics.observe_speculation(
+                    generation.draft_method or self.config.speculation_method, entry.adapter,
+                    generation.drafted_tokens, generation.accepted_tokens)
             prefill = _tokens(generation.prefill_tokens) if generation.HasField("prefill_tokens") else None
             top = [_tokens(t) for t in generation.top_tokens]
             self._outbox.append((entry, TokensEvent(tokens, top, prefill, final)))
         if final is not None:
             self._finish(entry, final, send=not tokens)
-
-    def _count_speculation(self, entry: Entry, drafted: int, accepted: int, method: str = "") -> None:
-        """Speculation metrics, labelled by the drafter of this step (requests of one batch may use different
-        ones: an adapter's Medusa heads, prompt lookup)."""
-        if self.config.speculation_method == "none":
-            return
-        labels = (method or self.config.speculation_method, self.metrics.adapter_label(entry.adapter))
-        m = self.metrics
-        m.spec_decode_draft_length.labels(*labels).observe(drafted)
-        if drafted == 0:
-            return
-        m.spec_decode_num_drafts.labels(*labels).inc()
-        m.spec_decode_num_draft_tokens.labels(*labels).inc(drafted)
-        m.spec_decode_num_accepted_tokens.labels(*labels).inc(accepted)
-        for position in range(1, accepted + 1):
-            m.spec_decode_accepted_tokens_per_pos.labels(*labels, str(position)).inc()
 
     def _finish(self, entry: Entry, event: FinalEvent | ErrorEvent | None, send: bool = True) -> None:
         """Ends a request: frees its blocks and its adapter, and sends its last event (None: its client left)."""
@@ -477,20 +459,7 @@ class Scheduler:
         self.running.pop(entry.id, None)
         self.allocator.free(entry.blocks)
         entry.blocks = []
-        m, adapter = self.metrics, self.metrics.adapter_label(entry.adapter)  # never a client-chosen id by itself
-        if isinstance(event, FinalEvent):
-            m.request_success.labels(adapter).inc()
-            now = time.monotonic()
-            m.request_inference_duration.labels(adapter).observe(now - (entry.admitted_at or now))
-            if entry.num_generated:
-                m.request_mean_time_per_token_duration.labels(adapter).observe(
-                    (now - (entry.admitted_at or now)) / entry.num_generated)
-            m.request_generated_tokens.labels(adapter).observe(entry.num_generated)
-            m.request_skipped_tokens.labels(adapter).observe(entry.num_skipped)
-        elif isinstance(event, ErrorEvent):
-            m.request_failure.labels(event.error_type, adapter).inc()
-        else:
-            m.request_failure.labels("cancelled", adapter).inc()
+        self.metrics.observe_end(entry, event, time.monotonic())
         if event is not None and send:
             self._outbox.append((entry, event))
 
