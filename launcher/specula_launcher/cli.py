@@ -126,6 +126,10 @@ def main(
     block_size: int = typer.Option(16, envvar="BLOCK_SIZE", help="Tokens per KV cache block."),
     shutdown_timeout: int = typer.Option(
         30, envvar="SHUTDOWN_TIMEOUT", help="Seconds the router may spend draining requests on shutdown."),
+    no_prefix_caching: bool = typer.Option(
+        False, "--no-prefix-caching", envvar="NO_PREFIX_CACHING",
+        help="Turn off prefix caching, by which a prompt reuses the KV cache of a prefix an earlier request "
+             "computed (whole blocks) and only the rest is prefilled."),
     step_timeout: float = typer.Option(
         600.0, envvar="STEP_TIMEOUT",
         help="Seconds a shard may take to answer one step (0: no limit). Past it the step's requests fail, "
@@ -133,7 +137,8 @@ def main(
     log_level: str = typer.Option("INFO", envvar="LOG_LEVEL", help="DEBUG, INFO, WARNING or ERROR."),
 ) -> None:
     """Start the model shards, wait until each is ready, start the router, and supervise them."""
-    settings = dict(locals())  # every parameter is the LauncherConfig field of the same name
+    settings = dict(locals())  # every parameter is the LauncherConfig field of the same name, but:
+    settings["prefix_caching"] = not settings.pop("no_prefix_caching")
     settings["huggingface_hub_cache"] = str(huggingface_hub_cache) if huggingface_hub_cache else None
     try:
         config = build_config(**settings)

@@ -81,6 +81,8 @@ def router_command(config: LauncherConfig) -> list[str]:
     ]
     for name in ROUTER_FLAGS:
         argv += _flag(name, getattr(config, name))
+    if not config.prefix_caching:  # on by default: only its negation is ever passed
+        argv.append("--no-prefix-caching")
     return argv
 
 

@@ -100,6 +100,7 @@ class LauncherConfig:
     block_size: int = 16
     shutdown_timeout: int = 30
     step_timeout: float = 600.0  # seconds a shard may take to answer one step (0: no limit)
+    prefix_caching: bool = True  # the router reuses KV blocks of shared prompt prefixes
     log_level: str = "INFO"
     # Not a flag: the id of this launcher run, generated at launch and passed to every child; the router refuses
     # a shard reporting another one. None until then.

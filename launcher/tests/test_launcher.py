@@ -35,7 +35,8 @@ ENV_VARS = (
     "MAX_BATCH_TOTAL_TOKENS", "MAX_WAITING_TOKENS", "MAX_BATCH_SIZE", "SHARD_UDS_PATH", "MASTER_ADDR",
     "MASTER_PORT", "HUGGINGFACE_HUB_CACHE", "JSON_OUTPUT", "PAYLOAD_LIMIT", "CORS_ALLOW_ORIGIN", "KV_CACHE_MEMORY",
     "BLOCK_SIZE", "SHUTDOWN_TIMEOUT", "LOG_LEVEL", "ADAPTER_DIR", "MAX_ACTIVE_ADAPTERS", "PRELOADED_ADAPTER_IDS",
-    "DRAFT_TREE_WIDTH",
+    "DRAFT_TREE_WIDTH", "STEP_TIMEOUT", "NO_PREFIX_CACHING", "VALIDATION_WORKERS", "MAX_ADAPTER_LABELS",
+    "CHAT_TEMPLATE",
 )
 NO_GPU = dict(count_cuda_devices=lambda: 0)
 
@@ -343,7 +344,7 @@ def test_command_lines_parse_with_the_children_clis(tmp_path: Path) -> None:
                      max_batch_size=4, cors_allow_origin=["https://a", "https://b"], json_output=True,
                      kv_cache_memory="1GiB", huggingface_hub_cache="/data", adapter_dir=[str(tmp_path)] * 2,
                      max_active_adapters=2, preloaded_adapter_ids=["org/a", "org/b"], chat_template="{{ x }}",
-                     **NO_GPU)
+                     prefix_caching=False, step_timeout=45, **NO_GPU)
     endpoints = claim_endpoints(c, parent=tmp_path)
     c = endpoints.config
     params = typer.main.get_command(router_cli.app).make_context("specula-router", router_command(c)[3:]).params
@@ -353,6 +354,7 @@ def test_command_lines_parse_with_the_children_clis(tmp_path: Path) -> None:
     assert tuple(params["cors_allow_origin"]) == ("https://a", "https://b") and params["speculator"] == "org/medusa"
     assert params["max_active_adapters"] == 2 and tuple(params["preloaded_adapter_ids"]) == ("org/a", "org/b")
     assert params["chat_template"] == "{{ x }}" and tuple(params["adapter_dir"]) == (str(tmp_path),) * 2
+    assert params["no_prefix_caching"] is True and params["step_timeout"] == 45
     serve = typer.main.get_command(server_cli.app).commands["serve"]  # type: ignore[attr-defined]
     params = serve.make_context("serve", shard_command(c)[4:]).params
     assert (params["model_id"], params["uds_path"], params["kv_cache_memory"]) == ("org/model", c.shard_uds_path,
@@ -598,3 +600,14 @@ def test_a_router_whose_drain_was_cut_makes_the_launcher_exit_with_its_code(tmp_
     assert sup.run() == DRAIN_CUT_EXIT_CODE
     stopper.join()
     assert any("drain was cut by --shutdown-timeout" in line for line in h.output())
+
+
+def test_prefix_caching_is_on_unless_turned_off_by_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[LauncherConfig] = []
+    monkeypatch.setattr(cli, "launch", lambda config: seen.append(config) or 0)
+    for args, env in (([], {}), (["--no-prefix-caching"], {}), ([], {"NO_PREFIX_CACHING": "true"})):
+        result = CliRunner().invoke(cli.app, ["--device", "cpu", *args], env=env)
+        assert result.exit_code == 0, result.output
+    assert [c.prefix_caching for c in seen] == [True, False, False]
+    assert "--no-prefix-caching" not in router_command(claimed(seen[0]))
+    assert router_command(claimed(seen[1]))[-1] == "--no-prefix-caching"

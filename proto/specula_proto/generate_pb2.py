@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecula_proto/generate.proto\x12\nspecula.v1\"\r\n\x0bInfoRequest\"O\n\x0fSpeculationInfo\x12\x1e\n\x16max_speculative_tokens\x18\x01 \x01(\r\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\"\x92\x02\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\tmodel_sha\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x12\n\nworld_size\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x30\n\x0bspeculation\x18\n \x01(\x0b\x32\x1b.specula.v1.SpeculationInfo\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x19\n\x17ServiceDiscoveryRequest\"(\n\x18ServiceDiscoveryResponse\x12\x0c\n\x04urls\x18\x01 \x03(\t\"+\n\x11\x43learCacheRequest\x12\x0f\n\x02id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x05\n\x03_id\"\x14\n\x12\x43learCacheResponse\"\xd4\x01\n\x1aNextTokenChooserParameters\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\ttypical_p\x18\x05 \x01(\x02\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\"f\n\x1aStoppingCriteriaParameters\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_sequences\x18\x02 \x03(\t\x12\x18\n\x10ignore_eos_token\x18\x03 \x01(\x08\"\xd7\x02\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06inputs\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12\x10\n\x08truncate\x18\x04 \x01(\r\x12:\n\nparameters\x18\x05 \x01(\x0b\x32&.specula.v1.NextTokenChooserParameters\x12\x43\n\x13stopping_parameters\x18\x06 \x01(\x0b\x32&.specula.v1.StoppingCriteriaParameters\x12\x18\n\x10prefill_logprobs\x18\x07 \x01(\x08\x12\x14\n\x0ctop_n_tokens\x18\x08 \x01(\r\x12\x0e\n\x06\x62locks\x18\t \x03(\r\x12\x12\n\nadapter_id\x18\n \x01(\t\x12\x1f\n\x12speculative_tokens\x18\x0b \x01(\rH\x00\x88\x01\x01\x42\x15\n\x13_speculative_tokens\":\n\x05\x42\x61tch\x12\n\n\x02id\x18\x01 \x01(\x04\x12%\n\x08requests\x18\x02 \x03(\x0b\x32\x13.specula.v1.Request\"I\n\x0b\x43\x61\x63hedBatch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\"J\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05texts\x18\x03 \x03(\t\x12\x12\n\nis_special\x18\x04 \x03(\x08\"\x84\x01\n\rGeneratedText\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specula.v1.FinishReason\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xa1\x02\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12*\n\x0eprefill_tokens\x18\x02 \x01(\x0b\x32\x12.specula.v1.Tokens\x12\"\n\x06tokens\x18\x03 \x01(\x0b\x32\x12.specula.v1.Tokens\x12\x31\n\x0egenerated_text\x18\x04 \x01(\x0b\x32\x19.specula.v1.GeneratedText\x12&\n\ntop_tokens\x18\x05 \x03(\x0b\x32\x12.specula.v1.Tokens\x12\x16\n\x0e\x64rafted_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x01(\r\x12\x14\n\x0c\x64raft_method\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\"M\n\x12\x46ilterBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\x12\x10\n\x08sequence\x18\x03 \x01(\x04\"=\n\x13\x46ilterBatchResponse\x12&\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x17.specula.v1.CachedBatch\"_\n\rWarmupRequest\x12\x18\n\x10max_input_tokens\x18\x01 \x01(\r\x12\x1a\n\x12max_prefill_tokens\x18\x02 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x03 \x01(\r\"H\n\x0eWarmupResponse\x12\"\n\x1amax_supported_total_tokens\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"B\n\x07Timings\x12\x12\n\nforward_ns\x18\x01 \x01(\x04\x12\x11\n\tdecode_ns\x18\x02 \x01(\x04\x12\x10\n\x08total_ns\x18\x03 \x01(\x04\"D\n\x0ePrefillRequest\x12 \n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x11.specula.v1.Batch\x12\x10\n\x08sequence\x18\x02 \x01(\x04\"\x9b\x01\n\x0fPrefillResponse\x12+\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x16.specula.v1.Generation\x12+\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x17.specula.v1.CachedBatchH\x00\x88\x01\x01\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.specula.v1.TimingsB\x08\n\x06_batch\"K\n\rDecodeRequest\x12(\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32\x17.specula.v1.CachedBatch\x12\x10\n\x08sequence\x18\x02 \x01(\x04\"\x9a\x01\n\x0e\x44\x65\x63odeResponse\x12+\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x16.specula.v1.Generation\x12+\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x17.specula.v1.CachedBatchH\x00\x88\x01\x01\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.specula.v1.TimingsB\x08\n\x06_batch\"S\n\x12LoadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x64\x61pter_source\x18\x02 \x01(\t\x12\x11\n\tapi_token\x18\x03 \x01(\t\"n\n\x13LoadAdapterResponse\x12\x0e\n\x06loaded\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x14\n\x0c\x65rror_status\x18\x03 \x01(\r\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x14\n\x0cload_seconds\x18\x05 \x01(\x01\"+\n\x15OffloadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\"+\n\x16OffloadAdapterResponse\x12\x11\n\toffloaded\x18\x01 \x01(\x08*f\n\x0c\x46inishReason\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x00\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x01\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x02\x32\xfe\x05\n\x15TextGenerationService\x12\x39\n\x04Info\x12\x17.specula.v1.InfoRequest\x1a\x18.specula.v1.InfoResponse\x12?\n\x06Health\x12\x19.specula.v1.HealthRequest\x1a\x1a.specula.v1.HealthResponse\x12]\n\x10ServiceDiscovery\x12#.specula.v1.ServiceDiscoveryRequest\x1a$.specula.v1.ServiceDiscoveryResponse\x12K\n\nClearCache\x12\x1d.specula.v1.ClearCacheRequest\x1a\x1e.specula.v1.ClearCacheResponse\x12N\n\x0b\x46ilterBatch\x12\x1e.specula.v1.FilterBatchRequest\x1a\x1f.specula.v1.FilterBatchResponse\x12?\n\x06Warmup\x12\x19.specula.v1.WarmupRequest\x1a\x1a.specula.v1.WarmupResponse\x12\x42\n\x07Prefill\x12\x1a.specula.v1.PrefillRequest\x1a\x1b.specula.v1.PrefillResponse\x12?\n\x06\x44\x65\x63ode\x12\x19.specula.v1.DecodeRequest\x1a\x1a.specula.v1.DecodeResponse\x12N\n\x0bLoadAdapter\x12\x1e.specula.v1.LoadAdapterRequest\x1a\x1f.specula.v1.LoadAdapterResponse\x12W\n\x0eOffloadAdapter\x12!.specula.v1.OffloadAdapterRequest\x1a\".specula.v1.OffloadAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecula_proto/generate.proto\x12\nspecula.v1\"\r\n\x0bInfoRequest\"O\n\x0fSpeculationInfo\x12\x1e\n\x16max_speculative_tokens\x18\x01 \x01(\r\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\"\x92\x02\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\tmodel_sha\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x12\n\nworld_size\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x30\n\x0bspeculation\x18\n \x01(\x0b\x32\x1b.specula.v1.SpeculationInfo\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x19\n\x17ServiceDiscoveryRequest\"(\n\x18ServiceDiscoveryResponse\x12\x0c\n\x04urls\x18\x01 \x03(\t\"+\n\x11\x43learCacheRequest\x12\x0f\n\x02id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x05\n\x03_id\"\x14\n\x12\x43learCacheResponse\"\xd4\x01\n\x1aNextTokenChooserParameters\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\ttypical_p\x18\x05 \x01(\x02\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\"f\n\x1aStoppingCriteriaParameters\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_sequences\x18\x02 \x03(\t\x12\x18\n\x10ignore_eos_token\x18\x03 \x01(\x08\"\xee\x02\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06inputs\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12\x10\n\x08truncate\x18\x04 \x01(\r\x12:\n\nparameters\x18\x05 \x01(\x0b\x32&.specula.v1.NextTokenChooserParameters\x12\x43\n\x13stopping_parameters\x18\x06 \x01(\x0b\x32&.specula.v1.StoppingCriteriaParameters\x12\x18\n\x10prefill_logprobs\x18\x07 \x01(\x08\x12\x14\n\x0ctop_n_tokens\x18\x08 \x01(\r\x12\x0e\n\x06\x62locks\x18\t \x03(\r\x12\x12\n\nadapter_id\x18\n \x01(\t\x12\x1f\n\x12speculative_tokens\x18\x0b \x01(\rH\x00\x88\x01\x01\x12\x15\n\rcached_tokens\x18\x0c \x01(\rB\x15\n\x13_speculative_tokens\":\n\x05\x42\x61tch\x12\n\n\x02id\x18\x01 \x01(\x04\x12%\n\x08requests\x18\x02 \x03(\x0b\x32\x13.specula.v1.Request\"I\n\x0b\x43\x61\x63hedBatch\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\"J\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05texts\x18\x03 \x03(\t\x12\x12\n\nis_special\x18\x04 \x03(\x08\"\x84\x01\n\rGeneratedText\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specula.v1.FinishReason\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xa1\x02\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12*\n\x0eprefill_tokens\x18\x02 \x01(\x0b\x32\x12.specula.v1.Tokens\x12\"\n\x06tokens\x18\x03 \x01(\x0b\x32\x12.specula.v1.Tokens\x12\x31\n\x0egenerated_text\x18\x04 \x01(\x0b\x32\x19.specula.v1.GeneratedText\x12&\n\ntop_tokens\x18\x05 \x03(\x0b\x32\x12.specula.v1.Tokens\x12\x16\n\x0e\x64rafted_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x01(\r\x12\x14\n\x0c\x64raft_method\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\"M\n\x12\x46ilterBatchRequest\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x04\x12\x13\n\x0brequest_ids\x18\x02 \x03(\x04\x12\x10\n\x08sequence\x18\x03 \x01(\x04\"=\n\x13\x46ilterBatchResponse\x12&\n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x17.specula.v1.CachedBatch\"_\n\rWarmupRequest\x12\x18\n\x10max_input_tokens\x18\x01 \x01(\r\x12\x1a\n\x12max_prefill_tokens\x18\x02 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x03 \x01(\r\"H\n\x0eWarmupResponse\x12\"\n\x1amax_supported_total_tokens\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"B\n\x07Timings\x12\x12\n\nforward_ns\x18\x01 \x01(\x04\x12\x11\n\tdecode_ns\x18\x02 \x01(\x04\x12\x10\n\x08total_ns\x18\x03 \x01(\x04\"D\n\x0ePrefillRequest\x12 \n\x05\x62\x61tch\x18\x01 \x01(\x0b\x32\x11.specula.v1.Batch\x12\x10\n\x08sequence\x18\x02 \x01(\x04\"\x9b\x01\n\x0fPrefillResponse\x12+\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x16.specula.v1.Generation\x12+\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x17.specula.v1.CachedBatchH\x00\x88\x01\x01\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.specula.v1.TimingsB\x08\n\x06_batch\"K\n\rDecodeRequest\x12(\n\x07\x62\x61tches\x18\x01 \x03(\x0b\x32\x17.specula.v1.CachedBatch\x12\x10\n\x08sequence\x18\x02 \x01(\x04\"\x9a\x01\n\x0e\x44\x65\x63odeResponse\x12+\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x16.specula.v1.Generation\x12+\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x17.specula.v1.CachedBatchH\x00\x88\x01\x01\x12$\n\x07timings\x18\x03 \x01(\x0b\x32\x13.specula.v1.TimingsB\x08\n\x06_batch\"S\n\x12LoadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x64\x61pter_source\x18\x02 \x01(\t\x12\x11\n\tapi_token\x18\x03 \x01(\t\"n\n\x13LoadAdapterResponse\x12\x0e\n\x06loaded\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x14\n\x0c\x65rror_status\x18\x03 \x01(\r\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x14\n\x0cload_seconds\x18\x05 \x01(\x01\"+\n\x15OffloadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\"+\n\x16OffloadAdapterResponse\x12\x11\n\toffloaded\x18\x01 \x01(\x08*f\n\x0c\x46inishReason\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x00\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x01\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x02\x32\xfe\x05\n\x15TextGenerationService\x12\x39\n\x04Info\x12\x17.specula.v1.InfoRequest\x1a\x18.specula.v1.InfoResponse\x12?\n\x06Health\x12\x19.specula.v1.HealthRequest\x1a\x1a.specula.v1.HealthResponse\x12]\n\x10ServiceDiscovery\x12#.specula.v1.ServiceDiscoveryRequest\x1a$.specula.v1.ServiceDiscoveryResponse\x12K\n\nClearCache\x12\x1d.specula.v1.ClearCacheRequest\x1a\x1e.specula.v1.ClearCacheResponse\x12N\n\x0b\x46ilterBatch\x12\x1e.specula.v1.FilterBatchRequest\x1a\x1f.specula.v1.FilterBatchResponse\x12?\n\x06Warmup\x12\x19.specula.v1.WarmupRequest\x1a\x1a.specula.v1.WarmupResponse\x12\x42\n\x07Prefill\x12\x1a.specula.v1.PrefillRequest\x1a\x1b.specula.v1.PrefillResponse\x12?\n\x06\x44\x65\x63ode\x12\x19.specula.v1.DecodeRequest\x1a\x1a.specula.v1.DecodeResponse\x12N\n\x0bLoadAdapter\x12\x1e.specula.v1.LoadAdapterRequest\x1a\x1f.specula.v1.LoadAdapterResponse\x12W\n\x0eOffloadAdapter\x12!.specula.v1.OffloadAdapterRequest\x1a\".specula.v1.OffloadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specula_proto.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=3021
-  _globals['_FINISHREASON']._serialized_end=3123
+  _globals['_FINISHREASON']._serialized_start=3044
+  _globals['_FINISHREASON']._serialized_end=3146
   _globals['_INFOREQUEST']._serialized_start=44
   _globals['_INFOREQUEST']._serialized_end=57
   _globals['_SPECULATIONINFO']._serialized_start=59
@@ -56,43 +56,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPINGCRITERIAPARAMETERS']._serialized_start=803
   _globals['_STOPPINGCRITERIAPARAMETERS']._serialized_end=905
   _globals['_REQUEST']._serialized_start=908
-  _globals['_REQUEST']._serialized_end=1251
-  _globals['_BATCH']._serialized_start=1253
-  _globals['_BATCH']._serialized_end=1311
-  _globals['_CACHEDBATCH']._serialized_start=1313
-  _globals['_CACHEDBATCH']._serialized_end=1386
-  _globals['_TOKENS']._serialized_start=1388
-  _globals['_TOKENS']._serialized_end=1462
-  _globals['_GENERATEDTEXT']._serialized_start=1465
-  _globals['_GENERATEDTEXT']._serialized_end=1597
-  _globals['_GENERATION']._serialized_start=1600
-  _globals['_GENERATION']._serialized_end=1889
-  _globals['_FILTERBATCHREQUEST']._serialized_start=1891
-  _globals['_FILTERBATCHREQUEST']._serialized_end=1968
-  _globals['_FILTERBATCHRESPONSE']._serialized_start=1970
-  _globals['_FILTERBATCHRESPONSE']._serialized_end=2031
-  _globals['_WARMUPREQUEST']._serialized_start=2033
-  _globals['_WARMUPREQUEST']._serialized_end=2128
-  _globals['_WARMUPRESPONSE']._serialized_start=2130
-  _globals['_WARMUPRESPONSE']._serialized_end=2202
-  _globals['_TIMINGS']._serialized_start=2204
-  _globals['_TIMINGS']._serialized_end=2270
-  _globals['_PREFILLREQUEST']._serialized_start=2272
-  _globals['_PREFILLREQUEST']._serialized_end=2340
-  _globals['_PREFILLRESPONSE']._serialized_start=2343
-  _globals['_PREFILLRESPONSE']._serialized_end=2498
-  _globals['_DECODEREQUEST']._serialized_start=2500
-  _globals['_DECODEREQUEST']._serialized_end=2575
-  _globals['_DECODERESPONSE']._serialized_start=2578
-  _globals['_DECODERESPONSE']._serialized_end=2732
-  _globals['_LOADADAPTERREQUEST']._serialized_start=2734
-  _globals['_LOADADAPTERREQUEST']._serialized_end=2817
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=2819
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=2929
-  _globals['_OFFLOADADAPTERREQUEST']._serialized_start=2931
-  _globals['_OFFLOADADAPTERREQUEST']._serialized_end=2974
-  _globals['_OFFLOADADAPTERRESPONSE']._serialized_start=2976
-  _globals['_OFFLOADADAPTERRESPONSE']._serialized_end=3019
-  _globals['_TEXTGENERATIONSERVICE']._serialized_start=3126
-  _globals['_TEXTGENERATIONSERVICE']._serialized_end=3892
+  _globals['_REQUEST']._serialized_end=1274
+  _globals['_BATCH']._serialized_start=1276
+  _globals['_BATCH']._serialized_end=1334
+  _globals['_CACHEDBATCH']._serialized_start=1336
+  _globals['_CACHEDBATCH']._serialized_end=1409
+  _globals['_TOKENS']._serialized_start=1411
+  _globals['_TOKENS']._serialized_end=1485
+  _globals['_GENERATEDTEXT']._serialized_start=1488
+  _globals['_GENERATEDTEXT']._serialized_end=1620
+  _globals['_GENERATION']._serialized_start=1623
+  _globals['_GENERATION']._serialized_end=1912
+  _globals['_FILTERBATCHREQUEST']._serialized_start=1914
+  _globals['_FILTERBATCHREQUEST']._serialized_end=1991
+  _globals['_FILTERBATCHRESPONSE']._serialized_start=1993
+  _globals['_FILTERBATCHRESPONSE']._serialized_end=2054
+  _globals['_WARMUPREQUEST']._serialized_start=2056
+  _globals['_WARMUPREQUEST']._serialized_end=2151
+  _globals['_WARMUPRESPONSE']._serialized_start=2153
+  _globals['_WARMUPRESPONSE']._serialized_end=2225
+  _globals['_TIMINGS']._serialized_start=2227
+  _globals['_TIMINGS']._serialized_end=2293
+  _globals['_PREFILLREQUEST']._serialized_start=2295
+  _globals['_PREFILLREQUEST']._serialized_end=2363
+  _globals['_PREFILLRESPONSE']._serialized_start=2366
+  _globals['_PREFILLRESPONSE']._serialized_end=2521
+  _globals['_DECODEREQUEST']._serialized_start=2523
+  _globals['_DECODEREQUEST']._serialized_end=2598
+  _globals['_DECODERESPONSE']._serialized_start=2601
+  _globals['_DECODERESPONSE']._serialized_end=2755
+  _globals['_LOADADAPTERREQUEST']._serialized_start=2757
+  _globals['_LOADADAPTERREQUEST']._serialized_end=2840
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=2842
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=2952
+  _globals['_OFFLOADADAPTERREQUEST']._serialized_start=2954
+  _globals['_OFFLOADADAPTERREQUEST']._serialized_end=2997
+  _globals['_OFFLOADADAPTERRESPONSE']._serialized_start=2999
+  _globals['_OFFLOADADAPTERRESPONSE']._serialized_end=3042
+  _globals['_TEXTGENERATIONSERVICE']._serialized_start=3149
+  _globals['_TEXTGENERATIONSERVICE']._serialized_end=3915
 # @@protoc_insertion_point(module_scope)

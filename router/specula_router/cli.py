@@ -55,6 +55,7 @@ class RouterConfig:
     validation_workers: int = 2  # threads that validate and tokenise requests off the event loop
     max_adapter_labels: int = 32  # adapters with their own metrics label; the rest are `other`
     step_timeout: float = 600.0  # seconds a shard may take to answer one step; 0: no limit
+    prefix_caching: bool = True  # reuse the KV blocks of prompts' shared prefixes (block_allocator.py)
     chat_template: str | None = None  # --chat-template: a file or a template, overriding the model's
     adapter_dir: tuple[str, ...] = ()  # the workers' --adapter-dir, whose adapters GET /v1/models lists
 
@@ -154,7 +155,7 @@ async def run(config: RouterConfig) -> int:
     if config.preloaded_adapter_ids:
         logger.info("preloading adapters: %s", ", ".join(config.preloaded_adapter_ids))
         await adapters.preload(config.preloaded_adapter_ids)
-    scheduler = Scheduler(client, BlockAllocator(num_blocks, info.block_size), SchedulerConfig(
+    scheduler = Scheduler(client, BlockAllocator(num_blocks, info.block_size, config.prefix_caching), SchedulerConfig(
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens, waiting_served_ratio=config.waiting_served_ratio,
         max_waiting_tokens=config.max_waiting_tokens, max_batch_size=config.max_batch_size,
         lookahead=lookahead, pipeline_depth=config.pipeline_depth,
@@ -227,7 +228,8 @@ def info_body(config: RouterConfig, info, limits: Limits, num_blocks: int) -> di
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens, max_waiting_tokens=config.max_waiting_tokens,
         max_batch_size=config.max_batch_size, validation_workers=config.validation_workers,
         num_shard=info.world_size,
-        block_size=info.block_size, speculation=speculation, version=specula_version,
+        block_size=info.block_size, prefix_caching=config.prefix_caching, speculation=speculation,
+        version=specula_version,
         adapters=AdapterInfo(max_active_adapters=config.max_active_adapters, adapter_source=config.adapter_source,
                              preloaded_adapter_ids=list(dict.fromkeys(config.preloaded_adapter_ids))),
     )
@@ -313,6 +315,10 @@ def main(
         600.0, envvar="STEP_TIMEOUT",
         help="Seconds a shard may take to answer one step (0: no limit). Past it the step's requests fail, "
              "/health turns unhealthy and the router exits, so the launcher stops the group."),
+    no_prefix_caching: bool = typer.Option(
+        False, "--no-prefix-caching", envvar="NO_PREFIX_CACHING",
+        help="Turn off prefix caching, by which a prompt reuses the KV cache of a prefix an earlier request "
+             "computed (whole blocks) and only the rest is prefilled."),
     chat_template: Optional[str] = typer.Option(
         None, envvar="CHAT_TEMPLATE",
         help="Chat template for /v1/chat/completions: a file, or the jinja template itself. Default: the model's "
@@ -337,6 +343,7 @@ def main(
             cors_allow_origin=tuple(cors_allow_origin), json_output=json_output, num_shard=num_shard,
             shutdown_timeout=shutdown_timeout, pipeline_depth=pipeline_depth,
             validation_workers=validation_workers, max_adapter_labels=max_adapter_labels, step_timeout=step_timeout,
+            prefix_caching=not no_prefix_caching,
             chat_template=chat_template, adapter_dir=split_ids(adapter_dir),
         )
         code = asyncio.run(run(config))

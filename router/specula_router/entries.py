@@ -71,6 +71,8 @@ class Entry:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     state: EntryState = EntryState.QUEUED
     blocks: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # leading prompt tokens whose KV its blocks already hold (a cached prefix)
+    token_ids: list[int] = field(default_factory=list)  # generated so far, to cache its blocks when it ends
     # Set while RUNNING when the request must leave the workers' batch at the next step: its client went away,
     # or it failed on the router's side (then `failure` was already sent to its handler).
     cancelled: bool = False
@@ -106,4 +108,5 @@ class Entry:
             blocks=self.blocks,
             adapter_id=r.adapter_id or "",
             speculative_tokens=r.speculative_tokens,
+            cached_tokens=self.num_cached_tokens,
         )

@@ -103,6 +103,10 @@ class Metrics:
         self.adapter_loading = gauge("adapter_loading", "Adapters being loaded")
         self.adapter_waiting_requests = gauge(
             "adapter_waiting_requests", "Requests waiting for their adapter to load (also in queue_size)")
+        # Prefix caching (block_allocator.py), in prompt tokens: hit rate = hits / queries.
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)")
+        self.prefix_cache_blocks = gauge("prefix_cache_blocks", "KV blocks holding a reusable prefix")
 
     def adapter_label(self, adapter_id: str | None) -> str:
         """The `adapter` label of a request or adapter: "" for the base model, the id once it has its own label
@@ -159,6 +163,11 @@ class Metrics:
             self.request_mean_time_per_token_duration.labels(adapter).observe(inference / entry.num_generated)
         self.request_generated_tokens.labels(adapter).observe(entry.num_generated)
         self.request_skipped_tokens.labels(adapter).observe(entry.num_skipped)
+
+    def observe_prefix_cache(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A request admitted with prefix caching on: its prompt tokens looked up, and those found cached."""
+        self.prefix_cache_queries.inc(prompt_tokens)
+        self.prefix_cache_hits.inc(cached_tokens)
 
     def render(self) -> bytes:
         """The text format. Safe from any thread (prometheus_client locks each metric): the HTTP route runs it off

@@ -142,13 +142,14 @@ def sequence_details(g: Generation, with_top: bool) -> dict:
 
 def generate_body(
     text: str, best: Generation, others: list[tuple[str, Generation]], prompt_tokens: int, details: bool,
-    with_top: bool,
+    with_top: bool, cached_tokens: int = 0,
 ) -> dict:
     if not details:
         return {"generated_text": text}
     body = sequence_details(best, with_top)
     body["prompt_tokens"] = prompt_tokens
     body["skipped_tokens"] = best.num_skipped
+    body["cached_tokens"] = cached_tokens
     if others:
         body["best_of_sequences"] = [dict(sequence_details(g, with_top), generated_text=t) for t, g in others]
     return {"generated_text": text, "details": body}

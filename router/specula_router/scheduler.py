@@ -301,18 +301,23 @@ class Scheduler:
         for entry in self.queue:
             if max_size is not None and len(batch) >= max_size:
                 break
-            if batch and prefill_tokens + entry.request.input_length > self.config.max_batch_prefill_tokens:
-                break
-            blocks = self.allocator.allocate(entry.request.max_total_tokens + self.config.lookahead)
-            if blocks is None:
+            request = entry.request
+            prompt = () if request.decoder_input_details else request.input_ids  # its logprobs need every row
+            allocation = self.allocator.allocate(request.max_total_tokens + self.config.lookahead, prompt,
+                                                 entry.adapter)
+            if allocation is None:
                 break  # FIFO: nobody overtakes the head of the queue
-            entry.blocks = blocks
+            new_tokens = request.input_length - allocation.num_cached_tokens
+            if batch and prefill_tokens + new_tokens > self.config.max_batch_prefill_tokens:
+                self.allocator.free(allocation.blocks)
+                break
+            entry.blocks, entry.num_cached_tokens = allocation.blocks, allocation.num_cached_tokens
             batch.append(entry)
-            prefill_tokens += entry.request.input_length
+            prefill_tokens += new_tokens
         if not batch or (min_size is not None and len(batch) < min_size):
             for entry in batch:
                 self.allocator.free(entry.blocks)
-                entry.blocks = []
+                entry.blocks, entry.num_cached_tokens = [], 0
             return None
         now = time.monotonic()
         for entry in batch:
@@ -321,6 +326,8 @@ class Scheduler:
             self.running[entry.id] = entry
             self.metrics.request_queue_duration.labels(self.metrics.adapter_label(entry.adapter)).observe(
                 now - entry.queued_at)
+            if self.allocator.prefix_caching:
+                self.metrics.observe_prefix_cache(entry.request.input_length, entry.num_cached_tokens)
         self._count_waiting()
         self.metrics.batch_next_size.observe(len(batch))
         return batch
@@ -382,6 +389,7 @@ class Scheduler:
                                                          500))
         m.batch_current_size.set(len(self.running))
         m.batch_current_max_tokens.set(self.allocator.num_used_tokens)
+        m.prefix_cache_blocks.set(self.allocator.num_cached_blocks)
         return response
 
     async def _drop_cancelled(self, live: list[int]) -> list[int]:
@@ -424,8 +432,11 @@ class Scheduler:
         if generation.error:  # it failed alone in the worker, which has already dropped it
             self._finish(entry, ErrorEvent(generation.error), send=not entry.cancelled)
             return
+        if not entry.num_generated:  # its prefill: the prompt's KV is written, its full blocks may be reused
+            self.allocator.cache(entry.blocks, entry.request.input_ids, entry.adapter)
         now = time.monotonic()
         tokens = _tokens(generation.tokens)
+        entry.token_ids += [t.id for t in tokens]
         final = None
         if generation.HasField("generated_text"):
             g = generation.generated_text
@@ -457,6 +468,11 @@ class Scheduler:
             self.adapters.release(entry.adapter)
         entry.state = EntryState.DONE
         self.running.pop(entry.id, None)
+        if isinstance(event, FinalEvent) and entry.token_ids:
+            # Every token but the last was fed back to the model: their KV is written and may be reused (a
+            # chat's next turn resends them). Rejected drafts lie past these positions.
+            written = entry.request.input_ids + tuple(entry.token_ids[:-1])
+            self.allocator.cache(entry.blocks, written, entry.adapter)
         self.allocator.free(entry.blocks)
         entry.blocks = []
         self.metrics.observe_end(entry, event, time.monotonic())

@@ -309,6 +309,8 @@ class Details(BaseModel):
                                                              "`top_n_tokens` alternatives (TGI).")
     best_of_sequences: list[BestOfSequence] | None = _omitted_if_none()
     skipped_tokens: int = Field(0, description="Tokens marked `skipped`: accepted speculative drafts.")
+    cached_tokens: int = Field(0, description="Prompt tokens whose KV was reused from the prefix cache "
+                                              "instead of prefilled.", examples=[0])
 
 
 class GenerateResponse(BaseModel):
@@ -325,6 +327,7 @@ class StreamDetails(BaseModel):
     prompt_tokens: int = Field(..., examples=[5])
     generated_tokens: int = Field(..., examples=[1])
     seed: int | None = Field(None, examples=[42])
+    cached_tokens: int = Field(0, description="Prompt tokens reused from the prefix cache.", examples=[0])
 
 
 class StreamResponse(BaseModel):
@@ -407,6 +410,7 @@ class Info(BaseModel):
     validation_workers: int = Field(..., examples=[2])
     num_shard: int = Field(1, description="Tensor-parallel shards.", examples=[1])
     block_size: int = Field(..., description="Tokens per KV cache block.", examples=[16])
+    prefix_caching: bool = Field(True, description="Whether prompts reuse cached KV blocks of shared prefixes.")
     speculation: SpeculationInfo
     adapters: AdapterInfo
     version: str = Field(..., examples=["0.1.0"])

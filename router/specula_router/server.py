@@ -271,7 +271,8 @@ async def _generate(state: RouterState, inputs: str, parameters, request: Reques
     texts = [(valid.inputs if valid.return_full_text else "") + g.final.generated_text for g, _ in ranked]
     best, best_entry = ranked[0]
     others = [(t, g) for t, (g, _) in zip(texts[1:], ranked[1:])]
-    body = generate_body(texts[0], best, others, valid.input_length, valid.details, valid.top_n_tokens > 0)
+    body = generate_body(texts[0], best, others, valid.input_length, valid.details, valid.top_n_tokens > 0,
+                         best_entry.num_cached_tokens)
     headers = _timing_headers(state, best_entry, arrived, validation_s, best, valid.input_length)
     state.metrics.request_duration.labels(state.metrics.adapter_label(valid.adapter_id)).observe(
         time.monotonic() - arrived)
@@ -341,7 +342,8 @@ async def _events(state: RouterState, valid: ValidGenerateRequest, entry: Entry,
                     payload["generated_text"] = text_prefix + final.generated_text
                     if valid.details:
                         payload["details"] = {"finish_reason": final.finish_reason, "prompt_tokens": valid.input_length,
-                                              "generated_tokens": final.generated_tokens, "seed": final.seed}
+                                              "generated_tokens": final.generated_tokens, "seed": final.seed,
+                                              "cached_tokens": entry.num_cached_tokens}
                 yield _sse(payload)
             if final is not None:
                 state.metrics.request_duration.labels(state.metrics.adapter_label(valid.adapter_id)).observe(

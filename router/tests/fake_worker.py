@@ -38,6 +38,7 @@ class FakeClient:
         self.raise_next: tuple[str, Exception] | None = None  # (method, error): the next such call raises it
         self.failing_rows: set[int] = set()  # requests that fail alone in their next step (Generation.error)
         self.hang: str | None = None  # "prefill" or "decode": such calls never answer (a stopped shard)
+        self.prefilled: list[pb.Request] = []  # every request as a Prefill sent it
         self.step_delay = step_delay
         self._lock = asyncio.Lock()
         self.adapters: dict[str, AdapterBehaviour] = {}  # per adapter id; others load at once
@@ -94,6 +95,7 @@ class FakeClient:
 
     def prefill(self, batch: pb.Batch):
         self.calls.append(("prefill", [r.id for r in batch.requests]))
+        self.prefilled.extend(batch.requests)
         requests = list(batch.requests)
         self._prefilling.append(requests)
 

@@ -25,10 +25,11 @@ def make_request(prompt_len: int = 4, max_new: int = 3) -> ValidGenerateRequest:
     )
 
 
-def make_scheduler(num_blocks=64, block_size=4, step_delay=0.0, **config):
+def make_scheduler(num_blocks=64, block_size=4, step_delay=0.0, prefix_caching=False, **config):
     client = FakeClient(step_delay)
     config = SchedulerConfig(**{"max_batch_prefill_tokens": 64, **config})
-    return Scheduler(client, BlockAllocator(num_blocks, block_size), config, Metrics()), client
+    allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
+    return Scheduler(client, allocator, config, Metrics()), client
 
 
 async def drain(entry) -> list:
@@ -312,4 +313,60 @@ def test_abort_all_answers_running_and_queued_requests_at_once():
         await asyncio.sleep(0.05)
         loop.cancel()
         assert scheduler.allocator.num_free_blocks == 4 and not scheduler.running
+    run(body())
+
+
+# --- prefix caching ---------------------------------------------------------------------------------------------
+
+
+def _with_prompt(prompt, max_new=3, **fields) -> ValidGenerateRequest:
+    return dataclasses.replace(make_request(max_new=max_new), input_ids=tuple(prompt), **fields)
+
+
+def test_a_prompt_sharing_a_finished_requests_prefix_reuses_its_blocks():
+    async def body():
+        scheduler, client = make_scheduler(prefix_caching=True)
+        loop = asyncio.create_task(scheduler.run())
+        shared = list(range(10, 22))  # three blocks of 4
+        await drain(scheduler.submit(_with_prompt(shared + [1])))
+        await drain(scheduler.submit(_with_prompt(shared + [2, 3])))
+        details = await drain(scheduler.submit(_with_prompt(shared + [2, 3], decoder_input_details=True)))
+        loop.cancel()
+        first, second, third = client.prefilled
+        assert (first.cached_tokens, second.cached_tokens) == (0, 12)
+        assert list(second.blocks[:3]) == list(first.blocks[:3])
+        assert third.cached_tokens == 0  # its prompt log-probabilities need every prompt row
+        assert isinstance(details[-1], FinalEvent)
+        samples = {s.name: s.value for m in scheduler.metrics.registry.collect() for s in m.samples}
+        assert samples["specula_prefix_cache_hits_total"] == 12
+        assert samples["specula_prefix_cache_queries_total"] == 13 + 14 + 14
+        assert scheduler.allocator.num_free_blocks == 64  # cached blocks held by nobody count as free
+    run(body())
+
+
+def test_a_next_turn_reuses_the_answer_of_the_last_one():
+    async def body():
+        scheduler, client = make_scheduler(prefix_caching=True)
+        loop = asyncio.create_task(scheduler.run())
+        prompt = list(range(10, 17))
+        first = await drain(scheduler.submit(_with_prompt(prompt, max_new=6)))
+        answer = [t.id for e in first if isinstance(e, TokensEvent) for t in e.tokens]
+        await drain(scheduler.submit(_with_prompt(prompt + answer + [5, 5], max_new=2)))
+        loop.cancel()
+        # 7 prompt + 5 fed answer tokens are written: three whole blocks.
+        assert client.prefilled[1].cached_tokens == 12
+    run(body())
+
+
+def test_a_request_that_failed_in_the_worker_leaves_nothing_in_the_cache():
+    async def body():
+        scheduler, client = make_scheduler(prefix_caching=True)
+        loop = asyncio.create_task(scheduler.run())
+        prompt = list(range(10, 22)) + [1]
+        failed = scheduler.submit(_with_prompt(prompt))
+        client.failing_rows.add(failed.id)
+        assert isinstance((await drain(failed))[-1], ErrorEvent)
+        await drain(scheduler.submit(_with_prompt(prompt)))
+        loop.cancel()
+        assert client.prefilled[1].cached_tokens == 0
     run(body())

@@ -172,6 +172,11 @@ class TextGenerator:
             )
         if any(not 0 <= b < cache.num_blocks for b in spec.blocks):
             raise InvalidRequestError(f"request {spec.id}: KV block ids must be in [0, {cache.num_blocks})")
+        if spec.cached_tokens and (spec.cached_tokens >= len(spec.input_ids) or spec.cached_tokens % self.block_size
+                                   or spec.prefill_logprobs):
+            raise InvalidRequestError(
+                f"request {spec.id}: cached_tokens ({spec.cached_tokens}) must be whole blocks of {self.block_size} "
+                f"shorter than the prompt ({len(spec.input_ids)} tokens), and 0 with prefill_logprobs")
         if spec.adapter_id:
             if self.adapters is None:
                 raise InvalidRequestError(f"request {spec.id}: this worker serves no adapters")
@@ -194,7 +199,9 @@ class TextGenerator:
         start = time.perf_counter_ns()
         requests = [self._admit(spec) for spec in specs]
         self._declined_in_a_row = self._steps_without_proposals = 0  # new requests may have drafts that pay
-        step = build_step(requests, [0] * len(requests), [r.prompt_len for r in requests], self.device)
+        # A reused prefix's KV is in the request's first blocks already: only the rest of the prompt is computed.
+        starts = [r.spec.cached_tokens for r in requests]
+        step = build_step(requests, starts, [r.prompt_len - s for r, s in zip(requests, starts)], self.device)
         return self._run(Batch(batch_id, requests), step, start, with_prefill_logprobs=True)
 
     def decode(self, batch_ids: Sequence[int]) -> StepResult:

@@ -65,6 +65,7 @@ class RequestSpec:
     top_n_tokens: int = 0
     speculative_tokens: int | None = None  # per-request cap on draft tokens (None: the server's)
     adapter_id: str = ""  # LoRA adapter applied to this request ("": the base model)
+    cached_tokens: int = 0  # leading prompt positions whose KV `blocks` already hold (a reused prefix)
 
 
 @dataclass(eq=False)

@@ -283,6 +283,7 @@ def request_from_pb(r: pb.Request, generator: TextGenerator) -> RequestSpec:
         top_n_tokens=r.top_n_tokens,
         speculative_tokens=r.speculative_tokens if r.HasField("speculative_tokens") else None,
         adapter_id=r.adapter_id,
+        cached_tokens=r.cached_tokens,
     )
 
 
