@@ -222,7 +222,7 @@ class _TemplateDict:
 class _TemplateNamespace(jinja2.utils.Namespace):
     """jinja2's namespace, refusing underscore-prefixed attributes (a way towards CPython internals)."""
 
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 -- jinja2's own signature trick
+    def __init__(*args: Any, **kwargs: Any) -> None:
         self, args = args[0], args[1:]
         attrs = dict(*args, **kwargs)
         for name in attrs:

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from specula_router import openai_errors
 from specula_router.chat_template import ChatTemplateError
@@ -31,9 +31,14 @@ from specula_router.entries import Entry
 from specula_router.openai_errors import OpenAIError
 from specula_router.openai_models import ModelCatalog, ModelChoice, ModelNotFound, OpenAISettings
 from specula_router.openai_responses import (
-    chat_logprobs, completion_logprobs, finish_reason, new_id, trim_at_stop, usage,
+    chat_logprobs,
+    completion_logprobs,
+    finish_reason,
+    new_id,
+    trim_at_stop,
+    usage,
 )
-from specula_router.openai_schemas import ROLES, ChatCompletionRequest, CompletionRequest, SamplingFields
+from specula_router.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 from specula_router.openai_streams import ChatChoiceStream, CompletionChoiceStream, stream_response
 from specula_router.requests import ValidGenerateRequest
 from specula_router.responses import ClientGone, Generation, GenerationError, collect
@@ -47,7 +52,7 @@ _CHAT_FIELDS = {"inputs": "messages", "max_new_tokens": "max_tokens", "top_n_tok
 _COMPLETION_FIELDS = {"inputs": "prompt", "max_new_tokens": "max_tokens", "top_n_tokens": "logprobs"}
 # Fields copied unchanged into GenerateParameters.
 _PASSED_THROUGH = ("frequency_penalty", "presence_penalty", "repetition_penalty", "seed", "stop",
-                   "speculative_tokens", "api_token")
+                   "speculative_tokens", "api_token", "ignore_eos_token")
 
 
 def register(app: FastAPI, state: RouterState) -> None:
@@ -295,9 +300,8 @@ def _template_messages(body: ChatCompletionRequest) -> list[dict]:
     read as `system`, a tool call's JSON `arguments` as an object."""
     messages = []
     for i, message in enumerate(body.messages):
-        if message.role not in ROLES:
-            raise OpenAIError(422, f"`messages[{i}].role` must be one of {', '.join(ROLES)}. Given: "
-                                   f"{message.role!r}", f"messages[{i}].role", "validation")
+        # Other roles than OpenAI's go to the template as they are: some templates know more (Llama 3.1's
+        # `ipython`), and the others refuse them with their own raise_exception.
         out: dict = {"role": "system" if message.role == "developer" else message.role,
                      "content": _text(message.content, i)}
         if message.name is not None:
@@ -348,9 +352,9 @@ def _completion_choice(index: int, valid: ValidGenerateRequest, g: Generation, b
     prefix = valid.inputs if body.echo else ""
     logprobs = None
     if body.logprobs is not None:
-        tokens, tops = list(g.tokens), list(g.top_tokens) + [[]] * (len(g.tokens) - len(g.top_tokens))
-        if body.echo:
-            tokens, tops = list(g.prefill) + tokens, [None] * len(g.prefill) + tops
-        logprobs = completion_logprobs(tokens, tops, body.logprobs)
+        logprobs = completion_logprobs(g.tokens, g.top_tokens, body.logprobs, len(prefix))
+        if body.echo:  # the prompt's tokens first, without alternatives (the prefill has none)
+            prompt = completion_logprobs(g.prefill, [None] * len(g.prefill), body.logprobs)
+            logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
     return {"index": index, "text": prefix + generated, "logprobs": logprobs,
             "finish_reason": finish_reason(g.final.finish_reason)}

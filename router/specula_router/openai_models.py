@@ -3,7 +3,7 @@
 
 `GET /v1/models` lists, and a request's `model` resolves against, what the server can name right now:
 
-    the base model           its id (`--model-id`), also `tgi` (what TGI's client sends) and ""
+    the base model           its id (`--model-id`), also "", `tgi` and `dummy` (what the TGI and Hub clients send)
     loaded adapters          those the router's `AdapterManager` holds loaded
     preloaded adapters       `--preloaded-adapter-ids`
     local adapters           subdirectories of `--adapter-dir` that hold a LoRA or Medusa adapter
@@ -25,7 +25,9 @@ from pathlib import Path
 from specula_router.adapters import AdapterManager
 from specula_router.chat_template import ChatTemplate
 
-BASE_MODEL_ALIASES = ("", "tgi")
+# "tgi": what text-generation's Client.chat sends; "dummy": what huggingface_hub's InferenceClient sends when it
+# knows only the server's URL.
+BASE_MODEL_ALIASES = ("", "tgi", "dummy")
 OWNED_BY = "specula"
 LORA_CONFIG = "adapter_config.json"
 MEDUSA_CONFIG = "config.json"

@@ -7,8 +7,8 @@ absent, so the bodies of the official `openai` client, huggingface_hub's `Infere
 text-generation's `Client.chat` (which sends every field, mostly `null`) all parse.
 
 Specula's extras, sent by the official client as `extra_body`: `adapter_id`, `adapter_source`, `api_token`
-(LoRAX's adapter fields) and `speculative_tokens`, `top_k`, `repetition_penalty` (as in `parameters` of
-`/generate`). Responses are built as plain dicts in `openai_responses.py`, in OpenAI's exact shape.
+(LoRAX's adapter fields) and `speculative_tokens`, `top_k`, `repetition_penalty`, `ignore_eos_token` (as in
+`parameters` of `/generate`). Responses are built as plain dicts in `openai_responses.py`, in OpenAI's exact shape.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ class ToolCall(_RequestModel):
 
 
 class ChatMessage(_RequestModel):
-    role: str = Field(..., description=f"One of {', '.join(ROLES)}.", json_schema_extra={"enum": list(ROLES)},
-                      examples=["user"])
+    role: str = Field(..., description=f"OpenAI's roles are {', '.join(ROLES)}; others reach the chat template "
+                      "as they are (it may know them, or refuse them).", examples=["user"])
     content: str | list[ContentPart] | None = Field(
         None, description="A string, or a list of `{type: text, text}` parts (joined with newlines).",
         examples=["What is speculative decoding?"])
@@ -106,6 +106,7 @@ class SamplingFields(_RequestModel):
     speculative_tokens: int | None = Field(None, description="Per-request cap on speculation.")
     top_k: int | None = None
     repetition_penalty: float | None = None
+    ignore_eos_token: bool | None = Field(None, description="Keep generating past end-of-sequence (TGI's name).")
 
     @field_validator("stop", mode="before")
     @classmethod

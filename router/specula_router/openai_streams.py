@@ -24,7 +24,13 @@ from fastapi.responses import StreamingResponse
 from specula_router.entries import Entry, EntryState, ErrorEvent, FinalEvent, TokensEvent
 from specula_router.openai_errors import OpenAIError, error_body
 from specula_router.openai_responses import (
-    DONE, ChunkWriter, StopTrimmer, chat_logprobs, completion_logprobs, error_event, finish_reason,
+    DONE,
+    ChunkWriter,
+    StopTrimmer,
+    chat_logprobs,
+    completion_logprobs,
+    error_event,
+    finish_reason,
 )
 from specula_router.responses import ClientGone, DisconnectWatch, next_event
 from specula_router.tool_calls import could_be_tool_call, parse_tool_calls

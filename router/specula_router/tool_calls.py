@@ -60,7 +60,7 @@ def parse_tool_calls(text: str, function_names: Collection[str]) -> tuple[str | 
         objects = [_json(block.strip()) for block in _HERMES_BLOCK.findall(stripped)]
     elif stripped.startswith(MISTRAL_MARKER):
         before, objects = "", _as_list(_json(stripped[len(MISTRAL_MARKER):].strip()))
-    elif stripped.startswith(PYTHON_TAG) or stripped.startswith(("{", "[")):
+    elif stripped.startswith((PYTHON_TAG, "{", "[")):
         before, objects = "", _as_list(_json(stripped.removeprefix(PYTHON_TAG).strip()))
     else:
         return text, []

@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import random
 
+import jinja2
 import pytest
 import tokenizers
 import transformers
-
 from specula_router.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from specula_router.schemas import GenerateParameters
 from specula_router.validation import ValidationLimits, Validator
@@ -123,7 +123,7 @@ def test_override_is_a_file_or_an_inline_template(tmp_path):
     assert load_chat_template(tmp_path, str(tmp_path / "t.jinja")).render([]) == "FTrue"
     with pytest.raises(ValueError, match="neither a file nor a jinja template"):
         load_chat_template(tmp_path, "no-such-file.jinja")
-    with pytest.raises(Exception):  # a syntax error stops the startup
+    with pytest.raises(jinja2.TemplateSyntaxError):  # a syntax error stops the startup
         load_chat_template(tmp_path, "{% for %}")
 
 

@@ -132,12 +132,12 @@ def add_chat_template(model_dir: Path, name: str) -> TemplateCase:
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in case.special_tokens])
     tokenizer.save(str(model_dir / "tokenizer.json"))
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        path = model_dir / name
+    for file_name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = model_dir / file_name
         if path.is_file():
             config = json.loads(path.read_text())
             config["eos_token"] = case.eos_token
-            if name == "tokenizer_config.json":
+            if file_name == "tokenizer_config.json":
                 config["chat_template"] = case.template
             path.write_text(json.dumps(config, indent=2) + "\n")
     return case

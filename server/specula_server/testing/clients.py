@@ -1,5 +1,5 @@
-"""The published clients (`text-generation`, `lorax-client`) in their own virtualenv, for tests that check
-our HTTP schemas against them.
+"""The published clients (`text-generation`, `lorax-client`, `openai`, huggingface_hub's `InferenceClient`) in their
+own virtualenv, for tests that check our HTTP schemas against them.
 
 They pin an older huggingface_hub and pydantic than the server needs, so they cannot share our environment:
 `.venv-clients` at the repository root is created on first use and reused after; `SPECULA_CLIENTS_PYTHON`
@@ -30,7 +30,7 @@ def clients_env() -> dict[str, str]:
 
 
 def _importable(python: str) -> bool:
-    check = "import text_generation, lorax; print('ok')"
+    check = "import text_generation, lorax, openai, huggingface_hub; print('ok')"
     r = subprocess.run([python, "-c", check], capture_output=True, text=True, timeout=60, env=clients_env())
     return r.returncode == 0 and r.stdout.strip() == "ok"
 
