@@ -177,15 +177,12 @@ def _check_ranges(c: LauncherConfig) -> None:
 
 
 def _check_token_relations(c: LauncherConfig) -> None:
-    """TGI's rules: a prompt must leave room for one new token, and fit in one prefill and in the batch."""
+    """TGI's rules: a prompt must leave room for one new token and fit in the batch. (It need not fit in one
+    prefill: a longer prompt is prefilled in chunks of --max-batch-prefill-tokens.)"""
     if c.max_input_tokens is not None and c.max_total_tokens is not None \
             and c.max_input_tokens >= c.max_total_tokens:
         raise ValueError(f"--max-input-tokens ({c.max_input_tokens}) must be less than --max-total-tokens "
                          f"({c.max_total_tokens})")
-    if c.max_batch_prefill_tokens is not None and c.max_input_tokens is not None \
-            and c.max_batch_prefill_tokens < c.max_input_tokens:
-        raise ValueError(f"--max-batch-prefill-tokens ({c.max_batch_prefill_tokens}) must be at least "
-                         f"--max-input-tokens ({c.max_input_tokens}), or the longest prompt can never be prefilled")
     if c.max_batch_total_tokens is not None:
         if c.max_batch_prefill_tokens is not None and c.max_batch_prefill_tokens > c.max_batch_total_tokens:
             raise ValueError(f"--max-batch-prefill-tokens ({c.max_batch_prefill_tokens}) must not exceed "

@@ -150,8 +150,6 @@ def test_hub_models_leave_limits_to_the_router() -> None:
 @pytest.mark.parametrize(("settings", "message"), [
     (dict(max_input_tokens=100, max_total_tokens=100), r"--max-input-tokens \(100\) must be less than "
                                                        r"--max-total-tokens \(100\)"),
-    (dict(max_input_tokens=100, max_total_tokens=200, max_batch_prefill_tokens=50),
-     r"--max-batch-prefill-tokens \(50\) must be at least --max-input-tokens \(100\)"),
     (dict(max_total_tokens=3000), r"--max-total-tokens \(3000\) \+ --speculative-tokens \(0\) exceeds the "
                                   r"model's max_position_embeddings \(2048\)"),
     (dict(max_total_tokens=1000, max_batch_total_tokens=999), r"must not exceed --max-batch-total-tokens \(999\)"),
@@ -611,3 +609,8 @@ def test_prefix_caching_is_on_unless_turned_off_by_flag_or_environment(monkeypat
     assert [c.prefix_caching for c in seen] == [True, False, False]
     assert "--no-prefix-caching" not in router_command(claimed(seen[0]))
     assert router_command(claimed(seen[1]))[-1] == "--no-prefix-caching"
+
+
+def test_a_prefill_budget_below_the_longest_prompt_is_allowed_long_prompts_are_chunked() -> None:
+    c = build_config(max_input_tokens=1000, max_total_tokens=2000, max_batch_prefill_tokens=256, **NO_GPU)
+    assert (c.max_input_tokens, c.max_batch_prefill_tokens) == (1000, 256)

@@ -31,7 +31,7 @@ class SpeculationInfo(_message.Message):
     def __init__(self, max_speculative_tokens: _Optional[int] = ..., method: _Optional[str] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "model_sha", "dtype", "device_type", "block_size", "max_position_embeddings", "vocab_size", "world_size", "eos_token_ids", "speculation", "instance_id")
+    __slots__ = ("model_id", "model_sha", "dtype", "device_type", "block_size", "max_position_embeddings", "vocab_size", "world_size", "eos_token_ids", "speculation", "instance_id", "quantize")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -43,6 +43,7 @@ class InfoResponse(_message.Message):
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    QUANTIZE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_sha: str
     dtype: str
@@ -54,7 +55,8 @@ class InfoResponse(_message.Message):
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     speculation: SpeculationInfo
     instance_id: str
-    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., vocab_size: _Optional[int] = ..., world_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationInfo, _Mapping]] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    quantize: str
+    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., vocab_size: _Optional[int] = ..., world_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationInfo, _Mapping]] = ..., instance_id: _Optional[str] = ..., quantize: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
@@ -117,7 +119,7 @@ class StoppingCriteriaParameters(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos_token: _Optional[bool] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "inputs", "input_ids", "truncate", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "adapter_id", "speculative_tokens", "cached_tokens")
+    __slots__ = ("id", "inputs", "input_ids", "truncate", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "adapter_id", "speculative_tokens", "cached_tokens", "prefill_until")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +132,7 @@ class Request(_message.Message):
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_UNTIL_FIELD_NUMBER: _ClassVar[int]
     id: int
     inputs: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -142,7 +145,8 @@ class Request(_message.Message):
     adapter_id: str
     speculative_tokens: int
     cached_tokens: int
-    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., truncate: _Optional[int] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    prefill_until: int
+    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., truncate: _Optional[int] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_until: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("id", "requests")

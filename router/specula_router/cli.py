@@ -106,9 +106,7 @@ def derive_limits(config: RouterConfig, max_position_embeddings: int) -> Limits:
             f"--max-total-tokens ({max_total}) + --speculative-tokens ({lookahead}) exceeds the model's "
             f"{max_position_embeddings} positions"
         )
-    if prefill < max_input:
-        raise ValueError(f"--max-batch-prefill-tokens ({prefill}) must be >= --max-input-tokens ({max_input})")
-    return Limits(max_input, max_total, prefill)
+    return Limits(max_input, max_total, prefill)  # a prompt longer than `prefill` is prefilled in chunks
 
 
 async def run(config: RouterConfig) -> int:
@@ -148,7 +146,8 @@ async def run(config: RouterConfig) -> int:
         max_input_tokens=limits.max_input_tokens, max_total_tokens=limits.max_total_tokens,
         max_stop_sequences=config.max_stop_sequences, max_best_of=config.max_best_of,
         max_top_n_tokens=config.max_top_n_tokens, max_speculative_tokens=config.speculative_tokens,
-        max_position_embeddings=info.max_position_embeddings, vocab_size=info.vocab_size or None),
+        max_position_embeddings=info.max_position_embeddings, vocab_size=info.vocab_size or None,
+        max_batch_prefill_tokens=limits.max_batch_prefill_tokens),
         default_adapter_source=config.adapter_source)
     metrics = Metrics(max_adapter_labels=config.max_adapter_labels)
     adapters = AdapterManager(client, metrics, config.max_active_adapters, config.adapter_source)

@@ -60,8 +60,9 @@ class ErrorEvent:
 class EntryState(enum.IntEnum):
     WAITING_ADAPTER = 0  # in its adapter's queue until the adapter is loaded
     QUEUED = 1  # in the FIFO
-    RUNNING = 2
-    DONE = 3
+    PREFILLING = 2  # a long prompt, admitted, prefilled in chunks between decode steps (no state in the workers)
+    RUNNING = 3
+    DONE = 4
 
 
 @dataclass(eq=False)
@@ -71,7 +72,7 @@ class Entry:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     state: EntryState = EntryState.QUEUED
     blocks: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0  # leading prompt tokens whose KV its blocks already hold (a cached prefix)
+    num_cached_tokens: int = 0  # leading prompt tokens whose KV its blocks hold (a cached prefix, its chunks)
     token_ids: list[int] = field(default_factory=list)  # generated so far, to cache its blocks when it ends
     # Set while RUNNING when the request must leave the workers' batch at the next step: its client went away,
     # or it failed on the router's side (then `failure` was already sent to its handler).
@@ -88,8 +89,9 @@ class Entry:
     def adapter(self) -> str:
         return self.request.adapter_id or ""
 
-    def to_pb(self) -> pb.Request:
-        """The workers' message; raises ValueError (or TypeError) for a value its wire type cannot hold."""
+    def to_pb(self, prefill_until: int = 0) -> pb.Request:
+        """The workers' message; raises ValueError (or TypeError) for a value its wire type cannot hold.
+        `prefill_until` short of the prompt's end makes it one chunk of the prompt's prefill."""
         r, s, t = self.request, self.request.sampling, self.request.stopping
         return pb.Request(
             id=self.id,
@@ -109,4 +111,5 @@ class Entry:
             adapter_id=r.adapter_id or "",
             speculative_tokens=r.speculative_tokens,
             cached_tokens=self.num_cached_tokens,
+            prefill_until=prefill_until,
         )

@@ -86,6 +86,7 @@ class Scheduler:
         self.queue: deque[Entry] = deque()
         self.waiting: dict[str, deque[Entry]] = {}  # adapter id -> its requests, while it is not ready
         self.running: dict[int, Entry] = {}
+        self.chunking: deque[Entry] = deque()  # admitted long prompts prefilled in chunks, oldest first
         self._ids = itertools.count()
         self._batch_ids = itertools.count()
         self._wake = asyncio.Event()
@@ -123,6 +124,13 @@ class Scheduler:
         elif entry.state is EntryState.QUEUED:
             self.queue.remove(entry)
             self.adapters.release(entry.adapter)
+        elif entry.state is EntryState.PREFILLING:
+            # No worker holds it. Its blocks may go at once: a chunk still on the wire runs before any step
+            # that could give them to another request.
+            self.chunking.remove(entry)
+            self.adapters.release(entry.adapter)
+            self.allocator.free(entry.blocks)
+            entry.blocks = []
         elif entry.state is EntryState.RUNNING:
             entry.cancelled = True
             return
@@ -146,7 +154,7 @@ class Scheduler:
             for entry in list(entries):
                 self.cancel(entry, event)
                 num_ended += 1
-        for entry in list(self.queue):
+        for entry in [*self.queue, *self.chunking]:
             self.cancel(entry, event)
             num_ended += 1
         for entry in list(self.running.values()):
@@ -203,14 +211,14 @@ class Scheduler:
             except ShardUnresponsive as e:
                 self._give_up(str(e))
                 raise
-            if self.queue:
+            if self.queue or self.chunking:
                 self._wake.set()
 
     async def _serve_until_idle(self) -> None:
         entries = self._next_batch(min_size=None, max_size=self.config.max_batch_size)
-        if not entries:
+        if not entries and not self.chunking:
             return
-        live = await self._prefill(entries)
+        live = await self._prefill(entries) if entries else []
         await self._decode_while_running(live)
         self._flush()
 
@@ -256,21 +264,25 @@ class Scheduler:
         """
         ahead = self._ahead
         waiting_steps = 1
-        while live or ahead:
+        while live or ahead or self.chunking:
             while live and len(ahead) < self.config.pipeline_depth:
                 ids = tuple(live)
                 self.metrics.batch_inference_count.labels("decode").inc()
                 ahead.append((self.client.decode([pb.CachedBatch(id=i) for i in ids]), ids, time.monotonic()))
             self._flush()  # handlers stream the last step's tokens while the workers compute
-            pending, sent, sent_at = ahead.popleft()
-            response = await self._await_step("decode", pending, sent_at, list(self.running.values()))
-            if response is None:
-                await self._abandon(ahead)
-                ahead.clear()
-                return
-            survivor = response.batch.id if response.batch is not None else None
-            live = [i for i in live if i not in sent or i == survivor]
-            live = await self._drop_cancelled(live)
+            if ahead:
+                pending, sent, sent_at = ahead.popleft()
+                response = await self._await_step("decode", pending, sent_at, list(self.running.values()))
+                if response is None:
+                    await self._abandon(ahead)
+                    ahead.clear()
+                    return
+                survivor = response.batch.id if response.batch is not None else None
+                live = [i for i in live if i not in sent or i == survivor]
+                live = await self._drop_cancelled(live)
+            ready = await self._prefill_next_chunk()  # at most one chunk between two decode steps
+            if ready:
+                live += await self._prefill(ready)
             waiting_steps += 1
             newcomers = self._admit_more(waiting_steps)
             if newcomers:
@@ -312,6 +324,13 @@ class Scheduler:
                 self.allocator.free(allocation.blocks)
                 break
             entry.blocks, entry.num_cached_tokens = allocation.blocks, allocation.num_cached_tokens
+            if new_tokens > self.config.max_batch_prefill_tokens:  # a long prompt: alone, and in chunks
+                if batch:
+                    self.allocator.free(entry.blocks)
+                    entry.blocks, entry.num_cached_tokens = [], 0
+                else:
+                    self._start_chunking(entry)
+                break
             batch.append(entry)
             prefill_tokens += new_tokens
         if not batch or (min_size is not None and len(batch) < min_size):
@@ -319,18 +338,72 @@ class Scheduler:
                 self.allocator.free(entry.blocks)
                 entry.blocks, entry.num_cached_tokens = [], 0
             return None
-        now = time.monotonic()
         for entry in batch:
-            self.queue.popleft()
-            entry.state, entry.admitted_at = EntryState.RUNNING, now
+            self._admit(entry)
+            entry.state = EntryState.RUNNING
             self.running[entry.id] = entry
-            self.metrics.request_queue_duration.labels(self.metrics.adapter_label(entry.adapter)).observe(
-                now - entry.queued_at)
-            if self.allocator.prefix_caching:
-                self.metrics.observe_prefix_cache(entry.request.input_length, entry.num_cached_tokens)
         self._count_waiting()
         self.metrics.batch_next_size.observe(len(batch))
         return batch
+
+    def _admit(self, entry: Entry) -> None:
+        """The head of the queue got its blocks."""
+        assert self.queue[0] is entry
+        self.queue.popleft()
+        entry.admitted_at = now = time.monotonic()
+        self.metrics.request_queue_duration.labels(self.metrics.adapter_label(entry.adapter)).observe(
+            now - entry.queued_at)
+        if self.allocator.prefix_caching:
+            self.metrics.observe_prefix_cache(entry.request.input_length, entry.num_cached_tokens)
+
+    # --- chunked prefill ------------------------------------------------------------------------------------
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Prompt tokens per chunk: the prefill budget, in whole blocks (the next chunk starts on a block)."""
+        size = self.allocator.block_size
+        return max(size, self.config.max_batch_prefill_tokens // size * size)
+
+    def _start_chunking(self, entry: Entry) -> None:
+        """Admits a prompt longer than one prefill: it is prefilled a chunk at a time between decode steps, so
+        running requests wait for one chunk at most, and its last part joins the batch as a plain prefill."""
+        self._admit(entry)
+        entry.state = EntryState.PREFILLING
+        self.chunking.append(entry)
+        self._count_waiting()
+
+    async def _prefill_next_chunk(self) -> list[Entry]:
+        """Prefills the next chunk of the oldest long prompt; returns it once the rest fits one prefill."""
+        if not self.chunking:
+            return []
+        entry = self.chunking[0]
+        if entry.request.input_length - entry.num_cached_tokens <= self.config.max_batch_prefill_tokens:
+            self.chunking.popleft()
+            entry.state = EntryState.RUNNING
+            self.running[entry.id] = entry
+            return [entry]
+        until = entry.num_cached_tokens + self.chunk_tokens
+        try:
+            request = entry.to_pb(prefill_until=until)
+        except (ValueError, TypeError, OverflowError) as e:
+            self.cancel(entry, ErrorEvent(f"the request cannot be sent to the workers: {e}", "validation", 422))
+            return []
+        self.metrics.batch_inference_count.labels("prefill").inc()
+        pending = self.client.prefill(pb.Batch(id=next(self._batch_ids), requests=[request]))
+        self._flush()
+        try:
+            await self._timed("a prefill step", pending)
+        except ShardError as e:
+            logger.error("prefill chunk failed: %s", e)
+            self.metrics.batch_inference_failure.labels("prefill").inc()
+            if entry.state is EntryState.PREFILLING:
+                self.cancel(entry, ErrorEvent(str(e)))
+            return []
+        self.metrics.batch_inference_success.labels("prefill").inc()
+        if entry.state is EntryState.PREFILLING:  # not cancelled meanwhile
+            entry.num_cached_tokens = until
+            self.allocator.cache(entry.blocks, entry.request.input_ids[:until], entry.adapter)
+        return []
 
     async def _prefill(self, entries: list[Entry]) -> list[int]:
         """Prefills new requests; returns the new batch id when some of them keep running.

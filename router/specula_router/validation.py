@@ -61,6 +61,9 @@ class ValidationLimits:
     max_speculative_tokens: int = 0
     max_position_embeddings: int | None = None
     vocab_size: int | None = None  # rows of the workers' LM head, the largest `top_k`; None: the tokenizer's
+    # Prompt tokens in one prefill; longer prompts are prefilled in chunks, except with `decoder_input_details`,
+    # whose prompt log-probabilities need every prompt row in one forward. None: no such limit.
+    max_batch_prefill_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_input_tokens < 1:
@@ -128,6 +131,11 @@ class Validator:
         if truncate is not None:
             input_ids = input_ids[-truncate:]
         self._check_input_length(len(input_ids))
+        prefill_limit = self.limits.max_batch_prefill_tokens
+        if params.decoder_input_details and prefill_limit is not None and len(input_ids) > prefill_limit:
+            raise ValidationError(
+                f"`decoder_input_details` needs the whole prompt in one prefill: at most {prefill_limit} tokens "
+                f"(--max-batch-prefill-tokens). Given: {len(input_ids)}", "decoder_input_details")
         lookahead = self.limits.max_speculative_tokens if speculative_tokens is None else speculative_tokens
         max_new_tokens = self._max_new_tokens(len(input_ids), params.max_new_tokens, lookahead)
 

@@ -102,6 +102,11 @@ class FakeClient:
         async def run():
             try:
                 await self._maybe_fail("prefill")
+                chunks = [r for r in requests if 0 < r.prefill_until < len(r.input_ids)]
+                if chunks:  # like the worker: chunks only, which write KV and answer nothing
+                    assert len(chunks) == len(requests), "a Prefill mixed chunks and whole prompts"
+                    self.calls.append(("chunk", [(r.id, r.cached_tokens, r.prefill_until) for r in chunks]))
+                    return StepResponse([], None, pb.Timings())
                 missing = [r for r in requests if r.adapter_id and r.adapter_id not in self.loaded_adapters]
                 if missing:
                     raise ShardError(f"Prefill failed: request {missing[0].id}: adapter `{missing[0].adapter_id}` "

@@ -370,3 +370,66 @@ def test_a_request_that_failed_in_the_worker_leaves_nothing_in_the_cache():
         loop.cancel()
         assert client.prefilled[1].cached_tokens == 0
     run(body())
+
+
+# --- chunked prefill --------------------------------------------------------------------------------------------
+
+
+def test_a_prompt_longer_than_the_prefill_budget_is_prefilled_in_chunks():
+    async def body():
+        scheduler, client = make_scheduler(max_batch_prefill_tokens=16)  # chunks of 16 (blocks of 4)
+        loop = asyncio.create_task(scheduler.run())
+        events = await drain(scheduler.submit(make_request(prompt_len=45, max_new=3)))
+        loop.cancel()
+        assert isinstance(events[-1], FinalEvent) and events[-1].generated_tokens == 3
+        chunks = [c for kind, c in client.calls if kind == "chunk"]
+        assert chunks == [[(0, 0, 16)], [(0, 16, 32)]]
+        assert client.prefilled[-1].cached_tokens == 32 and client.prefilled[-1].prefill_until == 0
+        assert scheduler.allocator.num_free_blocks == 64 and not scheduler.chunking
+    run(body())
+
+
+def test_running_requests_decode_between_the_chunks_of_a_long_prompt():
+    async def body():
+        scheduler, client = make_scheduler(max_batch_prefill_tokens=8, step_delay=0.002)
+        loop = asyncio.create_task(scheduler.run())
+        running = scheduler.submit(make_request(prompt_len=4, max_new=30))
+        await asyncio.sleep(0.02)
+        long = scheduler.submit(make_request(prompt_len=40, max_new=2))
+        assert isinstance((await drain(long))[-1], FinalEvent)
+        await drain(running)
+        loop.cancel()
+        kinds = [kind for kind, _ in client.calls if kind in ("chunk", "decoded")]
+        first, last = kinds.index("chunk"), len(kinds) - 1 - kinds[::-1].index("chunk")
+        assert kinds.count("chunk") == 4  # 40 tokens: four chunks of 8, then the last 8 as a plain prefill
+        assert all(kinds[i + 1] == "decoded" for i in range(first, last) if kinds[i] == "chunk")
+    run(body())
+
+
+def test_a_request_cancelled_while_its_prompt_is_chunked_frees_its_blocks():
+    async def body():
+        scheduler, client = make_scheduler(max_batch_prefill_tokens=8, step_delay=0.01)
+        loop = asyncio.create_task(scheduler.run())
+        long = scheduler.submit(make_request(prompt_len=60, max_new=2))
+        await asyncio.sleep(0.025)
+        assert long.state.name == "PREFILLING"
+        scheduler.cancel(long)
+        await asyncio.sleep(0.05)
+        after = scheduler.submit(make_request(max_new=2))
+        assert isinstance((await drain(after))[-1], FinalEvent)
+        loop.cancel()
+        assert scheduler.allocator.num_free_blocks == 64 and not scheduler.chunking
+        assert len([c for kind, c in client.calls if kind == "chunk"]) < 7
+    run(body())
+
+
+def test_chunks_of_a_prompt_are_reused_by_a_prompt_with_the_same_start():
+    async def body():
+        scheduler, client = make_scheduler(max_batch_prefill_tokens=16, prefix_caching=True)
+        loop = asyncio.create_task(scheduler.run())
+        long = make_request(prompt_len=45, max_new=2)
+        await drain(scheduler.submit(long))
+        await drain(scheduler.submit(dataclasses.replace(long, input_ids=long.input_ids[:40] + (7, 7, 7))))
+        loop.cancel()
+        assert client.prefilled[-1].cached_tokens == 40  # every whole block of the shared 40 tokens
+    run(body())

@@ -468,3 +468,15 @@ def test_format_request_errors():
         "`parameters.top_k`: Input should be a valid integer; `inputs`: Field required"
     )
     assert format_request_errors([]) == "invalid request body"
+
+
+def test_prompt_logprobs_need_the_prompt_in_one_prefill(tokenizer):
+    """Longer prompts are prefilled in chunks, but prompt log-probabilities need every row in one forward."""
+    limits = ValidationLimits(max_input_tokens=32, max_total_tokens=64, max_batch_prefill_tokens=8)
+    validator = Validator(tokenizer, limits, rng=random.Random(0))
+    long = "a b c d e f g h i j k l"
+    assert len(validator.validate(long, GenerateParameters(max_new_tokens=2)).input_ids) > 8  # chunked, fine
+    with pytest.raises(ValidationError, match=r"at most 8 tokens \(--max-batch-prefill-tokens\)") as e:
+        validator.validate(long, GenerateParameters(max_new_tokens=2, decoder_input_details=True))
+    assert e.value.field == "decoder_input_details"
+    assert validator.validate("a", GenerateParameters(max_new_tokens=2, decoder_input_details=True))

@@ -177,6 +177,12 @@ class TextGenerator:
             raise InvalidRequestError(
                 f"request {spec.id}: cached_tokens ({spec.cached_tokens}) must be whole blocks of {self.block_size} "
                 f"shorter than the prompt ({len(spec.input_ids)} tokens), and 0 with prefill_logprobs")
+        if spec.prefill_until and not (spec.cached_tokens < spec.prefill_until <= len(spec.input_ids)
+                                       and not spec.prefill_logprobs):
+            raise InvalidRequestError(
+                f"request {spec.id}: prefill_until ({spec.prefill_until}) must lie past cached_tokens "
+                f"({spec.cached_tokens}) and within the prompt ({len(spec.input_ids)} tokens), without "
+                f"prefill_logprobs")
         if spec.adapter_id:
             if self.adapters is None:
                 raise InvalidRequestError(f"request {spec.id}: this worker serves no adapters")
@@ -198,11 +204,29 @@ class TextGenerator:
             raise InvalidRequestError("request ids within a batch must be unique")
         start = time.perf_counter_ns()
         requests = [self._admit(spec) for spec in specs]
+        if any(r.spec.is_chunk for r in requests):
+            return self._prefill_chunks(batch_id, requests, start)
         self._declined_in_a_row = self._steps_without_proposals = 0  # new requests may have drafts that pay
         # A reused prefix's KV is in the request's first blocks already: only the rest of the prompt is computed.
         starts = [r.spec.cached_tokens for r in requests]
         step = build_step(requests, starts, [r.prompt_len - s for r, s in zip(requests, starts)], self.device)
         return self._run(Batch(batch_id, requests), step, start, with_prefill_logprobs=True)
+
+    @torch.inference_mode()
+    def _prefill_chunks(self, batch_id: int, requests: list[RequestState], start: int) -> StepResult:
+        """Chunks of long prompts: one forward that writes the chunks' KV into their blocks, and nothing else
+        (no logits, no token, no state kept). The router sends each prompt's last part as a plain prefill, with
+        `cached_tokens` covering the chunks, so a long prompt never stalls running requests for all of it."""
+        if not all(r.spec.is_chunk for r in requests):
+            raise InvalidRequestError("a Prefill holds either chunks of prompts only, or no chunk")
+        assert self.kv_cache is not None
+        starts = [r.spec.cached_tokens for r in requests]
+        step = build_step(requests, starts, [r.spec.prefill_until - s for r, s in zip(requests, starts)],
+                          self.device)
+        self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attn, self._lora(requests, step.counts))
+        forward_done = time.perf_counter_ns()
+        self._retire(batch_id)
+        return StepResult([], None, StepTimings(forward_done - start, 0))
 
     def decode(self, batch_ids: Sequence[int]) -> StepResult:
         """One step over the named batches, concatenated into the first that still exists.

@@ -66,6 +66,12 @@ class RequestSpec:
     speculative_tokens: int | None = None  # per-request cap on draft tokens (None: the server's)
     adapter_id: str = ""  # LoRA adapter applied to this request ("": the base model)
     cached_tokens: int = 0  # leading prompt positions whose KV `blocks` already hold (a reused prefix)
+    prefill_until: int = 0  # a chunk of a long prompt computes positions [cached_tokens, prefill_until); 0: all
+
+    @property
+    def is_chunk(self) -> bool:
+        """Whether this prefill computes only a part of the prompt (no token comes out of it)."""
+        return 0 < self.prefill_until < len(self.input_ids)
 
 
 @dataclass(eq=False)

@@ -46,6 +46,7 @@ class WorkerInfo:
     uds_urls: tuple[str, ...]
     kv_cache_memory: int | None  # bytes for the KV cache; None: derive from free device memory
     instance_id: str = ""  # the launcher run this shard belongs to; "" when started alone
+    quantize: str = ""  # --quantize: "int8", "int4", or "" for float weights
 
 
 class ExceptionInterceptor(grpc.aio.ServerInterceptor):
@@ -161,6 +162,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             eos_token_ids=sorted(self.generator.eos_token_ids),
             speculation=_speculation_info(self.generator),
             instance_id=self.info.instance_id,
+            quantize=self.info.quantize,
         )
 
     async def Health(self, request, context):
@@ -284,6 +286,7 @@ def request_from_pb(r: pb.Request, generator: TextGenerator) -> RequestSpec:
         speculative_tokens=r.speculative_tokens if r.HasField("speculative_tokens") else None,
         adapter_id=r.adapter_id,
         cached_tokens=r.cached_tokens,
+        prefill_until=r.prefill_until,
     )
 
 

@@ -132,3 +132,40 @@ def test_cached_positions_are_read_not_computed(generator):
     wrong = on_cached_prefix(2, prompt, other.blocks, pool, 2)
     got = outputs_of(generate_alone(generator, wrong, batch_id=3))
     assert [lp for _, lp in got] != pytest.approx([lp for _, lp in expected], abs=1e-4)
+
+
+# --- chunked prefill: the same mechanism, the earlier positions written by the request's own chunks ---------
+
+
+def chunked(generator, spec, chunk: int, first_batch_id: int) -> list[tuple[int, float]]:
+    """Runs `spec` with its prompt prefilled `chunk` tokens at a time, as the router sends a long prompt."""
+    replace = lambda **fields: type(spec)(**{**spec.__dict__, **fields})  # noqa: E731
+    done, batch_id = 0, first_batch_id
+    while len(spec.input_ids) - done > chunk:
+        result = generator.prefill(batch_id, [replace(cached_tokens=done, prefill_until=done + chunk)])
+        assert result.outputs == [] and result.batch is None and batch_id not in generator.batches
+        done, batch_id = done + chunk, batch_id + 1
+    return outputs_of(generate_alone(generator, replace(cached_tokens=done), batch_id=batch_id))
+
+
+@pytest.mark.parametrize("adapter", ["", "lora"])
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_a_prompt_prefilled_in_chunks_gives_the_output_of_one_prefill(generator, adapter, chunk):
+    pool = BlockPool(512, BLOCK)
+    prompt = PREFIX + TAILS[2] + PREFIX[5:30]  # 83 tokens: several chunks and a last part
+    sampling = SamplingParams(do_sample=True, temperature=0.7, seed=9)
+    whole = make_spec(0, prompt, pool, max_new_tokens=NUM_NEW, lookahead=4, adapter_id=adapter, sampling=sampling)
+    expected = outputs_of(generate_alone(generator, whole, batch_id=1))
+    pool.give(whole.blocks)
+    spec = make_spec(1, prompt, pool, max_new_tokens=NUM_NEW, lookahead=4, adapter_id=adapter, sampling=sampling)
+    assert_same(chunked(generator, spec, chunk, first_batch_id=10), expected)
+
+
+def test_chunks_and_whole_prompts_do_not_share_a_prefill(generator):
+    pool = BlockPool(512, BLOCK)
+    long = make_spec(0, PREFIX, pool, max_new_tokens=4)
+    chunk = type(long)(**{**long.__dict__, "prefill_until": 16})
+    with pytest.raises(InvalidRequestError, match="chunks"):
+        generator.prefill(30, [chunk, make_spec(1, PREFIX[:5], pool, max_new_tokens=4)])
+    with pytest.raises(InvalidRequestError, match="prefill_until"):
+        generator.prefill(31, [type(long)(**{**long.__dict__, "prefill_until": len(PREFIX) + 1})])
