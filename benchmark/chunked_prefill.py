@@ -32,11 +32,14 @@ from prefix_cache import WORDS, stream  # noqa: E402
 
 
 def long_prompt(url: str, num_tokens: int, seed: int) -> str:
+    """Random words, at most `num_tokens` tokens (a prompt past the server's input limit is a 422)."""
     rng = random.Random(seed)
     words = [rng.choice(WORDS) for _ in range(num_tokens)]
-    while len(httpx.post(f"{url}/tokenize", json={"inputs": " ".join(words)}, timeout=60).json()) > num_tokens:
+    while True:
+        r = httpx.post(f"{url}/tokenize", json={"inputs": " ".join(words)}, timeout=60)
+        if r.status_code == 200 and len(r.json()) <= num_tokens:
+            return " ".join(words)
         words = words[: int(len(words) * 0.95)]
-    return " ".join(words)
 
 
 async def one_stream(client: httpx.AsyncClient, url: str, i: int, new_tokens: int) -> list[float]:

@@ -47,8 +47,8 @@ def make_prefix(url: str, num_tokens: int) -> str:
     while True:
         words += [rng.choice(WORDS) for _ in range(64)]
         text = " ".join(words)
-        count = len(httpx.post(f"{url}/tokenize", json={"inputs": text}, timeout=60).json())
-        if count >= num_tokens:
+        r = httpx.post(f"{url}/tokenize", json={"inputs": text}, timeout=60)
+        if r.status_code != 200 or len(r.json()) >= num_tokens:  # 422: past the server's input limit
             return text
 
 

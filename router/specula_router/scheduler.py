@@ -1,22 +1,18 @@
-"""Continuous batching: the router's queue and the loop that drives the workers (TGI semantics).
+"""Continuous batching: the loop that drives the workers (TGI semantics).
 
 One `Entry` per admitted HTTP request carries its validated request, its KV blocks and a queue of events for
-the HTTP handler. The loop:
+the HTTP handler. Which requests may start is `Admission`'s rule (admission.py); the loop runs them:
 
     wait for a request ──> prefill a first batch
         └─ while requests are running:
-             maybe prefill newcomers (when enough wait, or one has waited max_waiting_tokens steps)
-             decode every running batch together (the worker concatenates them)
+             decode every running batch together (the worker concatenates them); the next step is sent
+               before this one's result is processed
              free finished requests' blocks; filter out requests whose client went away
+             prefill one chunk of a long prompt, if one is being prefilled in chunks
+             maybe prefill newcomers (when enough wait, or one has waited max_waiting_tokens steps)
 
-Admission is FIFO and exact: a request joins only when blocks for its whole budget
-(prompt + max_new_tokens + speculative lookahead) are free, and a prefill batch stays within
-`max_batch_prefill_tokens`. New requests never wait for the running batch to finish.
-
-A request naming an adapter that is not loaded waits in that adapter's own queue while `AdapterManager`
-loads it in the background, and joins the FIFO when it is ready (or is answered with the load's error), so
-it never holds up the head of the FIFO. From joining the FIFO until it ends, a request keeps its adapter
-counted as in use, and an adapter in use is never offloaded.
+New requests never wait for the running batch to finish. Nothing a request carries stops the loop: a
+failure ends the requests it concerns and the loop goes on.
 """
 
 from __future__ import annotations
@@ -24,14 +20,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Awaitable, TypeVar
 
 from specula_proto import generate_pb2 as pb
-from specula_router.adapters import AdapterFailure, AdapterManager
+from specula_router.admission import Admission, AdmissionConfig, Admitted
+from specula_router.adapters import AdapterManager
 from specula_router.block_allocator import BlockAllocator
 from specula_router.client import ShardedClient, ShardError, StepResponse
 from specula_router.entries import Entry, EntryState, ErrorEvent, FinalEvent, TokenOut, TokensEvent
@@ -82,14 +78,14 @@ class Scheduler:
         self.config = config
         self.metrics = metrics
         self.adapters = adapters if adapters is not None else AdapterManager(client, metrics)
-        self.adapters.on_settled = self._adapter_settled
-        self.queue: deque[Entry] = deque()
-        self.waiting: dict[str, deque[Entry]] = {}  # adapter id -> its requests, while it is not ready
+        self._wake = asyncio.Event()
+        self.admission = Admission(allocator, self.adapters, metrics, AdmissionConfig(
+            config.max_batch_prefill_tokens, config.waiting_served_ratio, config.max_waiting_tokens,
+            config.max_batch_size, config.lookahead), self._wake)
         self.running: dict[int, Entry] = {}
         self.chunking: deque[Entry] = deque()  # admitted long prompts prefilled in chunks, oldest first
         self._ids = itertools.count()
         self._batch_ids = itertools.count()
-        self._wake = asyncio.Event()
         self._outbox: list[tuple[Entry, object]] = []  # events held until the next step is on the wire
         self._ahead: deque[tuple[Awaitable[StepResponse], tuple[int, ...], float]] = deque()  # decodes on the wire
         self.last_step_ok: float | None = None  # monotonic time of the last successful worker step
@@ -103,27 +99,26 @@ class Scheduler:
             entry.state = EntryState.DONE
             entry.events.put_nowait(ErrorEvent(self.failure, "unhealthy", 503))
             return entry
-        if self.adapters.is_ready(entry.adapter):
-            self._enqueue(entry)
-        else:
-            entry.state = EntryState.WAITING_ADAPTER
-            self.waiting.setdefault(entry.adapter, deque()).append(entry)
-            self.adapters.request(entry.adapter, request.adapter_source, request.api_token)
-        self._count_waiting()
+        self.admission.add(entry)
         return entry
+
+    @property
+    def queue(self) -> deque[Entry]:
+        return self.admission.queue
+
+    @property
+    def waiting(self) -> dict[str, deque[Entry]]:
+        return self.admission.waiting
+
+    @property
+    def num_waiting(self) -> int:
+        return self.admission.num_waiting
 
     def cancel(self, entry: Entry, event: ErrorEvent | None = None) -> None:
         """The client went away (or, with `event`, the request is ended for it): drop a waiting request now,
         a running one after the current step."""
-        if entry.state is EntryState.WAITING_ADAPTER:
-            waiting = self.waiting[entry.adapter]
-            waiting.remove(entry)
-            if not waiting:
-                del self.waiting[entry.adapter]
-                self.adapters.withdraw(entry.adapter)
-        elif entry.state is EntryState.QUEUED:
-            self.queue.remove(entry)
-            self.adapters.release(entry.adapter)
+        if entry.state in (EntryState.WAITING_ADAPTER, EntryState.QUEUED):
+            self.admission.remove(entry)
         elif entry.state is EntryState.PREFILLING:
             # No worker holds it. Its blocks may go at once: a chunk still on the wire runs before any step
             # that could give them to another request.
@@ -137,9 +132,7 @@ class Scheduler:
         else:
             return
         entry.state = EntryState.DONE
-        self._count_waiting()
-        label = self.metrics.adapter_label(entry.adapter)
-        self.metrics.request_failure.labels(event.error_type if event else "cancelled", label).inc()
+        self.metrics.observe_end(entry, event, time.monotonic())
         if event is not None:
             entry.events.put_nowait(event)
 
@@ -163,33 +156,6 @@ class Scheduler:
                 num_ended += 1
         self._flush()
         return num_ended
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests not yet admitted: in the FIFO or waiting for their adapter."""
-        return len(self.queue) + sum(len(w) for w in self.waiting.values())
-
-    def _enqueue(self, entry: Entry) -> None:
-        entry.state = EntryState.QUEUED
-        self.queue.append(entry)
-        self.adapters.acquire(entry.adapter)
-        self._wake.set()
-
-    def _adapter_settled(self, adapter_id: str, failure: AdapterFailure | None) -> None:
-        """An adapter load ended: its waiting requests join the FIFO, or are answered with the failure."""
-        entries = self.waiting.pop(adapter_id, deque())
-        for entry in entries:
-            if failure is None:
-                self._enqueue(entry)
-            else:
-                event = ErrorEvent(failure.message, failure.error_type, failure.status)
-                self._finish(entry, event, send=False)
-                entry.events.put_nowait(event)  # not through the outbox, which waits for the next step
-        self._count_waiting()
-
-    def _count_waiting(self) -> None:
-        self.metrics.queue_size.set(self.num_waiting)
-        self.metrics.adapter_waiting_requests.set(sum(len(w) for w in self.waiting.values()))
 
     # --- the loop -----------------------------------------------------------------------------------------
 
@@ -215,12 +181,21 @@ class Scheduler:
                 self._wake.set()
 
     async def _serve_until_idle(self) -> None:
-        entries = self._next_batch(min_size=None, max_size=self.config.max_batch_size)
-        if not entries and not self.chunking:
-            return
-        live = await self._prefill(entries) if entries else []
-        await self._decode_while_running(live)
+        live = await self._start(self.admission.first())
+        if live or self.chunking:
+            await self._decode_while_running(live)
         self._flush()
+
+    async def _start(self, admitted: Admitted) -> list[int]:
+        """Admitted requests begin: a batch is prefilled (its batch id returned while some of it runs), a long
+        prompt starts its chunks."""
+        if admitted.long is not None:
+            admitted.long.state = EntryState.PREFILLING
+            self.chunking.append(admitted.long)
+        for entry in admitted.batch:
+            entry.state = EntryState.RUNNING
+            self.running[entry.id] = entry
+        return await self._prefill(admitted.batch) if admitted.batch else []
 
     async def _recover(self, event: ErrorEvent) -> None:
         """After an unexpected error: wait out the steps on the wire, clear the workers, fail what ran."""
@@ -284,77 +259,10 @@ class Scheduler:
             if ready:
                 live += await self._prefill(ready)
             waiting_steps += 1
-            newcomers = self._admit_more(waiting_steps)
-            if newcomers:
-                live += await self._prefill(newcomers)
+            admitted = self.admission.more(len(self.running), waiting_steps)
+            if admitted:
+                live += await self._start(admitted)
                 waiting_steps = 1
-
-    def _admit_more(self, waiting_steps: int) -> list[Entry] | None:
-        """Newcomers that may join the running batch now (TGI's waiting-served-ratio rule)."""
-        if not self.queue:
-            return None
-        running = len(self.running)
-        waited_enough = waiting_steps >= self.config.max_waiting_tokens
-        min_size = None if waited_enough else math.floor(running * self.config.waiting_served_ratio)
-        max_size = None
-        if self.config.max_batch_size is not None:
-            max_size = self.config.max_batch_size - running
-            if max_size <= 0:
-                return None
-        entries = self._next_batch(min_size, max_size)
-        if entries:
-            self.metrics.batch_concat.labels("wait_exceeded" if waited_enough else "backpressure").inc()
-        return entries
-
-    def _next_batch(self, min_size: int | None, max_size: int | None) -> list[Entry] | None:
-        """Takes requests from the head of the queue while their prompts and KV budgets fit."""
-        batch: list[Entry] = []
-        prefill_tokens = 0
-        for entry in self.queue:
-            if max_size is not None and len(batch) >= max_size:
-                break
-            request = entry.request
-            prompt = () if request.decoder_input_details else request.input_ids  # its logprobs need every row
-            allocation = self.allocator.allocate(request.max_total_tokens + self.config.lookahead, prompt,
-                                                 entry.adapter)
-            if allocation is None:
-                break  # FIFO: nobody overtakes the head of the queue
-            new_tokens = request.input_length - allocation.num_cached_tokens
-            if batch and prefill_tokens + new_tokens > self.config.max_batch_prefill_tokens:
-                self.allocator.free(allocation.blocks)
-                break
-            entry.blocks, entry.num_cached_tokens = allocation.blocks, allocation.num_cached_tokens
-            if new_tokens > self.config.max_batch_prefill_tokens:  # a long prompt: alone, and in chunks
-                if batch:
-                    self.allocator.free(entry.blocks)
-                    entry.blocks, entry.num_cached_tokens = [], 0
-                else:
-                    self._start_chunking(entry)
-                break
-            batch.append(entry)
-            prefill_tokens += new_tokens
-        if not batch or (min_size is not None and len(batch) < min_size):
-            for entry in batch:
-                self.allocator.free(entry.blocks)
-                entry.blocks, entry.num_cached_tokens = [], 0
-            return None
-        for entry in batch:
-            self._admit(entry)
-            entry.state = EntryState.RUNNING
-            self.running[entry.id] = entry
-        self._count_waiting()
-        self.metrics.batch_next_size.observe(len(batch))
-        return batch
-
-    def _admit(self, entry: Entry) -> None:
-        """The head of the queue got its blocks."""
-        assert self.queue[0] is entry
-        self.queue.popleft()
-        entry.admitted_at = now = time.monotonic()
-        self.metrics.request_queue_duration.labels(self.metrics.adapter_label(entry.adapter)).observe(
-            now - entry.queued_at)
-        if self.allocator.prefix_caching:
-            self.metrics.observe_prefix_cache(entry.request.input_length, entry.num_cached_tokens)
 
     # --- chunked prefill ------------------------------------------------------------------------------------
 
@@ -364,16 +272,11 @@ class Scheduler:
         size = self.allocator.block_size
         return max(size, self.config.max_batch_prefill_tokens // size * size)
 
-    def _start_chunking(self, entry: Entry) -> None:
-        """Admits a prompt longer than one prefill: it is prefilled a chunk at a time between decode steps, so
-        running requests wait for one chunk at most, and its last part joins the batch as a plain prefill."""
-        self._admit(entry)
-        entry.state = EntryState.PREFILLING
-        self.chunking.append(entry)
-        self._count_waiting()
-
     async def _prefill_next_chunk(self) -> list[Entry]:
-        """Prefills the next chunk of the oldest long prompt; returns it once the rest fits one prefill."""
+        """Prefills the next chunk of the oldest long prompt; returns it once the rest fits one prefill.
+
+        A prompt longer than one prefill is prefilled a chunk at a time between decode steps, so running
+        requests wait for one chunk at most; its last part joins the batch as a plain prefill."""
         if not self.chunking:
             return []
         entry = self.chunking[0]

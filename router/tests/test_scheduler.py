@@ -98,22 +98,23 @@ def test_kv_budget_admits_fifo_and_exactly():
 def test_lookahead_is_reserved():
     scheduler, _ = make_scheduler(num_blocks=8, block_size=4, lookahead=3)
     entry = scheduler.submit(make_request(prompt_len=4, max_new=4))
-    assert scheduler._next_batch(None, None) == [entry]
+    assert scheduler.admission.first().batch == [entry]
     assert len(entry.blocks) == 3  # 4 + 4 + 3 = 11 positions -> 3 blocks
 
 
 def test_prefill_token_limit_splits_batches():
     scheduler, _ = make_scheduler(max_batch_prefill_tokens=10)
     entries = [scheduler.submit(make_request(prompt_len=4)) for _ in range(3)]
-    assert scheduler._next_batch(None, None) == entries[:2]
-    assert scheduler._next_batch(None, None) == entries[2:]
+    assert scheduler.admission.first().batch == entries[:2]
+    assert scheduler.admission.first().batch == entries[2:]
 
 
 def test_min_size_holds_back_a_too_small_batch():
     scheduler, _ = make_scheduler()
     scheduler.submit(make_request())
-    assert scheduler._next_batch(min_size=2, max_size=None) is None
+    assert not scheduler.admission.more(num_running=2, waiting_steps=1)  # 1 waiting < floor(2 * 1.2)
     assert scheduler.allocator.num_free_blocks == 64 and len(scheduler.queue) == 1
+    assert scheduler.admission.more(num_running=2, waiting_steps=20).batch  # it waited max_waiting_tokens steps
 
 
 def test_cancelled_request_is_filtered_within_one_step():
@@ -139,7 +140,7 @@ def test_queued_request_cancelled_before_admission():
     scheduler, _ = make_scheduler()
     entry = scheduler.submit(make_request())
     scheduler.cancel(entry)
-    assert not scheduler.queue and scheduler._next_batch(None, None) is None
+    assert not scheduler.queue and not scheduler.admission.first()
 
 
 @pytest.mark.parametrize("method", ["prefill", "decode"])

@@ -1,0 +1,184 @@
+"""The requests that do not run yet, and the rule that lets them in (TGI's semantics, exact KV budgets).
+
+The scheduler's loop asks `Admission` which requests may start at each point where it can prefill:
+
+    submit ─ adapter ready? ─ yes ─> FIFO (`queue`) ─ blocks for its whole budget free, prefill batch fits ─> batch
+                  └─ no ──> its adapter's own queue (`waiting`); joins the FIFO when the adapter is loaded,
+                            or ends with the load's error, so it never holds up the head of the FIFO
+
+Admission is FIFO and exact: a request is taken only when blocks for its whole budget (prompt +
+max_new_tokens + speculative lookahead) are free, nobody overtakes the head of the queue, and a prefill batch
+stays within `max_batch_prefill_tokens` prompt tokens not already cached. A prompt longer than that (after its
+cached prefix) is taken alone and prefilled in chunks. While requests run, newcomers join once enough of them
+wait (`waiting_served_ratio`) or one has waited `max_waiting_tokens` steps. From joining the FIFO until it
+ends, a request keeps its adapter counted as in use, and an adapter in use is never offloaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from specula_router.adapters import AdapterFailure, AdapterManager
+from specula_router.block_allocator import BlockAllocator
+from specula_router.entries import Entry, EntryState, ErrorEvent
+from specula_router.metrics import Metrics
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    max_batch_prefill_tokens: int
+    waiting_served_ratio: float = 1.2
+    max_waiting_tokens: int = 20
+    max_batch_size: int | None = None
+    lookahead: int = 0  # KV positions reserved past max_new_tokens for speculative drafts
+
+
+@dataclass
+class Admitted:
+    """What may start now: a prefill batch, and/or a long prompt to prefill in chunks."""
+
+    batch: list[Entry] = field(default_factory=list)
+    long: Entry | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.batch) or self.long is not None
+
+
+class Admission:
+    def __init__(self, allocator: BlockAllocator, adapters: AdapterManager, metrics: Metrics,
+                 config: AdmissionConfig, wake: asyncio.Event) -> None:
+        self.allocator = allocator
+        self.adapters = adapters
+        self.metrics = metrics
+        self.config = config
+        self._wake = wake  # set when a request joins the FIFO
+        self.queue: deque[Entry] = deque()
+        self.waiting: dict[str, deque[Entry]] = {}  # adapter id -> its requests, while it is not ready
+        adapters.on_settled = self._adapter_settled
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet admitted: in the FIFO or waiting for their adapter."""
+        return len(self.queue) + sum(len(w) for w in self.waiting.values())
+
+    def add(self, entry: Entry) -> None:
+        """A new request: into the FIFO, or into its adapter's queue while the adapter loads."""
+        if self.adapters.is_ready(entry.adapter):
+            self._enqueue(entry)
+        else:
+            entry.state = EntryState.WAITING_ADAPTER
+            self.waiting.setdefault(entry.adapter, deque()).append(entry)
+            self.adapters.request(entry.adapter, entry.request.adapter_source, entry.request.api_token)
+        self.count_waiting()
+
+    def remove(self, entry: Entry) -> None:
+        """Takes a request that is waiting or queued out (its client went away)."""
+        if entry.state is EntryState.WAITING_ADAPTER:
+            waiting = self.waiting[entry.adapter]
+            waiting.remove(entry)
+            if not waiting:
+                del self.waiting[entry.adapter]
+                self.adapters.withdraw(entry.adapter)
+        else:
+            assert entry.state is EntryState.QUEUED
+            self.queue.remove(entry)
+            self.adapters.release(entry.adapter)
+        self.count_waiting()
+
+    def count_waiting(self) -> None:
+        self.metrics.queue_size.set(self.num_waiting)
+        self.metrics.adapter_waiting_requests.set(sum(len(w) for w in self.waiting.values()))
+
+    def first(self) -> Admitted:
+        """What may start when nothing runs."""
+        return self._take(min_size=None, max_size=self.config.max_batch_size)
+
+    def more(self, num_running: int, waiting_steps: int) -> Admitted:
+        """Newcomers that may join `num_running` running requests now (TGI's waiting-served-ratio rule), after
+        `waiting_steps` decode steps without a prefill."""
+        if not self.queue:
+            return Admitted()
+        waited_enough = waiting_steps >= self.config.max_waiting_tokens
+        min_size = None if waited_enough else math.floor(num_running * self.config.waiting_served_ratio)
+        max_size = None
+        if self.config.max_batch_size is not None:
+            max_size = self.config.max_batch_size - num_running
+            if max_size <= 0:
+                return Admitted()
+        admitted = self._take(min_size, max_size)
+        if admitted.batch:
+            self.metrics.batch_concat.labels("wait_exceeded" if waited_enough else "backpressure").inc()
+        return admitted
+
+    def _take(self, min_size: int | None, max_size: int | None) -> Admitted:
+        """Takes requests from the head of the queue while their prompts and KV budgets fit."""
+        batch: list[Entry] = []
+        prefill_tokens, budget = 0, self.config.max_batch_prefill_tokens
+        for entry in self.queue:
+            if max_size is not None and len(batch) >= max_size:
+                break
+            request = entry.request
+            prompt = () if request.decoder_input_details else request.input_ids  # its logprobs need every row
+            allocation = self.allocator.allocate(request.max_total_tokens + self.config.lookahead, prompt,
+                                                 entry.adapter)
+            if allocation is None:
+                break  # FIFO: nobody overtakes the head of the queue
+            new_tokens = request.input_length - allocation.num_cached_tokens
+            if batch and prefill_tokens + new_tokens > budget:
+                self.allocator.free(allocation.blocks)
+                break
+            entry.blocks, entry.num_cached_tokens = allocation.blocks, allocation.num_cached_tokens
+            if new_tokens > budget:  # a long prompt: alone, and in chunks
+                if batch:
+                    self._give_back(entry)
+                    break
+                self._admit(entry)
+                return Admitted(long=entry)
+            batch.append(entry)
+            prefill_tokens += new_tokens
+        if not batch or (min_size is not None and len(batch) < min_size):
+            for entry in batch:
+                self._give_back(entry)
+            return Admitted()
+        for entry in batch:
+            self._admit(entry)
+        self.metrics.batch_next_size.observe(len(batch))
+        return Admitted(batch=batch)
+
+    def _give_back(self, entry: Entry) -> None:
+        self.allocator.free(entry.blocks)
+        entry.blocks, entry.num_cached_tokens = [], 0
+
+    def _admit(self, entry: Entry) -> None:
+        """The head of the queue got its blocks: it leaves the queue (the scheduler decides its state)."""
+        assert self.queue[0] is entry
+        self.queue.popleft()
+        entry.admitted_at = now = time.monotonic()
+        label = self.metrics.adapter_label(entry.adapter)
+        self.metrics.request_queue_duration.labels(label).observe(now - entry.queued_at)
+        if self.allocator.prefix_caching:
+            self.metrics.observe_prefix_cache(entry.request.input_length, entry.num_cached_tokens)
+        self.count_waiting()
+
+    def _enqueue(self, entry: Entry) -> None:
+        entry.state = EntryState.QUEUED
+        self.queue.append(entry)
+        self.adapters.acquire(entry.adapter)
+        self._wake.set()
+
+    def _adapter_settled(self, adapter_id: str, failure: AdapterFailure | None) -> None:
+        """An adapter load ended: its waiting requests join the FIFO, or are answered with the failure."""
+        for entry in self.waiting.pop(adapter_id, deque()):
+            if failure is None:
+                self._enqueue(entry)
+            else:
+                event = ErrorEvent(failure.message, failure.error_type, failure.status)
+                entry.state = EntryState.DONE
+                self.metrics.observe_end(entry, event, time.monotonic())
+                entry.events.put_nowait(event)  # at once: no step is needed to answer it
+        self.count_waiting()
+
