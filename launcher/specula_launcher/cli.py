@@ -37,6 +37,13 @@ def main(
     num_shard: int = typer.Option(1, envvar="NUM_SHARD", help="Tensor-parallel shards (one process, one GPU each)."),
     dtype: Optional[str] = typer.Option(
         None, envvar="DTYPE", help="float32, bfloat16 or float16. Default: bfloat16 on cuda, float32 on cpu."),
+    quantize: Optional[str] = typer.Option(
+        None, envvar="QUANTIZE",
+        help="Weight-only quantization of the linear layers, done by each shard at load time from the float "
+             "checkpoint: int8 (a scale per output channel) or int4 (a scale and zero per group of inputs). "
+             "Default: none."),
+    quantize_group_size: int = typer.Option(
+        64, envvar="QUANTIZE_GROUP_SIZE", help="int4: inputs per scale and zero (32, 64, 128 or 256)."),
     device: Optional[str] = typer.Option(
         None, envvar="DEVICE", help="cpu or cuda. Default: cuda when torch sees a GPU, else cpu."),
     port: int = typer.Option(3000, envvar="PORT", help="HTTP port of the router."),

@@ -4,7 +4,7 @@ Shards (one per rank, identical arguments, the rank in the environment as torch.
 
     python -m specula_server.cli serve MODEL --uds-path $XDG_RUNTIME_DIR/specula-XXXXXXXX/shard --dtype float32
         --device cpu --block-size 16 --max-active-adapters 8 [--revision R] [--huggingface-hub-cache DIR]
-        [--kv-cache-memory SIZE] [--adapter-dir DIR ...] --instance-id ID
+        [--kv-cache-memory SIZE] [--adapter-dir DIR ...] --instance-id ID [--quantize Q --quantize-group-size G]
         [--speculative-tokens N --speculation-mode M --ngram-min A --ngram-max B --ngram-match W
          --draft-tree-width K [--speculator S]]
     env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOG_LEVEL (+ the launcher's own environment)
@@ -54,6 +54,8 @@ def shard_command(config: LauncherConfig) -> list[str]:
     ]
     for name in ("revision", "huggingface_hub_cache", "kv_cache_memory", "adapter_dir", "instance_id"):
         argv += _flag(name, getattr(config, name))
+    if config.quantize is not None:
+        argv += [*_flag("quantize", config.quantize), *_flag("quantize_group_size", config.quantize_group_size)]
     if config.speculative_tokens > 0:
         for name in ("speculative_tokens", "speculation_mode", "ngram_min", "ngram_max", "ngram_match",
                      "speculator", "draft_tree_width"):

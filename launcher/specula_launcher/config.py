@@ -32,6 +32,8 @@ DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
 DEMO_ADAPTERS_DIR = Path(__file__).resolve().parent / "demo_adapters"
 
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZE_METHODS = ("int8", "int4")  # the worker's (specula_server.layers.quantization), checked before any start
+INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEVICES = ("cpu", "cuda")
 ADAPTER_SOURCES = ("hub", "local")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -60,6 +62,8 @@ class LauncherConfig:
     model_id: str
     dtype: str
     device: str
+    quantize: str | None = None  # weight-only quantization of the linear layers: int8, int4 or None
+    quantize_group_size: int = 64  # int4: inputs per scale and zero
     revision: str | None = None
     num_shard: int = 1
     port: int = 3000
@@ -124,6 +128,13 @@ def _check_choices(c: LauncherConfig) -> None:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {c.dtype!r}")
     if c.device not in DEVICES:
         raise ValueError(f"--device must be one of {', '.join(DEVICES)}; got {c.device!r}")
+    if c.quantize is not None and c.quantize not in QUANTIZE_METHODS:
+        raise ValueError(f"--quantize {c.quantize} is not supported; supported: {', '.join(QUANTIZE_METHODS)} "
+                         "(weight-only, quantized at load time from a float checkpoint: for a GPTQ or AWQ model, "
+                         "serve its float original with --quantize int4)")
+    if c.quantize_group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"--quantize-group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}; "
+                         f"got {c.quantize_group_size}")
     if c.adapter_source not in ADAPTER_SOURCES:
         raise ValueError(f"--adapter-source must be one of {', '.join(ADAPTER_SOURCES)}; got {c.adapter_source!r}")
     if c.log_level not in LOG_LEVELS:

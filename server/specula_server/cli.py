@@ -41,6 +41,12 @@ def serve(
                                  help="Unix socket path prefix; shard r listens on PATH-r."),
     revision: Optional[str] = typer.Option(None, envvar="REVISION", help="Hub revision (branch, tag or commit)."),
     dtype: str = typer.Option("float32", envvar="DTYPE", help="float32, bfloat16 or float16."),
+    quantize: Optional[str] = typer.Option(
+        None, envvar="QUANTIZE",
+        help="Weight-only quantization of the linear layers, done at load time from the float checkpoint: int8 "
+             "(a scale per output channel) or int4 (a scale and zero per group of inputs). Default: none."),
+    quantize_group_size: int = typer.Option(64, envvar="QUANTIZE_GROUP_SIZE",
+                                            help="int4: inputs per scale and zero (32, 64, 128 or 256)."),
     device: str = typer.Option("cpu", envvar="DEVICE", help="cpu or cuda."),
     block_size: int = typer.Option(16, envvar="BLOCK_SIZE", help="Tokens per KV cache block."),
     kv_cache_memory: Optional[str] = typer.Option(
@@ -92,7 +98,7 @@ def serve(
             speculative_tokens=speculative_tokens, speculation_mode=speculation_mode, ngram_min=ngram_min,
             ngram_max=ngram_max, ngram_match=ngram_match, adapter_dirs=tuple(adapter_dir),
             max_active_adapters=max_active_adapters, speculator=speculator, draft_tree_width=draft_tree_width,
-            instance_id=instance_id,
+            instance_id=instance_id, quantize=quantize, quantize_group_size=quantize_group_size,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e

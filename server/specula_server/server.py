@@ -8,6 +8,7 @@ loaded, which is how the launcher knows the shard is ready.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
@@ -23,6 +24,7 @@ from specula_server.adapters.registry import AdapterRegistry
 from specula_server.distributed import ShardGroup, init_distributed
 from specula_server.generator import SpeculationConfig, TextGenerator
 from specula_server.hub import resolve_model_dir, weight_files
+from specula_server.layers.quantization import DEFAULT_GROUP_SIZE, Quantization, check_float_checkpoint
 from specula_server.models import build_model
 from specula_server.models.config import ModelConfig
 from specula_server.adapters.medusa import MedusaHeads, load_medusa
@@ -68,8 +70,11 @@ class ServerConfig:
     speculator: str | None = None  # Medusa heads or an MLP speculator for every request: a directory or Hub id
     draft_tree_width: int = 1  # candidates per Medusa head / MLP speculator stage (1: the top-1 chain only)
     instance_id: str = ""  # the launcher run this shard belongs to (reported in Info); "" when started alone
+    quantize: str | None = None  # weight-only quantization of the linear layers: int8, int4 or None (float)
+    quantize_group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per scale and zero
 
     def __post_init__(self) -> None:
+        Quantization.parse(self.quantize, self.quantize_group_size)  # a ValueError naming the flag
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
@@ -90,6 +95,10 @@ class ServerConfig:
             raise ValueError(f"max_active_adapters must be at least 1, got {self.max_active_adapters}")
 
     @property
+    def quantization(self) -> Quantization | None:
+        return Quantization.parse(self.quantize, self.quantize_group_size)
+
+    @property
     def torch_device(self) -> torch.device:
         return torch.device("cuda", self.rank) if self.device == "cuda" else torch.device("cpu")
 
@@ -106,9 +115,12 @@ def load_generator(config: ServerConfig, group: ShardGroup) -> tuple[TextGenerat
         model_dir = resolve_model_dir(config.model_id, config.revision, config.hub_cache)
     model_config = ModelConfig.from_dir(model_dir)
     device, dtype = config.torch_device, DTYPES[config.dtype]
-    weights = Weights(weight_files(model_dir), device, dtype, rank=group.rank, world_size=group.world_size)
-    logger.info("loading %s (%s) on %s as %s, shard %d/%d", config.model_id, model_config.architecture,
-                device, config.dtype, group.rank, group.world_size)
+    weights = Weights(weight_files(model_dir), device, dtype, rank=group.rank, world_size=group.world_size,
+                      quantization=config.quantization)
+    check_float_checkpoint(json.loads((model_dir / "config.json").read_text()), weights.names())
+    logger.info("loading %s (%s) on %s as %s%s, shard %d/%d", config.model_id, model_config.architecture,
+                device, config.dtype, f" with {config.quantize} weights" if config.quantize else "", group.rank,
+                group.world_size)
     model = build_model(model_config, weights, group)
     tokenizer = load_tokenizer(model_dir)
     raw_config = {"eos_token_id": list(model_config.eos_token_ids)}
@@ -195,6 +207,7 @@ async def serve(config: ServerConfig) -> int:
         uds_urls=tuple(config.uds_url(r) for r in range(config.world_size)),
         kv_cache_memory=config.kv_cache_memory,
         instance_id=config.instance_id,
+        quantize=config.quantization.method if config.quantization else "",
     )
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -7,17 +7,23 @@ biases) for `get_tensor`. Sharded reads go through safetensors' `get_slice`, so 
 block from the memory-mapped file and never materialises the full tensor.
 
 Example, world_size 2, a [6, 4] weight sharded on dim 0: rank 0 gets rows 0..2, rank 1 rows 3..5.
+
+`quantization` (`--quantize`) travels with the reader to the layers that build linears from its tensors: each
+quantizes the slice it read (`layers/quantization.py`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from specula_server.layers.quantization import Quantization
 
 
 class WeightNotFoundError(KeyError):
@@ -52,6 +58,7 @@ class Weights:
         rank: int = 0,
         world_size: int = 1,
         prefix: str = "",
+        quantization: Quantization | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
@@ -63,6 +70,7 @@ class Weights:
         self.rank = rank
         self.world_size = world_size
         self.prefix = prefix
+        self.quantization = quantization  # the format of linear layers built from these tensors; None: float
         # Handles stay open for the loader's lifetime: opening parses the header, reads are mmap-backed.
         self._handles: dict[Path, Any] = {}
         self._routing: dict[str, Path] = {}  # full tensor name -> file holding it

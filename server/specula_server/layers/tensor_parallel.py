@@ -2,7 +2,8 @@
 
 Column-parallel linears split output features across ranks and need no communication; row-parallel linears
 split input features and sum partial results with an all-reduce. The embedding and LM head split the
-vocabulary. Each layer reads only its rank's slice of the checkpoint through `Weights`.
+vocabulary. Each layer reads only its rank's slice of the checkpoint through `Weights`, and holds it in the
+format `Weights.quantization` asks for (`quantization.build_linear`: float, int8 or int4).
 """
 
 from __future__ import annotations
@@ -13,18 +14,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specula_kernels.linear import default_num_parts, linear, pack_weight
 from specula_server.distributed import ShardGroup
+from specula_server.layers.quantization import Quantization, build_linear
 from specula_server.weights import Weights
 
 
 class ColumnParallelLinear(nn.Module):
     """`y = x W^T + b` with W's rows (output features) split across ranks; one or several fused weights."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, quantization: Quantization | None = None,
+                 name: str = "linear") -> None:
         super().__init__()
-        parts = default_num_parts(weight.shape[0], weight.device)
-        self.weight = nn.Parameter(pack_weight(weight, parts), requires_grad=False)  # [parts, in, out_local/parts]
+        self.linear = build_linear(weight, quantization, name)  # [m, in] -> [m, out_local]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
@@ -32,34 +33,52 @@ class ColumnParallelLinear(nn.Module):
         """Loads `{prefix}.weight` for each prefix, sharded on dim 0 and concatenated (fused q/k/v, gate/up)."""
         weight = weights.get_packed_sharded([f"{p}.weight" for p in prefixes], dim=0)
         b = weights.get_packed_sharded([f"{p}.bias" for p in prefixes], dim=0) if bias else None
-        return cls(weight, b)
+        return cls(weight, b, weights.quantization, " + ".join(prefixes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        out = self.linear(x)
+        return out if self.bias is None else out + self.bias
 
 
 class RowParallelLinear(nn.Module):
-    """`y = x W^T + b` with W's columns (input features) split across ranks; partial sums all-reduced."""
+    """`y = x W^T + b` for an input split across ranks (the output of a column-parallel layer).
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: ShardGroup) -> None:
+    Float weights: W's columns (input features) are split and the partial sums all-reduced. Quantized weights
+    with several ranks: W's rows (output features) are split instead; the ranks all-gather the input, each
+    computes its share of the outputs over the whole input, and the outputs are all-gathered. The quantized
+    kernels round their output to bfloat16, so partial sums would each be rounded before they are added and
+    two ranks would not compute what one does (greedy output parted from one rank's within a few tokens on the
+    test model); whole dot products are the same, bit for bit, at any rank count.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group: ShardGroup,
+                 quantization: Quantization | None = None, name: str = "linear") -> None:
         super().__init__()
-        parts = default_num_parts(weight.shape[0], weight.device)
-        self.weight = nn.Parameter(pack_weight(weight, parts), requires_grad=False)  # [parts, in_local, out/parts]
+        self.splits_outputs = quantization is not None and group.world_size > 1
+        # [m, in_local] -> [m, out]; when splitting outputs, [m, in] -> [m, out_local]
+        self.linear = build_linear(weight, quantization, name)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group
 
     @classmethod
     def load(cls, weights: Weights, prefix: str, bias: bool, group: ShardGroup) -> RowParallelLinear:
-        weight = weights.get_sharded(f"{prefix}.weight", dim=1)
+        splits_outputs = weights.quantization is not None and group.world_size > 1
+        weight = weights.get_sharded(f"{prefix}.weight", dim=0 if splits_outputs else 1)
         b = weights.get_tensor(f"{prefix}.bias") if bias else None
-        return cls(weight, b, group)
+        return cls(weight, b, group, weights.quantization, prefix)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
-        """`delta`: this shard's partial extra output (a LoRA delta), summed by the same all-reduce."""
-        out = linear(x, self.weight)
-        if delta is not None:
-            out = out + delta
-        out = self.group.all_reduce(out)
+        """`x`: this shard's inputs `[m, in_local]`; `delta`: its partial extra output (a LoRA delta), summed
+        over the shards."""
+        if self.splits_outputs:
+            out = self.group.all_gather(self.linear(self.group.all_gather(x, dim=-1)), dim=-1)
+            if delta is not None:
+                out = out + self.group.all_reduce(delta)
+        else:
+            out = self.linear(x)
+            if delta is not None:
+                out = out + delta  # summed by the same all-reduce
+            out = self.group.all_reduce(out)
         # The bias is added once, after the reduction, so it is not counted world_size times.
         return out if self.bias is None else out + self.bias
 
@@ -102,13 +121,12 @@ class ParallelLMHead(nn.Module):
     def __init__(self, weights: Weights, name: str, group: ShardGroup) -> None:
         super().__init__()
         weight, _ = _vocab_shard(weights, name, group)
-        parts = default_num_parts(weight.shape[0], weight.device)
-        self.weight = nn.Parameter(pack_weight(weight, parts), requires_grad=False)  # [parts, hidden, vocab_local/parts]
+        self.linear = build_linear(weight, weights.quantization, f"the LM head ({name})")  # -> [m, vocab_local]
         self.vocab_size = weights.shape(name)[0]
         self.group = group
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab]
-        logits = linear(hidden, self.weight)
+        logits = self.linear(hidden)
         if self.group.world_size == 1:
             return logits
         return self.group.all_gather(logits, dim=-1)[:, : self.vocab_size]

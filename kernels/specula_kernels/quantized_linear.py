@@ -1,0 +1,132 @@
+"""Weight-only quantized linear products on PyTorch's packed int8 and int4 kernels.
+
+A decode step streams every weight from memory once, so its speed follows the bytes per weight: int8 weights
+are a quarter of float32's, int4 an eighth. Two formats, both quantized from float weights at load time:
+
+- int8, symmetric per output channel: `w[o, i] ~ q[o, i] * scale[o]`, `q` in [-127, 127]. Kernel:
+  `aten._weight_int8pack_mm(x, q [out, in], scale [out])` (CPU and CUDA), which reads `q` as it is.
+- int4, asymmetric per group of `group_size` consecutive inputs: `w[o, i] ~ (q[o, i] - 8) * scale[o, g] +
+  zero[o, g]` with `g = i // group_size` and `q` in [0, 15] (the convention of PyTorch's tinygemm kernels: the
+  zero is a float, so a group's minimum maps to 0 and its maximum to 15). Kernels:
+  `aten._weight_int4pack_mm_for_cpu` and `aten._weight_int4pack_mm` (CUDA), each on its own packed layout
+  made by its convert op (`pack_int4`).
+
+The products run on bfloat16 activations: on CPU both kernels are vectorised for bfloat16 inputs only (with
+float32 inputs they are several times slower than the float32 product they replace; docs/benchmarks.md has the
+figures), and the CUDA int4 kernel accepts nothing else. So a product rounds its input to bfloat16 and
+returns its bfloat16 output in the caller's dtype; everything around it (residual stream, norms, attention,
+LoRA deltas, logits) stays in the model's dtype. Scales and zeros are rounded to bfloat16 *before* the values
+are quantized, so the kernels dequantize with exactly the scales the values were rounded against.
+
+`int8_linear_reference` and `int4_linear_reference` dequantize and multiply in float32: the definition the
+kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+KERNEL_DTYPE = torch.bfloat16
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
+INT8_IN_MULTIPLE = 16  # the CPU int8 kernel reads inputs 16 at a time (and crashes on other widths)
+INT4_OUT_MULTIPLE = 16  # the CPU int4 packing works on blocks of 16 output rows; `pack_int4` pads to it
+
+
+def _bf16_exact(t: torch.Tensor) -> torch.Tensor:
+    """`t` rounded to bfloat16, kept in float32: the value the kernel will see."""
+    return t.to(KERNEL_DTYPE).float()
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[out, in]` float -> (`q` int8 `[out, in]`, `scale` float32 `[out]`) with `w ~ q * scale`; rows of zeros
+    get scale 1."""
+    w = weight.float()
+    scale = _bf16_exact(w.abs().amax(dim=1) / 127)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()[:, None]
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`[out, in]` float -> (`q` uint8 `[out, in]` in [0, 15], `scale`, `zero` float32 `[out, in / group_size]`).
+
+    Example, one group of 4 (group_size 4 for brevity) `[-0.3, 0.0, 0.1, 1.2]`: scale = 1.5 / 15 = 0.1, zero =
+    -0.3 + 8 * 0.1 = 0.5, q = round((w - zero) / scale + 8) = [0, 3, 4, 15] (before bfloat16 rounding).
+    """
+    out_features, in_features = weight.shape
+    if group_size not in INT4_GROUP_SIZES or in_features % group_size:
+        raise ValueError(f"int4 groups of {group_size} do not fit {in_features} inputs "
+                         f"(group sizes: {', '.join(map(str, INT4_GROUP_SIZES))}, dividing the inputs)")
+    w = weight.float().reshape(out_features, in_features // group_size, group_size)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    scale = _bf16_exact((high - low) / 15)
+    # A constant group: a negligible step makes `zero` the group's value (to bfloat16's precision).
+    scale = torch.where(scale > 0, scale, torch.full_like(scale, 2.0**-100))
+    zero = _bf16_exact(low + 8 * scale)
+    q = torch.round((w - zero[..., None]) / scale[..., None] + 8).clamp(0, 15)
+    return q.reshape(out_features, in_features).to(torch.uint8), scale, zero
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    group_size = q.shape[1] // scale.shape[1]
+    scale, zero = (t.float().repeat_interleave(group_size, dim=1) for t in (scale, zero))  # [out, in]
+    return (q.float() - 8) * scale + zero
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x [m, in] @ (q * scale)^T` -> `[m, out]` in `x`'s dtype; `scale` in `KERNEL_DTYPE`."""
+    assert x.dim() == 2 and q.dim() == 2 and x.shape[1] == q.shape[1], (x.shape, q.shape)
+    assert q.dtype == torch.int8 and scale.dtype == KERNEL_DTYPE and scale.shape == (q.shape[0],)
+    assert q.shape[1] % INT8_IN_MULTIPLE == 0, q.shape
+    if x.shape[0] == 0:
+        return x.new_empty(0, q.shape[0])
+    return torch.ops.aten._weight_int8pack_mm(x.to(KERNEL_DTYPE).contiguous(), q, scale).to(x.dtype)
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output of `quantize_int4` in the kernel's layout on `q`'s device: (packed weight, scales and zeros
+    `[groups, out_padded, 2]` in `KERNEL_DTYPE`). Output rows are padded to a multiple of `INT4_OUT_MULTIPLE`
+    (padding rows are zero); `int4_linear` drops their outputs."""
+    out_features = q.shape[0]
+    pad = -out_features % INT4_OUT_MULTIPLE
+    if pad:
+        q = torch.cat([q, q.new_full((pad, q.shape[1]), 8)])
+        scale = torch.cat([scale, scale.new_ones(pad, scale.shape[1])])
+        zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
+    scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
+    if q.device.type == "cuda":
+        pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # two inputs per byte, the first in the high half
+        # tinygemm tiles the inputs by 16 * inner_k_tiles; the widest tiling that divides them reads fastest.
+        inner_k_tiles = next(t for t in (8, 4, 2) if q.shape[1] % (16 * t) == 0)
+        packed = torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles)
+    else:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+    return packed, scales_and_zeros
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                out_features: int) -> torch.Tensor:
+    """`x [m, in] @ dequantized^T` -> `[m, out_features]` in `x`'s dtype, for a weight from `pack_int4`."""
+    assert x.dim() == 2 and scales_and_zeros.shape[0] * group_size == x.shape[1], (x.shape, scales_and_zeros.shape)
+    assert scales_and_zeros.dtype == KERNEL_DTYPE and out_features <= scales_and_zeros.shape[1]
+    if x.shape[0] == 0:
+        return x.new_empty(0, out_features)
+    x16 = x.to(KERNEL_DTYPE).contiguous()
+    if x.device.type == "cuda":
+        out = torch.ops.aten._weight_int4pack_mm(x16, packed, group_size, scales_and_zeros)
+    else:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x16, packed, group_size, scales_and_zeros)
+    return out[:, :out_features].to(x.dtype)
+
+
+def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.float(), dequantize_int8(q, scale)).to(x.dtype)
+
+
+def int4_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.float(), dequantize_int4(q, scale, zero)).to(x.dtype)

@@ -1,0 +1,140 @@
+"""`--quantize`: the setting, and the weight formats the model's linear layers hold.
+
+The tensor-parallel linears and the LM head (`tensor_parallel.py`) hand their rank's float slice to
+`build_linear`, which returns the product they call: `DenseLinear` (float weights packed for threads), or
+`Int8Linear` / `Int4Linear`, which quantize the slice at load time and multiply on PyTorch's packed kernels
+(`specula_kernels.quantized_linear`). Every product maps activations `[m, in]` to `[m, out]` in the model's dtype,
+so what acts on activations around it (LoRA deltas, Medusa heads, speculation, the all-reduce) is unchanged.
+
+Tensor parallelism quantizes exactly as one shard would: every quantized layer's shard holds whole rows (the
+row-parallel layers split their outputs when quantized, `RowParallelLinear`), and int8 scales and int4 groups
+lie within a row, so each shard quantizes its own slice to the very values one unsharded model holds.
+
+Checkpoints that are already quantized (GPTQ, AWQ, bitsandbytes, FP8, ...) are refused with a pointer to
+`--quantize` (`check_float_checkpoint`): Specula quantizes float checkpoints itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from specula_kernels.linear import default_num_parts, linear, pack_weight
+from specula_kernels.quantized_linear import (
+    INT4_GROUP_SIZES,
+    INT8_IN_MULTIPLE,
+    KERNEL_DTYPE,
+    int4_linear,
+    int8_linear,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+)
+from torch import nn
+
+QUANTIZE_METHODS = ("int8", "int4")
+DEFAULT_GROUP_SIZE = 64
+# Tensor names that only a pre-quantized checkpoint has (GPTQ/AWQ `qweight`, bitsandbytes `absmax`/`quant_map`,
+# FP8 and compressed-tensors `weight_scale`).
+_QUANTIZED_TENSOR_SUFFIXES = (".qweight", ".qzeros", ".g_idx", ".weight_scale", ".absmax", ".quant_map", ".SCB")
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """Weight-only quantization of the model's linear layers; `group_size`: inputs per int4 scale and zero."""
+
+    method: str
+    group_size: int = DEFAULT_GROUP_SIZE
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANTIZE_METHODS:
+            raise ValueError(f"--quantize {self.method} is not supported; supported: {', '.join(QUANTIZE_METHODS)} "
+                             "(weight-only, quantized at load time from a float checkpoint: for a GPTQ or AWQ "
+                             "model, serve its float original with --quantize int4)")
+        _check_group_size(self.group_size)
+
+    @classmethod
+    def parse(cls, value: str | None, group_size: int = DEFAULT_GROUP_SIZE) -> Quantization | None:
+        """The `--quantize` flag: None or "" for float weights, else a validated setting."""
+        _check_group_size(group_size)
+        return cls(value.strip().lower(), group_size) if value and value.strip() else None
+
+
+def _check_group_size(group_size: int) -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"--quantize-group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}; "
+                         f"got {group_size}")
+
+
+class DenseLinear(nn.Module):
+    """Float weights, packed as one column block per CPU thread (`specula_kernels.linear`)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        parts = default_num_parts(weight.shape[0], weight.device)
+        self.weight = nn.Parameter(pack_weight(weight, parts), requires_grad=False)  # [parts, in, out/parts]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight)
+
+
+class Int8Linear(nn.Module):
+    """int8 weights with one scale per output row."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        q, scale = quantize_int8(weight)
+        self.register_buffer("qweight", q)  # [out, in] int8
+        self.register_buffer("scale", scale.to(KERNEL_DTYPE))  # [out]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_linear(x, self.qweight, self.scale)
+
+
+class Int4Linear(nn.Module):
+    """int4 weights with a scale and a zero per output row and group of `group_size` inputs."""
+
+    def __init__(self, weight: torch.Tensor, group_size: int) -> None:
+        super().__init__()
+        self.out_features, self.group_size = weight.shape[0], group_size
+        packed, scales_and_zeros = pack_int4(*quantize_int4(weight, group_size))
+        self.register_buffer("packed", packed)  # the kernel's layout, about [out, in / 2] bytes
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # [in / group_size, out (padded), 2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int4_linear(x, self.packed, self.scales_and_zeros, self.group_size, self.out_features)
+
+
+def build_linear(weight: torch.Tensor, quantization: Quantization | None, name: str) -> nn.Module:
+    """The product `x @ weight^T` for this rank's slice `weight` `[out, in]` of layer `name`.
+
+    Raises ValueError, naming the flag and the layer, when the weight does not fit the format.
+    """
+    if quantization is None:
+        return DenseLinear(weight)
+    in_features = weight.shape[1]
+    if quantization.method == "int8":
+        if in_features % INT8_IN_MULTIPLE:
+            raise ValueError(f"--quantize int8 needs every linear's inputs to be a multiple of {INT8_IN_MULTIPLE}; "
+                             f"{name} has {in_features}")
+        return Int8Linear(weight)
+    if in_features % quantization.group_size:
+        raise ValueError(f"--quantize int4 with --quantize-group-size {quantization.group_size} needs every "
+                         f"linear's inputs to be whole groups; {name} has {in_features}")
+    return Int4Linear(weight, quantization.group_size)
+
+
+def check_float_checkpoint(raw_config: dict[str, Any], tensor_names: Iterable[str]) -> None:
+    """Refuses a pre-quantized checkpoint (a `quantization_config` in config.json, or quantized tensors) with a
+    ValueError that says what to serve instead."""
+    method = (raw_config.get("quantization_config") or {}).get("quant_method")
+    if method is None:
+        odd = next((n for n in tensor_names if n.endswith(_QUANTIZED_TENSOR_SUFFIXES)), None)
+        if odd is None:
+            return
+        method = f"a quantized format (tensor {odd})"
+    raise ValueError(f"the checkpoint is already quantized ({method}); Specula loads float checkpoints (float32, "
+                     f"bfloat16, float16) and quantizes them itself at load time with --quantize "
+                     f"{'|'.join(QUANTIZE_METHODS)}: serve the float checkpoint with --quantize instead")
