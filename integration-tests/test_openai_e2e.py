@@ -54,15 +54,17 @@ def chat_server(chat_model, adapters, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(chat_model):
-    """transformers' greedy answer: (prompt ids, generated ids, text) for messages under a template."""
+    """transformers' greedy answer: (prompt ids, generated ids, text) for messages under a template; `bias`
+    ({token id: bias}) is added to the logits as OpenAI's `logit_bias` is (transformers' `sequence_bias`)."""
     tokenizer = transformers.AutoTokenizer.from_pretrained(chat_model)
     model = transformers.AutoModelForCausalLM.from_pretrained(chat_model, dtype=torch.float32).eval()
 
-    def run(messages, max_new_tokens, template=None, tools=None):
+    def run(messages, max_new_tokens, template=None, tools=None, bias=None):
         ids = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, add_generation_prompt=True,
                                             return_dict=False)
         with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                 sequence_bias=[[[t], b] for t, b in bias.items()] if bias else None)
         generated = out[0, len(ids):].tolist()
         return ids, generated, tokenizer.decode(generated, skip_special_tokens=True)
 
@@ -155,6 +157,38 @@ def test_official_openai_client(chat_server, run_client, reference, chat_model):
     assert out["bad_request"][:2] == ["BadRequestError", 400] and "suffix" in out["bad_request"][2]
     assert out["template"][:2] == ["UnprocessableEntityError", 422]
     assert "Unexpected message role: critic" in out["template"][2]
+
+
+LOGIT_BIAS_SCRIPT = """
+import openai
+from openai import OpenAI
+
+client = OpenAI(base_url=ARGS["url"] + "/v1", api_key="unused", timeout=60, max_retries=0)
+greedy = dict(model="tgi", messages=ARGS["messages"], max_tokens=16, temperature=0, logit_bias=ARGS["bias"])
+out = {"speculating": client.chat.completions.create(**greedy).model_dump(mode="json")}
+out["plain"] = client.chat.completions.create(extra_body={"speculative_tokens": 0}, **greedy).model_dump(mode="json")
+try:
+    client.chat.completions.create(**dict(greedy, logit_bias={"100000": -100}))
+except openai.APIStatusError as e:
+    out["error"] = [type(e).__name__, e.status_code, e.body]
+print(json.dumps(out))
+"""
+
+
+def test_logit_bias_through_the_official_client(chat_model, launch_with, run_client, reference):
+    """Banning the token greedy chat starts with changes the answer to transformers' under the same bias, with
+    speculation on and off; an id past the vocabulary is a 422 naming `logit_bias`."""
+    server = launch_with(chat_model, "--speculative-tokens", "3", "--speculation-mode", "fixed")
+    _, generated, text = reference(MESSAGES, 16)
+    bias = {generated[0]: -100.0}
+    _, biased_ids, biased_text = reference(MESSAGES, 16, bias=bias)
+    assert biased_ids[0] != generated[0] and biased_text != text
+    out = run_client(LOGIT_BIAS_SCRIPT, url=server.url, messages=MESSAGES, bias={str(t): b for t, b in bias.items()})
+    assert out["speculating"]["choices"][0]["message"]["content"] == biased_text
+    assert out["plain"]["choices"][0]["message"]["content"] == biased_text
+    assert metric(server.url, "specula_spec_decode_num_draft_tokens_total") > 0  # the first request did speculate
+    name, status, body = out["error"]
+    assert (name, status, body["param"], body["code"]) == ("UnprocessableEntityError", 422, "logit_bias", "validation")
 
 
 HF_CLIENTS_SCRIPT = """

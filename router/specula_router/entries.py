@@ -100,6 +100,7 @@ class Entry:
                 do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                 typical_p=s.typical_p, seed=s.seed, repetition_penalty=s.repetition_penalty,
                 frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
+                logit_bias=dict(s.logit_bias),
             ),
             stopping_parameters=pb.StoppingCriteriaParameters(
                 max_new_tokens=t.max_new_tokens, stop_sequences=t.stop_sequences,

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from specula_router import openai_errors
+from specula_router import openai_errors, openapi
 from specula_router.chat_template import ChatTemplateError
 from specula_router.entries import Entry
 from specula_router.openai_errors import OpenAIError
@@ -38,7 +38,13 @@ from specula_router.openai_responses import (
     trim_at_stop,
     usage,
 )
-from specula_router.openai_schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from specula_router.openai_schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAICompletion,
+    OpenAIErrorResponse,
+    SamplingFields,
+)
 from specula_router.openai_streams import ChatChoiceStream, CompletionChoiceStream, stream_response
 from specula_router.requests import ValidGenerateRequest
 from specula_router.responses import ClientGone, Generation, GenerationError, collect
@@ -52,7 +58,7 @@ _CHAT_FIELDS = {"inputs": "messages", "max_new_tokens": "max_tokens", "top_n_tok
 _COMPLETION_FIELDS = {"inputs": "prompt", "max_new_tokens": "max_tokens", "top_n_tokens": "logprobs"}
 # Fields copied unchanged into GenerateParameters.
 _PASSED_THROUGH = ("frequency_penalty", "presence_penalty", "repetition_penalty", "seed", "stop",
-                   "speculative_tokens", "api_token", "ignore_eos_token")
+                   "speculative_tokens", "api_token", "ignore_eos_token", "logit_bias")
 
 
 def register(app: FastAPI, state: RouterState) -> None:
@@ -62,15 +68,20 @@ def register(app: FastAPI, state: RouterState) -> None:
     api = OpenAIRoutes(state, settings, ModelCatalog(str(state.info.get("model_id", "")), settings,
                                                      state.scheduler.adapters, preloaded))
     openai_errors.install(app, state.metrics)
-    errors = {code: {"description": "OpenAI error body {error: {message, type, param, code}}"}
+    errors = {code: {"model": OpenAIErrorResponse, "description": "OpenAI's error body (see docs/api.md)"}
               for code in (400, 404, 413, 422, 424, 429)}
+    # A stream's events: chunks (or an error after the stream started), then `data: [DONE]`.
+    sse = {"text/event-stream": {"schema": openapi.sse_event_schema("OpenAIChunk", "OpenAIErrorResponse",
+                                                                    last="[DONE]")}}
+    answers = {200: {"model": OpenAICompletion, "content": sse,
+                     "description": "The completion; server-sent chunks when `stream`"}, **errors}
 
-    @app.post("/v1/chat/completions", tags=["OpenAI"], responses=errors)
+    @app.post("/v1/chat/completions", tags=["OpenAI"], responses=answers)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         """OpenAI chat completions; SSE chunks ending with `data: [DONE]` when `stream`."""
         return await api.chat(body, request)
 
-    @app.post("/v1/completions", tags=["OpenAI"], responses=errors)
+    @app.post("/v1/completions", tags=["OpenAI"], responses=answers)
     async def completions(body: CompletionRequest, request: Request):
         """OpenAI (legacy) completions of a prompt or a list of prompts."""
         return await api.complete(body, request)
@@ -110,8 +121,10 @@ class OpenAIRoutes:
     async def chat(self, body: ChatCompletionRequest, request: Request):
         arrived = time.monotonic()
         try:
-            params = self._parameters(body, body.max_completion_tokens or body.max_tokens,
-                                      body.top_logprobs if body.logprobs else None)
+            # `max_completion_tokens` wins when given, even 0 (refused), rather than falling back to `max_tokens`.
+            newer = body.max_completion_tokens is not None
+            params = self._parameters(body, body.max_completion_tokens if newer else body.max_tokens,
+                                      body.top_logprobs)
             _check_response_format(body.response_format)
             template = self.settings.chat_template
             if template is None:
@@ -124,9 +137,9 @@ class OpenAIRoutes:
             except ChatTemplateError as e:
                 raise OpenAIError(422, f"the chat template refused the messages: {e}", "messages",
                                   "chat_template") from None
-            fields = dict(_CHAT_FIELDS, max_new_tokens="max_completion_tokens" if body.max_completion_tokens
-                          else "max_tokens")
-            jobs = await self._admit([prompt], params, body.n, body.stream, False, fields)
+            fields = dict(_CHAT_FIELDS, max_new_tokens="max_completion_tokens" if newer else "max_tokens")
+            jobs = await self._admit([prompt], params, body.n, body.stream, False, fields,
+                                     greedy=_greedy(body), alternatives=body.logprobs)
         except OpenAIError as e:
             return e.response()
         names = {t.function.name for t in body.tools or ()} if _parses_tools(body) else set()
@@ -167,7 +180,8 @@ class OpenAIRoutes:
             params = self._parameters(body, body.max_tokens, body.logprobs)
             if body.echo and body.logprobs is not None and not body.stream:
                 params = params.model_copy(update={"decoder_input_details": True})
-            jobs = await self._admit(prompts, params, body.n, body.stream, True, _COMPLETION_FIELDS)
+            jobs = await self._admit(prompts, params, body.n, body.stream, True, _COMPLETION_FIELDS,
+                                     greedy=_greedy(body))
         except OpenAIError as e:
             return e.response()
         model = body.model or self.catalog.model_id
@@ -194,21 +208,28 @@ class OpenAIRoutes:
     # --- shared: parameters, admission, collection ---------------------------------------------------------------
 
     def _parameters(self, body: SamplingFields, max_new_tokens: int | None, top_n: int | None) -> GenerateParameters:
-        """The body's fields as `/generate`'s parameters (ranges are the Validator's to check)."""
-        if body.logit_bias:
-            raise OpenAIError(400, "`logit_bias` is not supported yet", "logit_bias", "unsupported")
+        """The body's fields as `/generate`'s parameters (ranges are the Validator's to check).
+
+        Every field given is checked, even one this request then ignores (`top_p` when greedy, `top_logprobs`
+        without `logprobs`, `adapter_source` for the base model): the OpenAPI document states one range per field.
+        """
         try:
             choice = self.catalog.resolve(body.model, body.adapter_id, body.adapter_source)
         except ModelNotFound as e:
             raise OpenAIError(404, str(e), "model", "model_not_found") from None
         fields = {name: getattr(body, name) for name in _PASSED_THROUGH if getattr(body, name) is not None}
         fields.update(_sampling(body), details=True, max_new_tokens=max_new_tokens, top_n_tokens=top_n,
-                      **_adapter(choice))
+                      **_adapter(choice, body.adapter_source))
         return GenerateParameters.model_validate({k: v for k, v in fields.items() if v is not None})
 
     async def _admit(self, prompts: list[str], params: GenerateParameters, n: int, stream: bool,
-                     add_special_tokens: bool, fields: dict[str, str]) -> list[Job]:
-        """Admits every prompt through `/generate`'s admission and submits `n` entries for each."""
+                     add_special_tokens: bool, fields: dict[str, str], greedy: bool = False,
+                     alternatives: bool = True) -> list[Job]:
+        """Admits every prompt through `/generate`'s admission and submits `n` entries for each.
+
+        `greedy`: decode greedily whatever warpers `params` held (only to be checked); `alternatives` False:
+        return no alternatives whatever `top_n_tokens` held (likewise).
+        """
         limit = self.state.max_concurrent_requests
         if n < 1 or n * len(prompts) > limit:
             raise OpenAIError(422, f"`n` must be >= 1, and `n` times the number of prompts at most {limit} "
@@ -218,7 +239,7 @@ class OpenAIRoutes:
         try:
             for prompt in prompts:
                 valid, validation_s = await _admit(self.state, prompt, params, stream, add_special_tokens)
-                jobs.append(Job(valid, validation_s))
+                jobs.append(Job(_as_requested(valid, greedy, alternatives), validation_s))
         except _Rejected as r:
             self.state.in_flight -= len(jobs)  # the prompts admitted before this one
             raise _openai_error(r, fields) from None
@@ -254,15 +275,32 @@ class OpenAIRoutes:
         return per_job, headers
 
 
+def _greedy(body: SamplingFields) -> bool:
+    return body.temperature == 0
+
+
 def _sampling(body: SamplingFields) -> dict:
-    """OpenAI's sampling: temperature 0 is greedy (top_p and top_k then mean nothing), absent samples at 1."""
-    if body.temperature == 0:
-        return {"do_sample": False}
+    """OpenAI's sampling: temperature 0 is greedy (top_p and top_k are then only checked, see `_as_requested`),
+    absent samples at 1."""
+    if _greedy(body):
+        return {"do_sample": False, "top_p": body.top_p, "top_k": body.top_k}
     return {"do_sample": True, "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k}
 
 
-def _adapter(choice: ModelChoice) -> dict:
-    return {"adapter_id": choice.adapter_id, "adapter_source": choice.adapter_source}
+def _as_requested(valid: ValidGenerateRequest, greedy: bool, alternatives: bool) -> ValidGenerateRequest:
+    """The validated request without what was sent only to be checked: a greedy request's warpers (which would
+    turn sampling on), and alternatives the client did not ask for."""
+    if greedy:
+        valid = dataclasses.replace(valid, sampling=dataclasses.replace(
+            valid.sampling, do_sample=False, temperature=1.0, top_k=0, top_p=1.0, typical_p=1.0))
+    if not alternatives:
+        valid = dataclasses.replace(valid, top_n_tokens=0)
+    return valid
+
+
+def _adapter(choice: ModelChoice, source: str | None) -> dict:
+    """The adapter fields; the body's `adapter_source` goes along for the base model too, to be checked."""
+    return {"adapter_id": choice.adapter_id, "adapter_source": choice.adapter_source or source}
 
 
 def _openai_error(rejected: _Rejected, fields: dict[str, str]) -> OpenAIError:

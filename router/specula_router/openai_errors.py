@@ -2,7 +2,7 @@
 
 Statuses are those of the TGI routes for the same failure (422 an invalid value, 429 overloaded, 424 a worker or
 adapter failure, 400 an adapter id the workers refuse, 413 a body too large), plus OpenAI's own: 404
-`model_not_found`, and 400 for what the OpenAI routes do not support (`suffix`, `logit_bias`, image parts).
+`model_not_found`, and 400 for what the OpenAI routes do not support (`suffix`, image parts).
 `type` is OpenAI's (`invalid_request_error`, `server_error`, and `requests` for 429); `code` is OpenAI's where
 it has one (`model_not_found`, `rate_limit_exceeded`), else the TGI routes' `error_type`.
 

@@ -5,7 +5,8 @@ Two layers. The request models (`schemas.py`) state what holds for every deploym
 for parameters that are not supported (`only_null`). `document` then narrows the numbers to this deployment's
 limits (`max_best_of`, the vocabulary, `max_input_tokens`, ...) and fixes what FastAPI gets wrong: integer
 bounds it rounds through floats, and a 422 declared as FastAPI's `HTTPValidationError` where the router answers
-`ErrorResponse`. Server-sent events are described per event (`sse_event_schema`), as OpenAPI 3.1 tools expect.
+`ErrorResponse` (`OpenAIErrorResponse` under `/v1/`). Server-sent events are described per event
+(`sse_event_schema`), as OpenAPI 3.1 tools expect.
 The document is checked with openapi-spec-validator and fuzzed with schemathesis (`router/tests/test_openapi.py`).
 """
 
@@ -81,14 +82,18 @@ class DeploymentLimits:
     max_total_tokens: int
     max_speculative_tokens: int
     max_top_k: int
+    max_concurrent_requests: int | None = None  # bounds the OpenAI routes' `n` and number of prompts
 
 
-def sse_event_schema(*event_models: str) -> dict[str, Any]:
+def sse_event_schema(*event_models: str, last: str | None = None) -> dict[str, Any]:
     """One server-sent event as OpenAPI 3.1 tools read a `text/event-stream` schema: the event's fields, with
-    `data` a JSON text that is one of `event_models` (components)."""
-    data = {"anyOf": [{"$ref": f"#/components/schemas/{name}"} for name in event_models]}
+    `data` a JSON text that is one of `event_models` (components), or exactly `last` (OpenAI's `[DONE]`)."""
+    content = {"anyOf": [{"$ref": f"#/components/schemas/{name}"} for name in event_models]}
+    data: dict[str, Any] = {"contentMediaType": "application/json", "contentSchema": content}
+    if last is not None:  # if/else: the JSON check must not run on the one event that is not JSON
+        data = {"if": {"const": last}, "else": data}
     return {"type": "object", "required": ["data"], "properties": {
-        "data": {"type": "string", "contentMediaType": "application/json", "contentSchema": data},
+        "data": {"type": "string", **data},
         "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer", "minimum": 0},
     }}
 
@@ -113,34 +118,54 @@ def document(base: dict[str, Any], limits: DeploymentLimits | None,
 
 
 def _errors_are_error_responses(base: dict[str, Any], schemas: dict[str, Any]) -> None:
-    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
-    for path in base.get("paths", {}).values():
+    for name, path in base.get("paths", {}).items():
+        error = "OpenAIErrorResponse" if name.startswith("/v1/") else "ErrorResponse"  # `openai_errors.install`
         for operation in path.values():
             for response in operation.get("responses", {}).values():
                 for media in response.get("content", {}).values():
                     if media.get("schema") == {"$ref": "#/components/schemas/HTTPValidationError"}:
-                        media["schema"] = dict(error_ref)
+                        media["schema"] = {"$ref": f"#/components/schemas/{error}"}
     schemas.pop("HTTPValidationError", None)
     schemas.pop("ValidationError", None)
 
 
 def _narrow(schemas: dict[str, Any], limits: DeploymentLimits) -> None:
     generate = schemas.get("GenerateParameters", {}).get("properties", {})
-    for name, maximum in (
-        ("best_of", limits.max_best_of), ("top_n_tokens", limits.max_top_n_tokens),
-        ("return_k_alternatives", limits.max_top_n_tokens), ("truncate", limits.max_input_tokens),
-        ("speculative_tokens", limits.max_speculative_tokens), ("top_k", limits.max_top_k),
-        ("max_new_tokens", limits.max_total_tokens - 1),  # the prompt has at least one token
-    ):
-        if name in generate:
-            _value(generate[name])["maximum"] = maximum
-    if "stop" in generate:
-        for branch in generate["stop"]["anyOf"]:
-            if branch.get("type") == "array":
-                branch["maxItems"] = limits.max_stop_sequences
+    _narrow_fields(generate, {
+        "best_of": limits.max_best_of, "top_n_tokens": limits.max_top_n_tokens,
+        "return_k_alternatives": limits.max_top_n_tokens, "truncate": limits.max_input_tokens,
+        "speculative_tokens": limits.max_speculative_tokens, "top_k": limits.max_top_k,
+        "max_new_tokens": limits.max_total_tokens - 1,  # the prompt has at least one token
+    })
+    _stop_items(generate, limits.max_stop_sequences)
     tokenize = schemas.get("TokenizeParameters", {}).get("properties", {})
     if "truncate" in tokenize:
         _value(tokenize["truncate"])["maximum"] = limits.max_input_tokens
+    # The OpenAI routes' fields become the same parameters, checked by the same Validator: the same limits.
+    for model, top_n in (("ChatCompletionRequest", "top_logprobs"), ("CompletionRequest", "logprobs")):
+        fields = schemas.get(model, {}).get("properties", {})
+        _narrow_fields(fields, {
+            "max_tokens": limits.max_total_tokens - 1, "max_completion_tokens": limits.max_total_tokens - 1,
+            top_n: limits.max_top_n_tokens, "speculative_tokens": limits.max_speculative_tokens,
+            "top_k": limits.max_top_k, "n": limits.max_concurrent_requests})
+        _stop_items(fields, limits.max_stop_sequences)
+        if "prompt" in fields and limits.max_concurrent_requests is not None:  # each prompt is a request
+            for branch in fields["prompt"]["anyOf"]:
+                if branch.get("type") == "array":
+                    branch["maxItems"] = limits.max_concurrent_requests
+
+
+def _narrow_fields(fields: dict[str, Any], maxima: dict[str, int | None]) -> None:
+    for name, maximum in maxima.items():
+        if name in fields and maximum is not None:
+            _value(fields[name])["maximum"] = maximum
+
+
+def _stop_items(fields: dict[str, Any], max_stop_sequences: int) -> None:
+    if "stop" in fields:
+        for branch in fields["stop"]["anyOf"]:
+            if branch.get("type") == "array":
+                branch["maxItems"] = max_stop_sequences
 
 
 def _value(prop: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,11 @@ from specula_router.wire import FLOAT32_BELOW_ONE, FLOAT32_MIN_NORMAL, UINT64_MA
 
 ADAPTER_SOURCES = ("hub", "local")  # LoRAX also has s3 and pbase; refused with a 422 naming these
 MAX_ADAPTER_ID_LENGTH = 256
+# OpenAI's limits on `logit_bias`: at most 300 tokens, each biased by a value in [-100, 100].
+MAX_LOGIT_BIAS_TOKENS = 300
+MAX_LOGIT_BIAS = 100.0
+# A token id as a JSON object key: a decimal uint32 without sign nor leading zeros, so one id has one spelling.
+LOGIT_BIAS_KEY_PATTERN = r"^(0|[1-9][0-9]{0,9})$"
 # What `Validator._adapter` accepts: "" or an id without control characters nor surrounding whitespace.
 _ADAPTER_ID_PATTERN = r"^$|^[^\s\x00-\x1f\x7f-\x9f]([^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f])?$"
 
@@ -130,6 +135,17 @@ class GenerateParameters(_RequestModel):
     presence_penalty: float | None = Field(
         None, description="Subtracted from a token's logit once if it occurred so far, in [-2, 2].",
         json_schema_extra={"minimum": -2.0, "maximum": 2.0}, examples=[0.1],
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, description="OpenAI's logit bias (a Specula extension here): token id (a decimal string, below the "
+        "vocabulary size) -> a value in [-100, 100] added to that token's logit before penalties, warpers and the "
+        "greedy choice; -100 all but bans a token, 100 all but forces it. At most 300 tokens. Log-probabilities "
+        "are reported under the biased distribution.",
+        json_schema_extra={"maxProperties": MAX_LOGIT_BIAS_TOKENS,
+                           "propertyNames": {"pattern": LOGIT_BIAS_KEY_PATTERN},
+                           "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
+                                                    "maximum": MAX_LOGIT_BIAS}},
+        examples=[{"1734": -100, "29871": 5.5}],
     )
     ignore_eos_token: bool = Field(False, description="Keep generating past end-of-sequence tokens.")
     max_new_tokens: int | None = Field(
@@ -394,6 +410,8 @@ class Info(BaseModel):
     model_sha: str | None = Field(None, examples=["e985a63cdc139290c5f700ff1929f0b5942cced2"])
     model_dtype: str = Field(..., examples=["bfloat16"])
     model_device_type: str = Field(..., examples=["cuda"])
+    quantize: str | None = Field(None, description="Weight-only quantization of the linear layers (`--quantize`): "
+                                 "int8 or int4; null for float weights.", examples=["int8"])
     model_pipeline_tag: str | None = Field("text-generation", examples=["text-generation"])
     max_concurrent_requests: int = Field(..., examples=[128])
     max_best_of: int = Field(..., examples=[2])

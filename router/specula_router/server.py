@@ -30,6 +30,7 @@ from specula_router import openapi
 from specula_router.client import ShardedClient
 from specula_router.http_errors import PayloadLimitMiddleware, error, install_error_handlers
 from specula_router.metrics import Metrics
+from specula_router.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIChunk
 from specula_router.requests import ValidGenerateRequest
 from specula_router.responses import (
     ClientGone, DisconnectWatch, Generation, GenerationError, collect, generate_body, next_event, token_body,
@@ -181,6 +182,7 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
 def _serve_exact_openapi(app: FastAPI, state: RouterState) -> None:
     """Serve FastAPI's document made exact and narrowed to this deployment's limits (`openapi.py`)."""
     generate_base = app.openapi
+    openai_bodies = (ChatCompletionRequest, CompletionRequest, OpenAIChunk)
 
     def exact() -> dict:
         if app.openapi_schema is None:
@@ -189,8 +191,8 @@ def _serve_exact_openapi(app: FastAPI, state: RouterState) -> None:
                 max_best_of=limits.max_best_of, max_top_n_tokens=limits.max_top_n_tokens,
                 max_stop_sequences=limits.max_stop_sequences, max_input_tokens=limits.max_input_tokens,
                 max_total_tokens=limits.max_total_tokens, max_speculative_tokens=limits.max_speculative_tokens,
-                max_top_k=state.validator.max_top_k),
-                (CompatGenerateRequest, GenerateRequest, TokenizeRequest, StreamResponse))
+                max_top_k=state.validator.max_top_k, max_concurrent_requests=state.max_concurrent_requests),
+                (CompatGenerateRequest, GenerateRequest, TokenizeRequest, StreamResponse, *openai_bodies))
         return app.openapi_schema
 
     app.openapi = exact

@@ -17,6 +17,10 @@ Resolution rules (where Specula differs from TGI/LoRAX, the reason is given):
   `--adapter-source`) and keeps the request's `api_token`, which no error message ever repeats.
 - Every number must fit the worker's wire type (`wire.py`): `top_k` at most the vocabulary, floats that stay
   normal and finite as a float32. TGI checks only the sign, so its `top_k` 2**32 fails building the message.
+- `logit_bias` (OpenAI's): at most 300 token ids, each a canonical decimal below the vocabulary size (the
+  workers' LM head rows, like `top_k`), each value in [-100, 100]. vLLM clamps out-of-range values; OpenAI
+  refuses them, and so do we. Zero biases are dropped: they change nothing, and a greedy request without any
+  keeps the workers' argmax-only path.
 
 `Validator.validate` and `Validator.tokenize` are synchronous and may tokenise a long prompt: run them in the
 router's validation workers. Tokenisation releases the GIL, so it never stalls the event loop.
@@ -25,6 +29,7 @@ router's validation workers. Tokenisation releases the GIL, so it never stalls t
 from __future__ import annotations
 
 import random
+import re
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,10 +37,19 @@ from dataclasses import dataclass
 import tokenizers
 
 from specula_router.requests import SamplingParameters, StoppingParameters, ValidGenerateRequest
-from specula_router.schemas import ADAPTER_SOURCES, MAX_ADAPTER_ID_LENGTH, GenerateParameters, SimpleToken
+from specula_router.schemas import (
+    ADAPTER_SOURCES,
+    LOGIT_BIAS_KEY_PATTERN,
+    MAX_ADAPTER_ID_LENGTH,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    GenerateParameters,
+    SimpleToken,
+)
 from specula_router.wire import FLOAT32_BELOW_ONE, FLOAT32_MAX, FLOAT32_MIN_NORMAL, UINT64_MAX, float_range_text
 
 MAX_SEED = UINT64_MAX
+_LOGIT_BIAS_KEY = re.compile(LOGIT_BIAS_KEY_PATTERN)
 
 
 class ValidationError(Exception):
@@ -257,7 +271,32 @@ class Validator:
             presence_penalty=presence_penalty,
             seed=seed if seed is not None else self.rng.getrandbits(64),
             watermark=False,
+            logit_bias=self._logit_bias(params.logit_bias),
         )
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """(token id, bias) pairs sorted by id, zero biases dropped.
+
+        Example (vocabulary of 512): {"7": -100, "3": 0.5, "9": 0} -> ((3, 0.5), (7, -100.0));
+        {"512": 1} -> "`logit_bias` keys must be token ids in [0, 511] ... Given: '512'".
+        """
+        if not bias:
+            return ()
+        if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValidationError(f"`logit_bias` may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens. Given: {len(bias)}",
+                                  "logit_bias")
+        vocab = self.max_top_k
+        pairs = []
+        for key, value in bias.items():
+            if not _LOGIT_BIAS_KEY.fullmatch(key) or int(key) >= vocab:  # fullmatch: `$` passes a final \n
+                raise ValidationError(f"`logit_bias` keys must be token ids in [0, {vocab - 1}] (the vocabulary), "
+                                      f"written in decimal. Given: {key[:20]!r}", "logit_bias")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # also refuses NaN and infinities
+                raise ValidationError(f"`logit_bias` values must be >= {-MAX_LOGIT_BIAS:g} and <= "
+                                      f"{MAX_LOGIT_BIAS:g}. Given: {value!r} for token {key}", "logit_bias")
+            if value != 0:
+                pairs.append((int(key), float(value)))
+        return tuple(sorted(pairs))
 
     def _best_of(self, params: GenerateParameters, sampling: SamplingParameters, stream: bool) -> int:
         best_of = params.best_of if params.best_of is not None else 1

@@ -268,11 +268,34 @@ def test_validation_errors_name_the_openai_field_and_the_limit(tokenizer):
     call(make_state(tokenizer), fn)
 
 
+def test_a_field_is_checked_even_where_the_request_ignores_it(tokenizer, monkeypatch):
+    """The OpenAPI document gives each field one range: a greedy request's `top_p`, `top_logprobs` without
+    `logprobs`, the base model's `adapter_source` and a `max_completion_tokens` of 0 are refused as elsewhere."""
+    state = make_state(tokenizer)
+    submitted = []
+    submit = state.scheduler.submit
+    monkeypatch.setattr(state.scheduler, "submit", lambda r: submitted.append(r) or submit(r))
+
+    async def fn(client):
+        for payload, param in (({"temperature": 0, "top_p": 2.0}, "top_p"), ({"temperature": 0, "top_k": 0}, "top_k"),
+                               ({"top_logprobs": 9}, "top_logprobs"), ({"adapter_source": "s3"}, "adapter_source"),
+                               ({"max_completion_tokens": 0, "max_tokens": 5}, "max_completion_tokens")):
+            error = openai_error(await client.post("/v1/chat/completions", json={"messages": CHAT, **payload}), 422)
+            assert error["param"] == param, (payload, error)
+        r = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "temperature": 0,
+                                                            "top_p": 0.5, "top_k": 3, "top_logprobs": 2})
+        assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
+
+    call(state, fn)
+    (greedy,) = submitted  # warpers checked, then dropped: greedy, and no alternatives without `logprobs`
+    assert not greedy.sampling.do_sample and (greedy.sampling.top_p, greedy.sampling.top_k) == (1.0, 0)
+    assert greedy.top_n_tokens == 0
+
+
 def test_unsupported_features_are_400_naming_the_field(tokenizer):
     async def fn(client):
         cases = [("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
                  ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
-                 ("/v1/chat/completions", {"messages": CHAT, "logit_bias": {"5": 10}}, "logit_bias"),
                  ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
                   "response_format"),
                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
@@ -285,6 +308,49 @@ def test_unsupported_features_are_400_naming_the_field(tokenizer):
         assert r.status_code == 200
 
     call(make_state(tokenizer), fn)
+
+
+def test_logit_bias_reaches_the_workers_from_both_routes_and_generate(tokenizer):
+    state = make_state(tokenizer)
+
+    async def fn(client):
+        r = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, "temperature": 0,
+                                                            "logit_bias": {"5": -100, "7": 2.5, "9": 0}})
+        assert r.status_code == 200, r.text
+        r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "n": 2,
+                                                       "logit_bias": {"11": 100}})
+        assert r.status_code == 200, r.text
+        r = await client.post("/generate", json={"inputs": "x", "parameters": {"max_new_tokens": 1,
+                                                                               "logit_bias": {"3": -1}}})
+        assert r.status_code == 200, r.text
+
+    call(state, fn)
+    sent = state.client.prefilled
+    assert [dict(r.parameters.logit_bias) for r in sent] == [{5: -100.0, 7: 2.5}, {11: 100.0}, {11: 100.0}, {3: -1.0}]
+    assert not sent[0].parameters.do_sample  # a bias alone keeps a greedy request greedy
+
+
+def test_invalid_logit_bias_is_a_422_naming_it(tokenizer):
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    state = make_state(tokenizer)
+
+    async def fn(client):
+        cases = (({str(vocab): 1}, f"[0, {vocab - 1}]"), ({"-1": 1}, "token ids"), ({"abc": 1}, "token ids"),
+                 ({"5": 101}, "<= 100"), ({"5": -100.5}, ">= -100"), ({str(i): 1 for i in range(301)}, "at most 300"))
+        for bias, words in cases:
+            for path, body in (("/v1/chat/completions", {"messages": CHAT}), ("/v1/completions", {"prompt": "x"})):
+                error = openai_error(await client.post(path, json={**body, "logit_bias": bias}), 422)
+                assert error["param"] == "logit_bias" and error["code"] == "validation", error
+                assert "`logit_bias`" in error["message"] and words in error["message"], error
+        error = openai_error(await client.post("/v1/completions", json={"prompt": "x", "logit_bias": {"5": "high"}}),
+                             422)
+        assert error["param"].startswith("logit_bias"), error  # a wrong type: the parser's error, same shape
+        r = await client.post("/generate", json={"inputs": "x", "parameters": {"logit_bias": {"5": 101}}})
+        assert r.status_code == 422 and r.json()["error_type"] == "validation", r.text
+        assert "`logit_bias`" in r.json()["error"]
+
+    call(state, fn)
+    assert not state.client.prefilled  # nothing reached the workers
 
 
 def test_chat_template_errors(tokenizer):

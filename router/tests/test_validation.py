@@ -480,3 +480,37 @@ def test_prompt_logprobs_need_the_prompt_in_one_prefill(tokenizer):
         validator.validate(long, GenerateParameters(max_new_tokens=2, decoder_input_details=True))
     assert e.value.field == "decoder_input_details"
     assert validator.validate("a", GenerateParameters(max_new_tokens=2, decoder_input_details=True))
+
+
+def test_logit_bias_is_sorted_by_id_without_zero_biases_and_does_not_turn_sampling_on(validator):
+    s = validator.validate(PROMPT, params(logit_bias={"7": -100, "3": 0.5, "9": 0, "0": 100.0})).sampling
+    assert s.logit_bias == ((0, 100.0), (3, 0.5), (7, -100.0)) and not s.do_sample
+    assert validator.validate(PROMPT, params(logit_bias={})).sampling.logit_bias == ()
+    assert validator.validate(PROMPT, params()).sampling.logit_bias == ()
+
+
+def test_logit_bias_keys_are_token_ids_of_the_workers_vocabulary(tokenizer):
+    validator = Validator(tokenizer, ValidationLimits(max_input_tokens=32, max_total_tokens=64, vocab_size=1024))
+    assert validator.validate(PROMPT, params(logit_bias={"1023": 1})).sampling.logit_bias == ((1023, 1.0),)
+    for key in ("1024", "-1", "07", "+7", "7 ", "7\n", "x", "", "1e3", "9" * 5000):
+        with pytest.raises(ValidationError, match=r"`logit_bias` keys must be token ids in \[0, 1023\]") as e:
+            validator.validate(PROMPT, params(logit_bias={key: 1}))
+        assert e.value.field == "logit_bias"
+        assert len(e.value.message) < 200  # a huge key is not echoed whole
+
+
+@pytest.mark.parametrize("value", [100.0001, -100.5, 1e300, math.inf, -math.inf, math.nan])
+def test_logit_bias_values_lie_in_minus_100_to_100(validator, value):
+    assert validator.validate(PROMPT, params(logit_bias={"5": 100, "6": -100})).sampling.logit_bias == (
+        (5, 100.0), (6, -100.0))
+    with pytest.raises(ValidationError, match=r"`logit_bias` values must be >= -100 and <= 100. Given: .* for "
+                                              r"token 5") as e:
+        validator.validate(PROMPT, params(logit_bias={"5": value}))
+    assert e.value.field == "logit_bias"
+
+
+def test_logit_bias_holds_at_most_300_tokens(validator):
+    assert len(validator.validate(PROMPT, params(logit_bias={str(i): 1 for i in range(300)})).sampling.logit_bias) \
+        == 300
+    with pytest.raises(ValidationError, match=r"at most 300 tokens. Given: 301"):
+        validator.validate(PROMPT, params(logit_bias={str(i): 1 for i in range(301)}))

@@ -24,6 +24,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per occurrence of a token in context
     presence_penalty: float = 0.0  # subtracted once if a token occurs in context at all
     seed: int = 0  # seeds the request's own generator; the router always picks one
+    # OpenAI's logit bias as (token id, bias) pairs sorted by id; a tuple keeps the dataclass hashable.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def has_warpers(self) -> bool:
@@ -40,6 +42,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """Like TGI, setting any warper implies sampling even when `do_sample` is false."""
         return not (self.do_sample or self.has_warpers)
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy on the raw logits: no penalty nor bias reshapes them, so the argmax of the logits is the token."""
+        return self.is_greedy and not self.has_penalties and not self.logit_bias
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ separately usable; `Sampler.__call__` is both plus the reported log-probs.
 Order of operations for one row (the order of TGI's heterogeneous chooser and of transformers' `generate`):
 
     logits (any float dtype) → float32 scores
+    0. logit bias           score[id] += bias for each (id, bias) of the request   (OpenAI's `logit_bias`)
     1. repetition penalty   tokens in history: score < 0 ? score * p : score / p   (transformers' processor)
     2. frequency penalty    score -= f * count(token in history)    (OpenAI/vLLM form: count, not TGI's
                                                                      count / len(history))
@@ -21,13 +22,18 @@ Order of operations for one row (the order of TGI's heterogeneous chooser and of
     choose: argmax for greedy rows; for sampling rows an inverse-CDF draw with one uniform from the row's
             own generator
 
-`history` is prompt + generated tokens (TGI applies penalties over both). Penalties run on every row that
-sets one, greedy or not; warpers only on sampling rows (setting a warper makes a row sample, see
+`history` is prompt + generated tokens (TGI applies penalties over both). The bias comes first, as in vLLM
+(its logit-bias processor runs before the penalties), so every later step and the greedy argmax see the biased
+logits; the log-probs reported are those of this processed distribution, bias included (vLLM reports the raw
+model's by default; ours are what the token was actually drawn from, as for temperature). Speculative
+verification (`speculation/verify.py`) and the draft model call `process` too, so they see the same bias and
+greedy output stays identical with and without drafts. Bias and penalties run on every row that sets them,
+greedy or not; warpers only on sampling rows (setting a warper makes a row sample, see
 `SamplingParams.is_greedy`). Each step sees the previous step's output, as in transformers, so top-p's
 cumulative mass is over the top-k survivors. Steps 5-7 match transformers' TopK/TopP/TypicalLogitsWarper
 with min_tokens_to_keep=1.
 
-Cost: a batch of plain greedy rows (no penalties) is one argmax and one logsumexp. Otherwise each step runs
+Cost: a batch of plain greedy rows (no penalties, no bias) is one argmax and one logsumexp. Otherwise each step runs
 once on the rows that need it, with per-row parameters as [m, 1] tensors; only the sort-based steps (top-p,
 typical-p) sort, and only their rows. The one per-row Python loop draws one uniform from each row's generator.
 """
@@ -66,7 +72,7 @@ class Sampler:
         """`logits`: [n, vocab], one row per entry of `rows`."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         logits = logits.float()  # [n, vocab]
-        if all(_is_plain_greedy(row.params) for row in rows):
+        if all(row.params.is_plain_greedy for row in rows):
             return _plain_greedy(logits, num_top)
         logprobs = self.process(logits, rows)  # [n, vocab]
         token_ids = self.choose(logprobs, rows)  # [n]
@@ -81,7 +87,7 @@ class Sampler:
     def process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """Log-probs after penalties and warpers: [n, vocab] float32, filtered tokens -inf.
 
-        Rows that are greedy without penalties get plain `log_softmax(logits)`. `logits` is not modified.
+        Rows that are greedy without penalties nor bias get plain `log_softmax(logits)`. `logits` is not modified.
         """
         assert logits.dim() == 2 and logits.shape[0] == len(rows), (tuple(logits.shape), len(rows))
         scores: torch.Tensor | None = None  # [n, vocab]; our own copy once any step applies
@@ -139,10 +145,6 @@ def draw_by_inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.
     return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
-def _is_plain_greedy(params: SamplingParams) -> bool:
-    return params.is_greedy and not params.has_penalties
-
-
 def _plain_greedy(logits: torch.Tensor, num_top: int) -> SampleResult:
     """The common case without materialising [n, vocab] log-probs: argmax, and logits - logsumexp."""
     log_normalizer = torch.logsumexp(logits, dim=-1)  # [n]
@@ -159,6 +161,21 @@ def _plain_greedy(logits: torch.Tensor, num_top: int) -> SampleResult:
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     """Per-row parameters as an [m, 1] tensor that broadcasts over the vocab."""
     return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+
+
+def _apply_logit_bias(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Adds each row's biases to its scores, one scatter for the batch. scores: [m, vocab].
+
+    Ids at or past the scores' width are skipped: the router checks ids against the target's vocabulary, and a
+    draft model's LM head may be narrower (its drafts of such tokens would be rejected anyway).
+    """
+    vocab = scores.shape[-1]
+    pairs = [(i, token, bias) for i, row in enumerate(rows) for token, bias in row.params.logit_bias if token < vocab]
+    if not pairs:
+        return scores
+    row_ids, token_ids, biases = zip(*pairs)
+    index = (torch.tensor(row_ids, device=scores.device), torch.tensor(token_ids, device=scores.device))
+    return scores.index_put(index, torch.tensor(biases, dtype=scores.dtype, device=scores.device), accumulate=True)
 
 
 def _apply_penalties(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -227,6 +244,7 @@ def _apply_typical_p(scores: torch.Tensor, rows: Sequence[SamplingRow]) -> torch
 # (does the step apply to a row, step on the rows it applies to) in the documented order. Warpers imply
 # sampling, so their predicates need no `is_greedy` check.
 _STEPS: tuple[tuple[Callable[[SamplingParams], bool], Callable[..., torch.Tensor]], ...] = (
+    (lambda p: bool(p.logit_bias), _apply_logit_bias),
     (lambda p: p.has_penalties, _apply_penalties),
     (lambda p: p.temperature != 1.0, _apply_temperature),
     (lambda p: p.top_k > 0, _apply_top_k),

@@ -271,6 +271,7 @@ def request_from_pb(r: pb.Request, generator: TextGenerator) -> RequestSpec:
         frequency_penalty=p.frequency_penalty,
         presence_penalty=p.presence_penalty,
         seed=p.seed,
+        logit_bias=_logit_bias(r, generator.model.config.vocab_size),
     )
     if not 0 < sampling.top_p <= 1 or not 0 < sampling.typical_p <= 1 or sampling.repetition_penalty <= 0:
         raise InvalidRequestError(f"request {r.id}: top_p/typical_p must be in (0, 1], repetition_penalty > 0")
@@ -288,6 +289,16 @@ def request_from_pb(r: pb.Request, generator: TextGenerator) -> RequestSpec:
         cached_tokens=r.cached_tokens,
         prefill_until=r.prefill_until,
     )
+
+
+def _logit_bias(r: pb.Request, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """The request's bias as sorted (id, bias) pairs. The router checks the same bounds; a NaN or an id past the
+    LM head would otherwise reach the logits unnoticed (the non-finite check runs on the model's logits)."""
+    bias = tuple(sorted(r.parameters.logit_bias.items()))
+    if any(not 0 <= token < vocab_size or not -100.0 <= value <= 100.0 for token, value in bias):
+        raise InvalidRequestError(f"request {r.id}: logit_bias needs token ids in [0, {vocab_size}) and values in "
+                                  f"[-100, 100]")
+    return bias
 
 
 def tokens_to_pb(tokens: list[TokenInfo]) -> pb.Tokens:

@@ -113,6 +113,7 @@ def test_malformed_requests_are_errors_not_crashes(stub_factory):
             (request(1, [], [0]), "empty prompt"),
             (request(1, [1, 2], [0], max_new=0), "max_new_tokens"),
             (request(1, [1, 2], [0], temperature=-1.0), "temperature"),
+            (request(1, [1, 2], [0], logit_bias={3: float("nan")}), "logit_bias"),
         ]
         for req, match in bad:
             await expect(stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=[req]))),

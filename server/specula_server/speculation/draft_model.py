@@ -17,11 +17,12 @@ draft KV is written. A decode step that verifies `k` drafts of a request:
 KV written at positions past the committed tokens (drafts the target rejected) is never read: the valid count
 stops before it and the next catch-up overwrites it, as for the target's cache.
 
-q_j is the draft's distribution after the request's own sampling processing (penalties with the draft prefix
-in the history, temperature, top-k/p, typical-p: `Sampler.process`), and x_j is drawn from it with the
+q_j is the draft's distribution after the request's own sampling processing (logit bias, penalties with the
+draft prefix in the history, temperature, top-k/p, typical-p: `Sampler.process`), and x_j is drawn from it with the
 request's own generator; verification accepts x_j with probability min(1, p_j(x_j) / q_j(x_j)) and otherwise
 samples from norm(max(0, p_j - q_j)) (`verify.py`), so the output distribution is exactly the target's.
-Greedy requests take the draft's argmax and are verified by the plain greedy rule.
+Greedy requests take the draft's argmax (of its biased logits, when the request has a bias: the drafts then
+avoid what the target is biased against) and are verified by the plain greedy rule.
 
 Tensor parallelism: the draft model is sharded like the target, so every rank computes the same logits (the LM
 head gathers them) and consumes every request's generator the same way: ranks draft the same tokens.
@@ -239,7 +240,7 @@ class DraftModelDrafter:
         for j in range(max(lengths)):
             rows = [SamplingRow(requests[i].spec.sampling, requests[i].token_ids[: n0[i] + j], requests[i].generator)
                     for i in active]
-            if all(row.params.is_greedy and not row.params.has_penalties for row in rows):
+            if all(row.params.is_plain_greedy for row in rows):
                 logprobs, chosen = None, logits.argmax(dim=-1)
             else:
                 logprobs = self.sampler.process(logits, rows)

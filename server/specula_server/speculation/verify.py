@@ -21,8 +21,9 @@ The rules (all exact):
   emitted token is then distributed exactly as p given everything before it. Greedy requests ignore q: the
   draft took its argmax and the greedy rule applies.
 
-p_j is the sampler's processed distribution (penalties, temperature, top-k/p, typical-p) computed with the draft
-prefix `d1 .. dj` in the history, so penalties see exactly the context each token is sampled in.
+p_j is the sampler's processed distribution (logit bias, penalties, temperature, top-k/p, typical-p) computed with
+the draft prefix `d1 .. dj` in the history, so penalties see exactly the context each token is sampled in, and a
+greedy request's argmax is that of its biased logits, as without drafts.
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def verify(
         for r, d in zip(requests, drafts)
         for history in _row_histories(r, d)
     ]
-    plain = all(row.params.is_greedy and not row.params.has_penalties for row in rows)
+    plain = all(row.params.is_plain_greedy for row in rows)
     logprobs = None if plain else sampler.process(logits.float(), rows)  # [n, vocab]
     scores = logits if plain else logprobs
     argmax = scores.argmax(dim=-1).tolist()
