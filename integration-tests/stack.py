@@ -39,6 +39,15 @@ PAYLOAD_LIMIT = 20_000
 MAX_BATCH_SIZE = 8
 
 
+def is_alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, exited but not reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def free_port() -> int:
     """A TCP port on the loopback interface that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -24,7 +24,7 @@ import pytest
 import torch
 import transformers
 
-from stack import MAX_POSITIONS, REPO_ROOT, LauncherProcess, _cmdline, _environ, free_port, source_env
+from stack import MAX_POSITIONS, REPO_ROOT, LauncherProcess, _cmdline, _environ, free_port, is_alive, source_env
 from specula_server.testing.models import build_tiny_model
 from wire import REQUEST_TIMEOUT_S, generate, wait_until
 
@@ -174,7 +174,7 @@ def test_a_restart_after_kill_9_reuses_the_stale_sockets(model_dir, tmp_path, sh
         os.kill(killed.pid, signal.SIGKILL)  # the launcher only, as the OOM killer would
         killed.wait(timeout=10)
         # Its children die with it (they run in sessions of their own, out of reach of a terminal's signals).
-        wait_until(lambda: not any(_is_running(pid) for pid in children.values()), timeout=20,
+        wait_until(lambda: not any(is_alive(pid) for pid in children.values()), timeout=20,
                    what="the killed launcher's children to be gone")
     finally:
         killed.close()
@@ -188,11 +188,3 @@ def test_a_restart_after_kill_9_reuses_the_stale_sockets(model_dir, tmp_path, sh
     finally:
         stopped(restarted)
 
-
-def _is_running(pid: int) -> bool:
-    """True while `pid` runs (a zombie, exited but not reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -19,19 +19,11 @@ import transformers
 from tokenizers import Tokenizer
 
 from specula_launcher.config import DEMO_MODEL_DIR
-from stack import LauncherProcess
+from stack import LauncherProcess, is_alive
 from wire import REQUEST_TIMEOUT_S, generate, metric, sse_events, wait_until
 
 PROMPTS = ["The quick brown fox", "héllo wörld, 漢字", "def main():\n    return"]
 
-
-def is_alive(pid: int) -> bool:
-    """True while `pid` runs (a zombie, exited but not reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def details(base_url: str, inputs: str, **parameters) -> dict:

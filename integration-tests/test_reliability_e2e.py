@@ -13,19 +13,8 @@ import signal
 
 import httpx
 
+from stack import is_alive
 from wire import REQUEST_TIMEOUT_S, generate, wait_until
-
-
-def _is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is gone for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][0] != "Z"
-    except OSError:
-        return False
 
 
 def _data_events(lines) -> list[dict]:
@@ -75,5 +64,5 @@ def test_a_stopped_shard_fails_its_requests_after_the_step_timeout_and_stops_the
     assert events and "--step-timeout" in events[-1].get("error", ""), (events[-3:], output[-3000:])
     assert code == 1, output[-3000:]
     assert "router exited unexpectedly" in output, output[-3000:]
-    wait_until(lambda: not any(_is_alive(pid) for pid in children.values()), timeout=30,
+    wait_until(lambda: not any(is_alive(pid) for pid in children.values()), timeout=30,
                what="every child, the stopped shard included, to be gone")
