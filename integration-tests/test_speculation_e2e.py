@@ -56,6 +56,9 @@ def test_accepted_tokens_are_skipped_events_and_counted(speculative_server):
     skipped = sum(t["skipped"] for t in tokens)
     assert len(tokens) == 48 and events[-1]["details"]["generated_tokens"] == 48
     assert skipped > 0 and not tokens[0]["skipped"]
+    # TGI's `index` counts tokens, not steps: 1..48 although several came in one step
+    assert [e["index"] for e in events] == list(range(1, 49))
+    assert events[-1]["details"]["input_length"] == events[-1]["details"]["prompt_tokens"]
     plain = generate(url, PROMPTS[1], max_new_tokens=48, details=True)
     assert int(plain.headers["x-skipped-tokens"]) == plain.json()["details"]["skipped_tokens"] > 0
     accepted = metric(url, "specula_spec_decode_num_accepted_tokens_total") - accepted_before

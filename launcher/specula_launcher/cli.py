@@ -10,6 +10,7 @@ instance id are claimed (endpoints.py), the children's command lines are built f
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import List, Optional, TextIO
@@ -17,6 +18,7 @@ from typing import List, Optional, TextIO
 import typer
 
 from specula_launcher.commands import router_spec, shard_sockets, shard_specs
+from specula_launcher.compat import UnknownArgument, check_foreign
 from specula_launcher.config import LauncherConfig, build_config
 from specula_launcher.endpoints import claim_endpoints
 from specula_launcher.processes import LAUNCHER, LogSink, Supervisor, run_with_signal_handlers
@@ -29,8 +31,12 @@ ROUTER_CLOSE_GRACE_S = 5.0
 SHARD_STOP_TIMEOUT_S = 10.0
 
 
-@app.command()
+@app.command(context_settings={
+    # Arguments the CLI does not know reach `main` in ctx.args, where compat.check_foreign refuses or warns about
+    # TGI/LoRAX flags by name; anything else is still a "No such option" usage error.
+    "ignore_unknown_options": True, "allow_extra_args": True})
 def main(
+    ctx: typer.Context,
     model_id: Optional[str] = typer.Option(
         None, envvar="MODEL_ID", help="Hub model id or local directory. Default: the bundled demo model."),
     revision: Optional[str] = typer.Option(None, envvar="REVISION", help="Hub revision (branch, tag or commit)."),
@@ -46,10 +52,11 @@ def main(
         64, envvar="QUANTIZE_GROUP_SIZE", help="int4: inputs per scale and zero (32, 64, 128 or 256)."),
     device: Optional[str] = typer.Option(
         None, envvar="DEVICE", help="cpu or cuda. Default: cuda when torch sees a GPU, else cpu."),
-    port: int = typer.Option(3000, envvar="PORT", help="HTTP port of the router."),
+    port: int = typer.Option(3000, "--port", "-p", envvar="PORT", help="HTTP port of the router."),
     hostname: str = typer.Option("0.0.0.0", envvar="SPECULA_HOSTNAME", help="Address the router listens on."),
     speculative_tokens: int = typer.Option(
-        0, envvar="SPECULATIVE_TOKENS", help="Draft tokens verified per request per step (0: off)."),
+        0, "--speculative-tokens", "--speculate", envvar=["SPECULATIVE_TOKENS", "SPECULATE"],
+        help="Draft tokens verified per request per step (0: off). --speculate is TGI's name."),
     speculation_mode: str = typer.Option(
         "adaptive", envvar="SPECULATION_MODE",
         help="adaptive (each request's draft length follows its acceptance and the load) or fixed."),
@@ -67,9 +74,9 @@ def main(
         help="Candidates per Medusa head or MLP speculator stage: 1 verifies the top-1 chain, more verify a tree "
              "of the best nodes."),
     adapter_source: Optional[str] = typer.Option(
-        None, envvar="ADAPTER_SOURCE",
+        None, "--adapter-source", "--default-adapter-source", envvar=["ADAPTER_SOURCE", "DEFAULT_ADAPTER_SOURCE"],
         help="Source of a request's adapter_id when it names none: hub or local. Default: hub; local when "
-             "serving the bundled demo model."),
+             "serving the bundled demo model. --default-adapter-source is LoRAX's name."),
     adapter_dir: Optional[List[str]] = typer.Option(
         None, envvar="ADAPTER_DIR",
         help="Directory whose subdirectories are the `local` adapters (repeat the flag or separate with commas). "
@@ -79,9 +86,9 @@ def main(
         help="Adapters loaded at once; past it the least recently used adapter with no queued or running request "
              "is offloaded."),
     preloaded_adapter_ids: Optional[List[str]] = typer.Option(
-        None, envvar="PRELOADED_ADAPTER_IDS",
+        None, "--preloaded-adapter-ids", "--lora-adapters", envvar=["PRELOADED_ADAPTER_IDS", "LORA_ADAPTERS"],
         help="Adapters loaded before the router serves (repeat the flag or separate with commas); a failure stops "
-             "the launch."),
+             "the launch. --lora-adapters is TGI's name."),
     max_concurrent_requests: int = typer.Option(
         128, envvar="MAX_CONCURRENT_REQUESTS", help="Requests in flight before new ones get 429."),
     max_best_of: int = typer.Option(2, envvar="MAX_BEST_OF", help="Largest best_of a request may ask for."),
@@ -132,7 +139,10 @@ def main(
         None, envvar="KV_CACHE_MEMORY", help="KV cache size per shard, e.g. 2GiB. Default: the shard's."),
     block_size: int = typer.Option(16, envvar="BLOCK_SIZE", help="Tokens per KV cache block."),
     shutdown_timeout: int = typer.Option(
-        30, envvar="SHUTDOWN_TIMEOUT", help="Seconds the router may spend draining requests on shutdown."),
+        30, "--shutdown-timeout", "--graceful-termination-timeout",
+        envvar=["SHUTDOWN_TIMEOUT", "GRACEFUL_TERMINATION_TIMEOUT"],
+        help="Seconds the router may spend draining requests on shutdown. --graceful-termination-timeout is "
+             "TGI's name."),
     no_prefix_caching: bool = typer.Option(
         False, "--no-prefix-caching", envvar="NO_PREFIX_CACHING",
         help="Turn off prefix caching, by which a prompt reuses the KV cache of a prefix an earlier request "
@@ -142,9 +152,25 @@ def main(
         help="Seconds a shard may take to answer one step (0: no limit). Past it the step's requests fail, "
              "/health turns unhealthy and every process is stopped, as for a shard that died."),
     log_level: str = typer.Option("INFO", envvar="LOG_LEVEL", help="DEBUG, INFO, WARNING or ERROR."),
+    api_key: Optional[str] = typer.Option(
+        None, envvar="API_KEY", show_default=False,
+        help="Require `Authorization: Bearer <key>` on every route but /health, /ping and /metrics. Prefer the "
+             "API_KEY environment variable: a flag's value shows in the process list. The router gets it in its "
+             "environment, never on its command line."),
 ) -> None:
     """Start the model shards, wait until each is ready, start the router, and supervise them."""
     settings = dict(locals())  # every parameter is the LauncherConfig field of the same name, but:
+    del settings["ctx"]
+    try:
+        warnings = check_foreign(ctx.args, os.environ)
+    except UnknownArgument as e:
+        ctx.fail(f"No such option: {e.argument}" if e.argument.startswith("-") else
+                 f"Got unexpected extra argument ({e.argument})")
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    sink = LogSink(sys.stderr, json_output)  # the launcher's own log format, JSON lines included
+    for warning in warnings:
+        sink.emit(LAUNCHER, f"warning: {warning}")
     settings["prefix_caching"] = not settings.pop("no_prefix_caching")
     settings["huggingface_hub_cache"] = str(huggingface_hub_cache) if huggingface_hub_cache else None
     try:

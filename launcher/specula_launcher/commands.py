@@ -7,13 +7,14 @@ Shards (one per rank, identical arguments, the rank in the environment as torch.
         [--kv-cache-memory SIZE] [--adapter-dir DIR ...] --instance-id ID [--quantize Q --quantize-group-size G]
         [--speculative-tokens N --speculation-mode M --ngram-min A --ngram-max B --ngram-match W
          --draft-tree-width K [--speculator S]]
-    env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOG_LEVEL (+ the launcher's own environment)
+    env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOG_LEVEL (+ the launcher's own environment, less API_KEY)
 
 Router (connects to shard 0, which lists the others through ServiceDiscovery):
 
     python -m specula_router.cli --model-id MODEL --master-shard-uds-path $XDG_RUNTIME_DIR/specula-XXXXXXXX/shard-0
         --hostname 0.0.0.0 --port 3000 --instance-id ID ... every router flag under its launcher name
         (see `router_command`)
+    env: API_KEY when --api-key is set (+ the launcher's own environment)
 
 The socket path, MASTER_PORT and the instance id are the ones `endpoints.claim_endpoints` chose for this run;
 the router refuses any shard whose Info reports another instance id.
@@ -31,6 +32,9 @@ from pathlib import Path
 
 from specula_launcher.config import LauncherConfig
 from specula_launcher.processes import ChildSpec
+
+# The router's (and TGI's) variable for --api-key.
+API_KEY_ENV = "API_KEY"
 
 # Router flags passed through under the same name, in this order, after the four fixed ones.
 ROUTER_FLAGS = (
@@ -64,10 +68,12 @@ def shard_command(config: LauncherConfig) -> list[str]:
 
 
 def shard_env(config: LauncherConfig, rank: int, base_env: Mapping[str, str]) -> dict[str, str]:
-    """The launcher's environment (HF_TOKEN, proxies, ...) plus this shard's place in the process group."""
+    """The launcher's environment (HF_TOKEN, proxies, ...) plus this shard's place in the process group.
+
+    API_KEY is left out: only the router checks it, and a secret a process does not need is one it cannot leak."""
     assert config.master_port is not None, "the master port is chosen at launch (endpoints.claim_endpoints)"
     return {
-        **base_env,
+        **{k: v for k, v in base_env.items() if k != API_KEY_ENV},
         "RANK": str(rank), "WORLD_SIZE": str(config.num_shard), "MASTER_ADDR": config.master_addr,
         "MASTER_PORT": str(config.master_port), "LOG_LEVEL": config.log_level,
         "PYTHONUNBUFFERED": "1",  # lines reach the launcher as they are printed, not when a buffer fills
@@ -88,8 +94,16 @@ def router_command(config: LauncherConfig) -> list[str]:
     return argv
 
 
-def router_env(base_env: Mapping[str, str]) -> dict[str, str]:
-    return {**base_env, "PYTHONUNBUFFERED": "1"}
+def router_env(config: LauncherConfig, base_env: Mapping[str, str]) -> dict[str, str]:
+    """The launcher's environment, with API_KEY set to --api-key (or removed without one).
+
+    The key travels in the environment rather than as `--api-key` on the router's command line: a process's
+    arguments are readable by every user of the host (`ps`, /proc/PID/cmdline), its environment only by its owner.
+    """
+    env = {k: v for k, v in base_env.items() if k != API_KEY_ENV}
+    if config.api_key is not None:
+        env[API_KEY_ENV] = config.api_key
+    return {**env, "PYTHONUNBUFFERED": "1"}
 
 
 def shard_specs(config: LauncherConfig, base_env: Mapping[str, str] | None = None) -> list[ChildSpec]:
@@ -99,7 +113,8 @@ def shard_specs(config: LauncherConfig, base_env: Mapping[str, str] | None = Non
 
 
 def router_spec(config: LauncherConfig, base_env: Mapping[str, str] | None = None) -> ChildSpec:
-    return ChildSpec("router", tuple(router_command(config)), router_env(os.environ if base_env is None else base_env))
+    return ChildSpec("router", tuple(router_command(config)),
+                     router_env(config, os.environ if base_env is None else base_env))
 
 
 def shard_sockets(config: LauncherConfig) -> list[Path]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # The small Llama model shipped inside the package (see demo_model/README.md).
@@ -106,6 +106,9 @@ class LauncherConfig:
     step_timeout: float = 600.0  # seconds a shard may take to answer one step (0: no limit)
     prefix_caching: bool = True  # the router reuses KV blocks of shared prompt prefixes
     log_level: str = "INFO"
+    # --api-key: the bearer token the router requires (TGI's). Handed to the router in its environment, never on a
+    # command line (which `ps` shows); repr=False keeps it out of any printed config.
+    api_key: str | None = field(default=None, repr=False)
     # Not a flag: the id of this launcher run, generated at launch and passed to every child; the router refuses
     # a shard reporting another one. None until then.
     instance_id: str | None = None
@@ -137,6 +140,8 @@ def _check_choices(c: LauncherConfig) -> None:
                          f"got {c.quantize_group_size}")
     if c.adapter_source not in ADAPTER_SOURCES:
         raise ValueError(f"--adapter-source must be one of {', '.join(ADAPTER_SOURCES)}; got {c.adapter_source!r}")
+    if c.api_key is not None and not c.api_key.strip():
+        raise ValueError("--api-key (env API_KEY) must not be empty or blank")
     if c.log_level not in LOG_LEVELS:
         raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {c.log_level!r}")
     if c.speculation_mode not in ("adaptive", "fixed"):

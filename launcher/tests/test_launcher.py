@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 
 from specula_launcher import cli
 from specula_launcher.commands import router_command, router_spec, shard_command, shard_env, shard_specs
+from specula_launcher.compat import FOREIGN_FLAGS
 from specula_launcher.config import DEMO_ADAPTERS_DIR, DEMO_MODEL_DIR, LauncherConfig, build_config, derive_token_limits
 from specula_launcher.endpoints import claim_endpoints
 from specula_launcher.processes import ChildSpec, LogSink, Supervisor, describe_exit
@@ -36,7 +37,9 @@ ENV_VARS = (
     "MASTER_PORT", "HUGGINGFACE_HUB_CACHE", "JSON_OUTPUT", "PAYLOAD_LIMIT", "CORS_ALLOW_ORIGIN", "KV_CACHE_MEMORY",
     "BLOCK_SIZE", "SHUTDOWN_TIMEOUT", "LOG_LEVEL", "ADAPTER_DIR", "MAX_ACTIVE_ADAPTERS", "PRELOADED_ADAPTER_IDS",
     "DRAFT_TREE_WIDTH", "STEP_TIMEOUT", "NO_PREFIX_CACHING", "VALIDATION_WORKERS", "MAX_ADAPTER_LABELS",
-    "CHAT_TEMPLATE",
+    "CHAT_TEMPLATE", "API_KEY", "SPECULATE", "LORA_ADAPTERS", "DEFAULT_ADAPTER_SOURCE", "GRACEFUL_TERMINATION_TIMEOUT",
+    # TGI/LoRAX variables the launcher refuses or warns about (compat.py)
+    *(flag.env_name for flag in FOREIGN_FLAGS.values() if flag.env_name),
 )
 NO_GPU = dict(count_cuda_devices=lambda: 0)
 

@@ -58,6 +58,9 @@ class RouterConfig:
     prefix_caching: bool = True  # reuse the KV blocks of prompts' shared prefixes (block_allocator.py)
     chat_template: str | None = None  # --chat-template: a file or a template, overriding the model's
     adapter_dir: tuple[str, ...] = ()  # the workers' --adapter-dir, whose adapters GET /v1/models lists
+    # --api-key: the bearer token every route but the probes requires (auth.py). repr=False: a logged or printed
+    # config never shows it.
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         from specula_router.schemas import ADAPTER_SOURCES, MAX_ADAPTER_ID_LENGTH
@@ -76,6 +79,8 @@ class RouterConfig:
             raise ValueError(f"--max-adapter-labels must not be negative; got {self.max_adapter_labels}")
         if self.step_timeout < 0:
             raise ValueError(f"--step-timeout must not be negative; got {self.step_timeout}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key (env API_KEY) must not be empty or blank")
         for adapter_id in self.preloaded_adapter_ids:
             if not adapter_id or len(adapter_id) > MAX_ADAPTER_ID_LENGTH:
                 raise ValueError(f"--preloaded-adapter-ids: {adapter_id!r} is not an adapter id")
@@ -165,7 +170,9 @@ async def run(config: RouterConfig) -> int:
                         validation_workers=config.validation_workers,
                         openai=OpenAISettings(_chat_template(model_dir, config.chat_template),
                                               tuple(Path(d) for d in config.adapter_dir)))
-    app_ = create_app(state, config.payload_limit, list(config.cors_allow_origin))
+    app_ = create_app(state, config.payload_limit, list(config.cors_allow_origin), api_key=config.api_key)
+    if config.api_key is not None:
+        logger.info("API key required on every route but /health, /ping and /metrics")
     server = DrainingServer(uvicorn.Config(app_, host=config.hostname, port=config.port, log_config=None),
                             scheduler, config.shutdown_timeout)
     failures: list[BaseException] = []
@@ -326,6 +333,10 @@ def main(
     adapter_dir: List[str] = typer.Option(
         [], envvar="ADAPTER_DIR",
         help="The workers' adapter directories (repeat the flag): their adapters are listed by GET /v1/models."),
+    api_key: Optional[str] = typer.Option(
+        None, envvar="API_KEY", show_default=False,
+        help="Require `Authorization: Bearer <key>` on every route but /health, /ping and /metrics. Prefer the "
+             "environment variable: a flag's value shows in the process list."),
 ) -> None:
     """Serve the HTTP API in front of running model shards."""
     _setup_logging(log_level, json_output)
@@ -344,7 +355,7 @@ def main(
             shutdown_timeout=shutdown_timeout, pipeline_depth=pipeline_depth,
             validation_workers=validation_workers, max_adapter_labels=max_adapter_labels, step_timeout=step_timeout,
             prefix_caching=not no_prefix_caching,
-            chat_template=chat_template, adapter_dir=split_ids(adapter_dir),
+            chat_template=chat_template, adapter_dir=split_ids(adapter_dir), api_key=api_key,
         )
         code = asyncio.run(run(config))
     except ValueError as e:

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from specula_router.http_errors import format_request_errors
 
 PREFIX = "/v1/"
-_CODES = {"overloaded": "rate_limit_exceeded"}
+_CODES = {"overloaded": "rate_limit_exceeded", "authentication": "invalid_api_key"}  # OpenAI's codes
 _REPLACED_HEADERS = (b"content-length", b"content-type")
 
 

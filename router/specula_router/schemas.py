@@ -343,12 +343,15 @@ class StreamDetails(BaseModel):
     prompt_tokens: int = Field(..., examples=[5])
     generated_tokens: int = Field(..., examples=[1])
     seed: int | None = Field(None, examples=[42])
+    input_length: int = Field(..., description="TGI's name of `prompt_tokens` (the same value).", examples=[5])
     cached_tokens: int = Field(0, description="Prompt tokens reused from the prefix cache.", examples=[0])
 
 
 class StreamResponse(BaseModel):
     """One server-sent event: a token; the last one also carries the text and details."""
 
+    index: int = Field(..., ge=1, description="The token's position in the generation, from 1 (TGI).",
+                       examples=[1])
     token: Token
     top_tokens: list[Token] | None = _omitted_if_none(description="This token's `top_n_tokens` "
                                                       "alternatives (TGI).")

@@ -1,11 +1,12 @@
 """The router's HTTP API, compatible with TGI and LoRAX (and their published clients).
 
-Routes: `POST /` (compat: JSON array or SSE), `/generate`, `/generate_stream`, `/tokenize`, `GET /health`,
-`/info`, `/metrics`, OpenAPI at `/docs` and `/api-doc/openapi.json`. Errors are `{"error", "error_type"}`:
-422 validation, 429 overloaded (rejected at once), 424 generation (worker or adapter failure), 400 an adapter
-id the workers refuse, 413 payload too large, 503 unhealthy, 404/405 unknown route or method (`http_errors.py`);
-inside a started stream an error is an SSE event. A stream whose adapter is still loading starts only once it
-is loaded, so a failed load is an HTTP status too.
+Routes: `POST /` (compat: JSON array or SSE), `/generate`, `/generate_stream`, `/tokenize`, `GET /health` (and
+its alias `/ping`), `/info`, `/metrics`, OpenAPI at `/docs` and `/api-doc/openapi.json`. Errors are
+`{"error", "error_type"}`: 422 validation, 429 overloaded (rejected at once), 424 generation (worker or adapter
+failure), 400 an adapter id the workers refuse, 401 a missing or wrong `--api-key` (`auth.py`), 413 payload too
+large, 503 unhealthy, 404/405 unknown route or method (`http_errors.py`); inside a started stream an error is
+an SSE event. A stream whose adapter is still loading starts only once it is loaded, so a failed load is an HTTP
+status too.
 
 Nothing slow runs on the event loop, which also answers /health: validation and tokenisation run in a bounded
 pool of `validation_workers` threads (the tokenizer releases the GIL), and /metrics renders in a thread.
@@ -27,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from specula_router import openapi
+from specula_router.auth import ApiKeyMiddleware, document_api_key
 from specula_router.client import ShardedClient
 from specula_router.http_errors import PayloadLimitMiddleware, error, install_error_handlers
 from specula_router.metrics import Metrics
@@ -90,11 +92,15 @@ class _Rejected(Exception):
         self.cause = cause  # the ValidationError refused, for routes that word it their own way (/v1/*)
 
 
-def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins: list[str] | None = None) -> FastAPI:
+def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins: list[str] | None = None,
+               api_key: str | None = None) -> FastAPI:
+    """The app; with `api_key`, every route but the probes needs `Authorization: Bearer <api_key>` (auth.py)."""
     app = FastAPI(title="Specula", version=state.info.get("version") or "0.1.0", docs_url="/docs",
                   openapi_url="/api-doc/openapi.json",
                   description="LLM inference server with exact speculative decoding (TGI/LoRAX compatible).")
     app.state.router = state
+    if api_key is not None:  # added first, so innermost: CORS (outside it) answers preflights and labels its 401s
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     if cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -102,6 +108,8 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
     app.add_middleware(PayloadLimitMiddleware, limit=payload_limit)
     install_error_handlers(app, state.metrics)
     _serve_exact_openapi(app, state)
+    if api_key is not None:
+        document_api_key(app)
 
     errors = {code: {"model": ErrorResponse} for code in (400, 413, 422, 424, 429)}
     sse = {"text/event-stream": {"schema": openapi.sse_event_schema("StreamResponse", "ErrorResponse")}}
@@ -160,6 +168,11 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
             logger.warning("health check failed: %s", e)
             return error(503, "unhealthy", "healthcheck")
         return Response(status_code=200)
+
+    # TGI's alias of /health (the probe some hosting platforms call); open like it under --api-key.
+    app.add_api_route("/ping", health, methods=["GET"], tags=["Text Generation Inference"], response_class=Response,
+                      responses={200: {"description": "Healthy (empty body)", "content": {}},
+                                 503: {"model": ErrorResponse}}, summary="Ping")
 
     @app.get("/info", tags=["Text Generation Inference"], responses={200: {"model": Info}})
     async def info():
@@ -321,6 +334,7 @@ async def _events(state: RouterState, valid: ValidGenerateRequest, entry: Entry,
     """
     text_prefix = valid.inputs if valid.return_full_text else ""
     watch = DisconnectWatch(request.is_disconnected)
+    index = 0  # TGI's `index`: the token's position in the generation, 1-based, across speculative blocks
     try:
         while True:
             if first is not None:
@@ -335,7 +349,8 @@ async def _events(state: RouterState, valid: ValidGenerateRequest, entry: Entry,
             final = event.final
             for i, token in enumerate(event.tokens):
                 top = event.top_tokens[i] if i < len(event.top_tokens) else None
-                payload = {"token": token_body(token, skipped=i > 0, alternatives=top),
+                index += 1
+                payload = {"index": index, "token": token_body(token, skipped=i > 0, alternatives=top),
                            "generated_text": None, "details": None}
                 if top is not None:
                     payload["top_tokens"] = top_tokens_body(top)
@@ -345,6 +360,7 @@ async def _events(state: RouterState, valid: ValidGenerateRequest, entry: Entry,
                     if valid.details:
                         payload["details"] = {"finish_reason": final.finish_reason, "prompt_tokens": valid.input_length,
                                               "generated_tokens": final.generated_tokens, "seed": final.seed,
+                                              "input_length": valid.input_length,  # TGI's name of prompt_tokens
                                               "cached_tokens": entry.num_cached_tokens}
                 yield _sse(payload)
             if final is not None:

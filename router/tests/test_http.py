@@ -338,3 +338,21 @@ def test_unhealthy_shards_give_503(tokenizer):
         assert r.status_code == 503 and r.json() == {"error": "unhealthy", "error_type": "healthcheck"}
 
     call(state, fn)
+
+
+def test_stream_events_carry_tgi_index_and_input_length(tokenizer):
+    async def fn(client):
+        body = {"inputs": "hello", "parameters": {"max_new_tokens": 3, "details": True}}
+        stream = sse_events(await client.post("/generate_stream", json=body))
+        compat = sse_events(await client.post("/", json={**body, "stream": True}))
+        ping = await client.get("/ping")
+        return stream, compat, ping
+
+    stream, compat, ping = call(make_state(tokenizer), fn)
+    prompt_tokens = len(tokenizer.encode("hello").ids)
+    for events in (stream, compat):
+        assert [e["index"] for e in events] == [1, 2, 3]  # 1-based, as TGI
+        details = events[-1]["details"]
+        assert details["input_length"] == details["prompt_tokens"] == prompt_tokens
+        assert all(e["details"] is None for e in events[:-1])
+    assert ping.status_code == 200 and ping.text == ""  # TGI's alias of /health

@@ -202,11 +202,13 @@ def full_response() -> GenerateResponse:
 
 
 def stream_events() -> list[StreamResponse]:
-    first = StreamResponse(token=token(0), top_tokens=[token(10)])
+    first = StreamResponse(index=1, token=token(0), top_tokens=[token(10)])
     last = StreamResponse(
+        index=2,
         token=token(1, skipped=True),
         generated_text="t0t1",
-        details=StreamDetails(finish_reason=FinishReason.STOP_SEQUENCE, prompt_tokens=3, generated_tokens=2, seed=9),
+        details=StreamDetails(finish_reason=FinishReason.STOP_SEQUENCE, prompt_tokens=3, generated_tokens=2, seed=9,
+                              input_length=3),
     )
     return [first, last]
 
@@ -220,7 +222,7 @@ def test_absent_optional_parts_are_omitted():
     dumped = details.model_dump(mode="json")
     assert "top_tokens" not in dumped and "best_of_sequences" not in dumped
     assert dumped["seed"] is None and dumped["skipped_tokens"] == 0 and dumped["finish_reason"] == "length"
-    event = StreamResponse(token=plain).model_dump(mode="json")
+    event = StreamResponse(index=1, token=plain).model_dump(mode="json")
     assert event["generated_text"] is None and event["details"] is None  # SSE events carry explicit nulls
     assert "top_tokens" not in event
 
@@ -284,6 +286,9 @@ def test_published_clients_parse_our_responses():
     tgi = parsed["tgi"]
     assert [[t["id"] for t in step] for step in tgi["response"]["details"]["top_tokens"]] == [[10, 11], [12, 13]]
     assert [t["id"] for t in tgi["events"][0]["top_tokens"]] == [10]
+    # The events carry TGI's `index` and `details.input_length`; the published clients (text-generation 0.7,
+    # lorax-client) predate them and must still parse the events, as they did above.
+    assert [e["index"] for e in payload["events"]] == [1, 2] and payload["events"][1]["details"]["input_length"] == 3
 
 
 # -- info and tokenize ------------------------------------------------------------------------------------
