@@ -141,25 +141,32 @@ def test_default_max_new_tokens_fills_the_context(base_url):
     assert d["finish_reason"] == "length" and d["generated_tokens"] == MAX_POSITIONS - prompt_tokens
 
 
-def test_stop_sequence_ends_generation_at_the_token_that_completes_it(base_url):
+def test_stop_sequence_ends_the_text_where_it_ends_even_inside_a_token(base_url):
     full = ok_json(generate(base_url, PROMPT, max_new_tokens=40, ignore_eos_token=True, details=True))
-    tokens = [t["text"] for t in full["details"]["tokens"]]
-    # A two-character stop string across the boundary of tokens k-1 and k (k >= 10), so no single token holds it.
-    k = next(i for i in range(10, 40) if tokens[i] and tokens[i - 1])
-    stop = tokens[k - 1][-1] + tokens[k][:1]
-    text, expected_tokens = "", 0
-    for piece in tokens:  # the server stops at the first token after which the text contains `stop`
-        text += piece
-        expected_tokens += 1
-        if stop in text:
+    pieces = [t["text"] for t in full["details"]["tokens"]]
+    ids = [t["id"] for t in full["details"]["tokens"]]
+    # A two-character stop across the boundary of tokens k-1 and k (k >= 10), first generated there, that ends
+    # after the first character of token k's text: the text is cut inside that token.
+    for k in range(10, 40):
+        stop = pieces[k - 1][-1:] + pieces[k][:1]
+        end = len("".join(pieces[:k])) + 1
+        if len(stop) == 2 and len(pieces[k]) >= 2 and "".join(pieces).find(stop) + 2 == end:
             break
+    else:
+        pytest.fail(f"no token to cut in {pieces!r}")
+    text = "".join(pieces)[:end]
     d = ok_json(generate(base_url, PROMPT, max_new_tokens=40, ignore_eos_token=True, details=True,
                          stop=["never-generated", stop]))
     assert d["details"]["finish_reason"] == "stop_sequence"
-    assert d["generated_text"] == text and d["details"]["generated_tokens"] == expected_tokens
-    assert stop in d["generated_text"] and stop not in d["generated_text"][:-len(tokens[expected_tokens - 1])]
+    assert d["generated_text"] == text and text.endswith(stop)
+    # Token ids and counts stay whole tokens; only the last token's text is cut.
+    tokens = d["details"]["tokens"]
+    assert [t["id"] for t in tokens] == ids[: k + 1] and d["details"]["generated_tokens"] == k + 1
+    assert tokens[-1]["text"] == pieces[k][:1] and "".join(t["text"] for t in tokens) == text
     _, events = generate_stream(base_url, PROMPT, max_new_tokens=40, ignore_eos_token=True, details=True, stop=stop)
     assert events[-1]["generated_text"] == text and events[-1]["details"]["finish_reason"] == "stop_sequence"
+    assert events[-1]["token"]["text"] == pieces[k][:1]
+    assert "".join(e["token"]["text"] for e in events) == text
 
 
 def test_truncate_keeps_the_last_prompt_tokens(base_url):
@@ -253,6 +260,7 @@ def test_stream_is_one_sse_event_per_token_ending_with_text_and_details(base_url
     last = events[-1]
     details = dict(last["details"])
     assert 0 <= details.pop("cached_tokens") < details["prompt_tokens"]  # the same prompt may have run before
+    assert details.pop("input_length") == details["prompt_tokens"]  # TGI's name for it
     assert details == {"finish_reason": "length", "prompt_tokens": len(tokenize(base_url, PROMPT)),
                        "generated_tokens": 20, "seed": None}
     assert "".join(e["token"]["text"] for e in events) == last["generated_text"]

@@ -83,7 +83,11 @@ def completion_logprobs(tokens: Sequence[TokenOut], top_tokens: Sequence[Sequenc
 
 
 def trim_at_stop(text: str, stops: Sequence[str]) -> str:
-    """`text` up to the first occurrence of any stop sequence (OpenAI leaves the stop sequence out)."""
+    """`text` up to the first occurrence of any stop sequence (OpenAI leaves the stop sequence out).
+
+    A worker's text ends where the stop sequence that ended it ends (docs/api.md), and none ends earlier in
+    it, so on such text this drops just the stop sequence at its end (the longest, where several end there).
+    """
     cut = min((i for i in (text.find(s) for s in stops if s) if i >= 0), default=-1)
     return text if cut < 0 else text[:cut]
 

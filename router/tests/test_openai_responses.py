@@ -32,6 +32,13 @@ def test_streamed_text_joins_to_the_trimmed_text_however_it_is_split():
         assert streamed == trim_at_stop(text, stops), (text, stops, pieces)
 
 
+def test_a_worker_text_cut_inside_a_token_loses_just_its_stop_sequence():
+    # The worker ends the text where the stop ends, even inside a token: "I" "ter" "viron" comes as "I" "ter" "v".
+    trimmer = StopTrimmer(["never", "terv"])
+    streamed = "".join(trimmer.push(p) for p in ["I", "ter", "v"]) + trimmer.flush()
+    assert streamed == trim_at_stop("Iterv", ["never", "terv"]) == "I"
+
+
 def test_a_possible_stop_is_held_back_until_it_is_known():
     trimmer = StopTrimmer(["\n\n"])
     assert trimmer.push("a\n") == "a"

@@ -147,7 +147,12 @@ class RequestState:
         return self.finish_reason is not None
 
     def append(self, token_id: int, logprob: float) -> TokenInfo:
-        """Commits one generated token: detokenises it and checks the stopping criteria."""
+        """Commits one generated token: detokenises it and checks the stopping criteria.
+
+        Returns the token with the text it adds, so the texts of all tokens appended join to
+        `generated_text().text`. On a stop sequence that text ends where the stop sequence ends, even inside
+        the token's piece: `stop: ["terv"]` over pieces "I", "ter", "viron" gives "I", "ter", "v".
+        """
         assert not self.is_finished, "no token may follow the end of a request"
         self.token_ids[self.num_tokens] = token_id
         self.num_tokens += 1
@@ -155,9 +160,21 @@ class RequestState:
         self.finish_reason = self.stop_checker.check(token_id, self.detokenizer.text)
         if self.finish_reason is not None:
             text += self.detokenizer.finish()  # bytes of a character cut short by the end
+        if self.finish_reason is FinishReason.STOP_SEQUENCE:
+            # The match ends in text this token added (earlier text was searched without one), so the cut
+            # falls inside `text`; the held-back bytes `finish()` added come after it and are dropped too.
+            text_start = len(self.detokenizer.text) - len(text)
+            text = text[: self.text_end - text_start]
         return TokenInfo(token_id, logprob, text, self.detokenizer.is_special(token_id))
+
+    @property
+    def text_end(self) -> int:
+        """Length of the generated text reported: all of it, or up to the end of the stop sequence that ended it."""
+        stop_end = self.stop_checker.stop_end
+        return len(self.detokenizer.text) if stop_end is None else stop_end
 
     def generated_text(self) -> GeneratedText:
         assert self.finish_reason is not None
         seed = None if self.spec.sampling.is_greedy else self.spec.sampling.seed
-        return GeneratedText(self.detokenizer.text, self.num_generated, self.finish_reason, seed)
+        text = self.detokenizer.text[: self.text_end]
+        return GeneratedText(text, self.num_generated, self.finish_reason, seed)

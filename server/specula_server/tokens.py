@@ -120,7 +120,14 @@ class StopChecker:
     Checked in this order, the first that holds wins: EOS (unless `ignore_eos_token`), a stop sequence in
     the generated text, `max_new_tokens` reached. A more specific reason beats "length" when both hold on the
     last allowed token, so a client is not told its output was truncated when it was not (TGI checks length
-    first). The generated text keeps the stop sequence and whatever else its token added (TGI behaviour).
+    first).
+
+    On a stop sequence, `stop_end` is where the generated text ends: at the end of the match that ends first,
+    even when that is inside the piece of the token that completed it. The text keeps the stop sequence but
+    nothing after it; token ids and counts stay whole tokens (the token that completed the match counts).
+
+    Example, stop "terv": pieces "I", "ter", "viron" → the third check returns STOP_SEQUENCE and `stop_end`
+    is 5, so the text is "Iterv" (not "Iterviron"), from 3 tokens.
     """
 
     def __init__(self, stopping: StoppingParams, eos_token_ids: frozenset[int]) -> None:
@@ -131,6 +138,7 @@ class StopChecker:
         self._max_overlap = max((len(s) for s in self._stop_sequences), default=1) - 1
         self._num_searched = 0  # characters of the generated text already searched for stop sequences
         self.num_generated = 0
+        self.stop_end: int | None = None  # set on STOP_SEQUENCE: length of the generated text to keep
 
     def check(self, token_id: int, text_so_far: str) -> FinishReason | None:
         """Count `token_id` as generated; `text_so_far` is all generated text including its piece."""
@@ -144,10 +152,17 @@ class StopChecker:
         return None
 
     def _has_new_stop(self, text: str) -> bool:
+        """Whether `text` holds a match not seen before; if so, records where the first one to end ends."""
         assert len(text) >= self._num_searched, "generated text only grows"
         start = max(0, self._num_searched - self._max_overlap)
         self._num_searched = len(text)
-        return any(text.find(stop, start) != -1 for stop in self._stop_sequences)
+        # A sequence's first occurrence from `start` is also its first to end; across sequences the earliest
+        # end wins, since the text was already complete (and stoppable) there.
+        ends = [i + len(stop) for stop in self._stop_sequences if (i := text.find(stop, start)) != -1]
+        if not ends:
+            return False
+        self.stop_end = min(ends)
+        return True
 
 
 def load_tokenizer(model_dir: Path) -> Tokenizer:

@@ -8,7 +8,9 @@ from specula_proto import generate_pb2 as pb
 from specula_server.params import FinishReason, SamplingParams
 from specula_server.service import request_from_pb
 from specula_server.testing.models import build_tiny_model
-from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
+from specula_server.testing.worker import (
+    BlockPool, generate_alone, load_test_generator, make_spec, stop_ending_inside_a_token, token_ids, token_texts,
+)
 
 PROMPT = [1, 50, 60, 70, 80, 90, 100]
 
@@ -42,16 +44,31 @@ def test_byte_fallback_pieces_add_up_to_the_generated_text(tmp_path):
     assert "".join(pieces) == outputs[-1].generated_text.text
 
 
-def test_stop_sequence_ends_generation_and_is_kept(generator):
+def test_stop_sequence_ends_generation_and_the_text_ends_with_it(generator):
     full = run(generator, max_new_tokens=24)[-1].generated_text.text
     stop = full[len(full) // 2 : len(full) // 2 + 3]
     outputs = run(generator, max_new_tokens=24, stop_sequences=[stop])
     final = outputs[-1].generated_text
     assert final.finish_reason is FinishReason.STOP_SEQUENCE
-    # It stops at the first token whose text completes the stop sequence (TGI keeps the whole token).
-    last_piece = outputs[-1].tokens[-1].text
-    assert stop in final.text and stop not in final.text[: len(final.text) - len(last_piece)]
-    assert full.startswith(final.text) and final.generated_tokens < 24
+    # The text is the unstopped text up to the end of the first occurrence of the stop sequence.
+    assert final.text == full[: full.find(stop) + len(stop)]
+    assert "".join(token_texts(outputs)) == final.text
+    assert final.generated_tokens == len(token_ids(outputs)) < 24
+
+
+@pytest.mark.parametrize("span_tokens", [False, True], ids=["inside-a-token", "across-tokens"])
+def test_a_stop_ending_inside_a_token_cuts_that_token_text(generator, span_tokens):
+    unstopped = run(generator, max_new_tokens=24)
+    pieces = token_texts(unstopped)
+    stop, k, cut = stop_ending_inside_a_token(pieces, span_tokens)
+    outputs = run(generator, max_new_tokens=24, stop_sequences=["never generated", stop])
+    final = outputs[-1].generated_text
+    assert final.finish_reason is FinishReason.STOP_SEQUENCE
+    # Token ids stay whole: the token that completed the stop is the last one, and it counts.
+    assert token_ids(outputs) == token_ids(unstopped)[: k + 1] and final.generated_tokens == k + 1
+    assert outputs[-1].tokens[-1].text == pieces[k][:cut] != pieces[k]
+    assert final.text == "".join(pieces[:k]) + pieces[k][:cut] == "".join(token_texts(outputs))
+    assert final.text.endswith(stop)
 
 
 def test_eos_ends_generation_unless_ignored(generator):

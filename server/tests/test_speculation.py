@@ -13,7 +13,9 @@ from specula_server.speculation.controller import (
     AcceptanceEstimate, StepCostModel, choose_draft_lengths, drafting_bar,
 )
 from specula_server.speculation.drafters import Draft, PromptLookupDrafter
-from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
+from specula_server.testing.worker import (
+    BlockPool, generate_alone, load_test_generator, make_spec, stop_ending_inside_a_token, token_ids, token_texts,
+)
 
 # Prompts with repetition, so prompt lookup finds drafts; the random model also tends to loop, which it copies.
 PROMPTS = [
@@ -174,6 +176,25 @@ def test_stop_sequence_inside_an_accepted_block(plain, speculative):
     assert token_ids(got) == token_ids(expected)
     assert got[-1].generated_text.finish_reason is FinishReason.STOP_SEQUENCE
     assert got[-1].generated_text.text == expected[-1].generated_text.text
+    assert got[-1].generated_text.text.endswith(stop)
+
+
+@pytest.mark.parametrize("span_tokens", [False, True], ids=["inside-a-token", "across-tokens"])
+def test_a_stop_ending_inside_an_accepted_token_cuts_its_text(plain, speculative, span_tokens):
+    unstopped = run(speculative, PROMPTS[0], max_new_tokens=40)
+    # Look for the stop from the second token of the first block of several tokens, so it ends in a draft.
+    first = next(sum(len(o.tokens) for o in unstopped[:i]) + 1 for i, o in enumerate(unstopped) if len(o.tokens) > 1)
+    pieces = token_texts(unstopped)
+    stop, k, cut = stop_ending_inside_a_token(pieces, span_tokens, first)
+    expected = run(plain, PROMPTS[0], max_new_tokens=40, stop_sequences=[stop])
+    got = run(speculative, PROMPTS[0], max_new_tokens=40, stop_sequences=[stop])
+    assert len(got[-1].tokens) > 1, "the stop ends in a block of accepted tokens"
+    assert token_ids(got) == token_ids(expected) == token_ids(unstopped)[: k + 1]
+    assert token_texts(got) == token_texts(expected) == pieces[:k] + [pieces[k][:cut]]
+    final = got[-1].generated_text
+    assert final.finish_reason is FinishReason.STOP_SEQUENCE and final.generated_tokens == k + 1
+    assert final.text == expected[-1].generated_text.text == "".join(pieces[:k]) + pieces[k][:cut]
+    assert final.text.endswith(stop)
 
 
 def test_eos_inside_an_accepted_block(plain, speculative):

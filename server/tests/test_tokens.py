@@ -184,6 +184,31 @@ def test_stop_sequence_inside_one_piece_and_after_long_text() -> None:
     assert reasons[-1] == FinishReason.STOP_SEQUENCE and reasons[:-1] == [None] * 101
     single = StopChecker(StoppingParams(max_new_tokens=5, stop_sequences=("STOP",)), frozenset())
     assert run_checker(single, ["xxSTOPyy"]) == [FinishReason.STOP_SEQUENCE]
+    assert single.stop_end == len("xxSTOP")
+
+
+def test_stop_end_is_where_the_text_ends() -> None:
+    inside = StopChecker(StoppingParams(max_new_tokens=50, stop_sequences=("terv",)), frozenset())
+    assert run_checker(inside, ["I", "ter", "viron"]) == [None, None, FinishReason.STOP_SEQUENCE]
+    assert inside.stop_end == len("Iterv")  # inside the last piece, not at its end
+    spanning = StopChecker(StoppingParams(max_new_tokens=50, stop_sequences=("never", "</answer>")), frozenset())
+    run_checker(spanning, ["The answer is 42", " <", "/ans", "wer", ">", "more"])
+    assert spanning.stop_end == len("The answer is 42 </answer>")
+
+
+def test_the_match_that_ends_first_sets_the_end() -> None:
+    # "abcd" starts first but "bc" ends first: the text was complete, and stoppable, at "abc".
+    checker = StopChecker(StoppingParams(max_new_tokens=5, stop_sequences=("abcd", "bc")), frozenset())
+    assert run_checker(checker, ["xabcdy"]) == [FinishReason.STOP_SEQUENCE]
+    assert checker.stop_end == len("xabc")
+
+
+def test_no_stop_end_unless_a_stop_sequence_ended_the_text() -> None:
+    checker = StopChecker(StoppingParams(max_new_tokens=2, stop_sequences=("zz",)), frozenset({EOS_ID}))
+    assert run_checker(checker, ["z", "z"], [5, EOS_ID]) == [None, FinishReason.EOS_TOKEN]
+    assert checker.stop_end is None
+    length = StopChecker(StoppingParams(max_new_tokens=2, stop_sequences=("zz",)), frozenset())
+    assert run_checker(length, ["a", "b"]) == [None, FinishReason.LENGTH] and length.stop_end is None
 
 
 def test_detokenizer_and_stop_checker_end_a_generation_on_a_multibyte_stop(tokenizer: Tokenizer) -> None:
@@ -197,6 +222,7 @@ def test_detokenizer_and_stop_checker_end_a_generation_on_a_multibyte_stop(token
             break
     assert reason == FinishReason.STOP_SEQUENCE
     assert detokenizer.text.endswith("しょう") and detokenizer.text.startswith(" 東京で会いま")
+    assert detokenizer.text[: checker.stop_end] == " 東京で会いましょう"
 
 
 # --- model directory helpers ----------------------------------------------------------------------------

@@ -78,6 +78,31 @@ def token_ids(outputs: Sequence[StepOutput]) -> list[int]:
     return [t.id for o in outputs for t in o.tokens]
 
 
+def token_texts(outputs: Sequence[StepOutput]) -> list[str]:
+    return [t.text for o in outputs for t in o.tokens]
+
+
+def stop_ending_inside_a_token(pieces: Sequence[str], span_tokens: bool, first: int = 1) -> tuple[str, int, int]:
+    """A stop sequence for a generation whose token texts are `pieces`, that ends strictly inside a piece.
+
+    Returns `(stop, k, cut)`: the first occurrence of `stop` in the joined pieces ends after `pieces[k][:cut]`
+    (0 < cut < len(pieces[k]), k >= first), so generation stops at token k with text
+    `"".join(pieces[:k]) + pieces[k][:cut]`. With `span_tokens` the stop starts in the text before piece k (as
+    little of it as makes this the first occurrence), otherwise it is two characters within piece k.
+    """
+    before = "".join(pieces[:first])
+    for k in range(first, len(pieces)):
+        piece = pieces[k]
+        for cut in range(1 if span_tokens else 2, len(piece)):
+            starts = range(len(before) - 1, -1, -1) if span_tokens else [len(before) + cut - 2]
+            prefix = before + piece[:cut]
+            for start in starts:
+                if prefix.find(prefix[start:]) == start:
+                    return prefix[start:], k, cut
+        before += piece
+    raise AssertionError(f"no piece to cut in {pieces!r}")
+
+
 def assert_same_greedy_output(
     plain: TextGenerator, drafted: TextGenerator, prompts: Sequence[Sequence[int]],
     run: Callable[..., list[StepOutput]], **kwargs,
