@@ -129,6 +129,10 @@ def main(
     max_adapter_labels: int = typer.Option(
         32, envvar="MAX_ADAPTER_LABELS",
         help="Adapters that get their own `adapter` metrics label (the first to load); the others count as `other`."),
+    metrics_prefix: str = typer.Option(
+        "specula", envvar="METRICS_PREFIX",
+        help="Prefix of the router's /metrics names; `tgi` (or `lorax`) gives TGI's (LoRAX's) names, so dashboards "
+             "built for those servers work unchanged."),
     chat_template: Optional[str] = typer.Option(
         None, envvar="CHAT_TEMPLATE",
         help="Chat template for /v1/chat/completions: a file, or the jinja template itself. Default: the model's "

@@ -44,7 +44,7 @@ ROUTER_FLAGS = (
     "max_total_tokens", "waiting_served_ratio", "max_batch_prefill_tokens", "max_batch_total_tokens",
     "max_waiting_tokens", "max_batch_size", "payload_limit", "cors_allow_origin", "json_output", "num_shard",
     "shutdown_timeout", "step_timeout", "log_level", "validation_workers", "max_adapter_labels", "chat_template",
-    "adapter_dir",  # also the router's: GET /v1/models lists the local adapters
+    "metrics_prefix", "adapter_dir",  # also the router's: GET /v1/models lists the local adapters
 )
 
 

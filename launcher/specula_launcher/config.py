@@ -98,6 +98,7 @@ class LauncherConfig:
     payload_limit: int = 2_000_000
     validation_workers: int = 2  # router threads that validate and tokenise requests
     max_adapter_labels: int = 32  # adapters with their own metrics label; the rest are `other`
+    metrics_prefix: str = "specula"  # the router's metric names' prefix (`tgi`: TGI's names)
     chat_template: str | None = None  # the router's template for /v1/chat/completions (a file or a template)
     cors_allow_origin: tuple[str, ...] = ()
     kv_cache_memory: str | None = None

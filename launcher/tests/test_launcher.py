@@ -37,7 +37,8 @@ ENV_VARS = (
     "MASTER_PORT", "HUGGINGFACE_HUB_CACHE", "JSON_OUTPUT", "PAYLOAD_LIMIT", "CORS_ALLOW_ORIGIN", "KV_CACHE_MEMORY",
     "BLOCK_SIZE", "SHUTDOWN_TIMEOUT", "LOG_LEVEL", "ADAPTER_DIR", "MAX_ACTIVE_ADAPTERS", "PRELOADED_ADAPTER_IDS",
     "DRAFT_TREE_WIDTH", "STEP_TIMEOUT", "NO_PREFIX_CACHING", "VALIDATION_WORKERS", "MAX_ADAPTER_LABELS",
-    "CHAT_TEMPLATE", "API_KEY", "SPECULATE", "LORA_ADAPTERS", "DEFAULT_ADAPTER_SOURCE", "GRACEFUL_TERMINATION_TIMEOUT",
+    "METRICS_PREFIX", "CHAT_TEMPLATE", "API_KEY", "SPECULATE", "LORA_ADAPTERS", "DEFAULT_ADAPTER_SOURCE",
+    "GRACEFUL_TERMINATION_TIMEOUT",
     # TGI/LoRAX variables the launcher refuses or warns about (compat.py)
     *(flag.env_name for flag in FOREIGN_FLAGS.values() if flag.env_name),
 )
@@ -211,6 +212,18 @@ def test_cli_reads_environment_variables(tmp_path: Path, monkeypatch: pytest.Mon
     assert (seen[1].port, seen[1].max_input_tokens) == (9000, 50)
 
 
+def test_metrics_prefix_reaches_the_router_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[LauncherConfig] = []
+    monkeypatch.setattr(cli, "launch", lambda config: seen.append(config) or 0)
+    runs = (([], {}), ([], {"METRICS_PREFIX": "tgi"}), (["--metrics-prefix", "lorax"], {"METRICS_PREFIX": "tgi"}))
+    for args, env in runs:
+        result = CliRunner().invoke(cli.app, args, env=env)
+        assert result.exit_code == 0, result.output
+    assert [c.metrics_prefix for c in seen] == ["specula", "tgi", "lorax"]
+    command = router_command(claimed(seen[1]))
+    assert command[command.index("--metrics-prefix") + 1] == "tgi"
+
+
 def test_cli_max_input_length_alias_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[LauncherConfig] = []
     monkeypatch.setattr(cli, "launch", lambda config: seen.append(config) or 0)
@@ -268,7 +281,8 @@ def test_router_command_with_defaults(tmp_path: Path) -> None:
         "--max-total-tokens", "2048", "--waiting-served-ratio", "1.2", "--max-batch-prefill-tokens", "2097",
         "--max-waiting-tokens", "20", "--payload-limit", "2000000", "--num-shard", "1", "--shutdown-timeout", "30",
         "--step-timeout", "600.0", "--log-level", "INFO",
-        "--validation-workers", "2", "--max-adapter-labels", "32", "--adapter-dir", str(DEMO_ADAPTERS_DIR),
+        "--validation-workers", "2", "--max-adapter-labels", "32", "--metrics-prefix", "specula",
+        "--adapter-dir", str(DEMO_ADAPTERS_DIR),
     ]
     assert router_spec(c, {"HF_TOKEN": "t"}).env == {"HF_TOKEN": "t", "PYTHONUNBUFFERED": "1"}
 
@@ -283,7 +297,7 @@ def test_router_command_passes_every_flag() -> None:
         max_batch_size=8, payload_limit=100, cors_allow_origin=["https://a", "https://b"], json_output=True,
         num_shard=2, shutdown_timeout=9, step_timeout=45, log_level="warning", hostname="127.0.0.1", port=8080,
         shard_uds_path="/run/s", validation_workers=3, max_adapter_labels=7, chat_template="/t/chat.jinja",
-        adapter_dir=["/", "/tmp"], **NO_GPU,
+        metrics_prefix="tgi", adapter_dir=["/", "/tmp"], **NO_GPU,
     )
     assert router_command(c)[1:] == [
         "-m", "specula_router.cli", "--model-id", "org/model", "--master-shard-uds-path", "/run/s-0",
@@ -298,7 +312,7 @@ def test_router_command_passes_every_flag() -> None:
         "--cors-allow-origin", "https://a", "--cors-allow-origin", "https://b", "--json-output", "--num-shard", "2",
         "--shutdown-timeout", "9", "--step-timeout", "45", "--log-level", "WARNING",
         "--validation-workers", "3", "--max-adapter-labels", "7", "--chat-template", "/t/chat.jinja",
-        "--adapter-dir", "/", "--adapter-dir", "/tmp",
+        "--metrics-prefix", "tgi", "--adapter-dir", "/", "--adapter-dir", "/tmp",
     ]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,7 @@ class RouterConfig:
     pipeline_depth: int = 2
     validation_workers: int = 2  # threads that validate and tokenise requests off the event loop
     max_adapter_labels: int = 32  # adapters with their own metrics label; the rest are `other`
+    metrics_prefix: str = "specula"  # metric names' prefix; `tgi`/`lorax` also write counters as TGI does
     step_timeout: float = 600.0  # seconds a shard may take to answer one step; 0: no limit
     prefix_caching: bool = True  # reuse the KV blocks of prompts' shared prefixes (block_allocator.py)
     chat_template: str | None = None  # --chat-template: a file or a template, overriding the model's
@@ -77,6 +79,9 @@ class RouterConfig:
             raise ValueError(f"--validation-workers must be at least 1; got {self.validation_workers}")
         if self.max_adapter_labels < 0:
             raise ValueError(f"--max-adapter-labels must not be negative; got {self.max_adapter_labels}")
+        if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
+            raise ValueError(f"--metrics-prefix must be letters, digits and _ (not first a digit); "
+                             f"got {self.metrics_prefix!r}")
         if self.step_timeout < 0:
             raise ValueError(f"--step-timeout must not be negative; got {self.step_timeout}")
         if self.api_key is not None and not self.api_key.strip():
@@ -154,7 +159,7 @@ async def run(config: RouterConfig) -> int:
         max_position_embeddings=info.max_position_embeddings, vocab_size=info.vocab_size or None,
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens),
         default_adapter_source=config.adapter_source)
-    metrics = Metrics(max_adapter_labels=config.max_adapter_labels)
+    metrics = Metrics(prefix=config.metrics_prefix, max_adapter_labels=config.max_adapter_labels)
     adapters = AdapterManager(client, metrics, config.max_active_adapters, config.adapter_source)
     if config.preloaded_adapter_ids:
         logger.info("preloading adapters: %s", ", ".join(config.preloaded_adapter_ids))
@@ -318,6 +323,10 @@ def main(
         32, envvar="MAX_ADAPTER_LABELS", min=0,
         help="Adapters that get their own `adapter` metrics label, the first to load successfully; "
              "every other adapter is counted as `other`."),
+    metrics_prefix: str = typer.Option(
+        "specula", envvar="METRICS_PREFIX",
+        help="Prefix of the /metrics names. `tgi` (or `lorax`) gives TGI's (LoRAX's) names, written as TGI writes "
+             "them (counters without `_total`), so dashboards built for those servers work unchanged."),
     step_timeout: float = typer.Option(
         600.0, envvar="STEP_TIMEOUT",
         help="Seconds a shard may take to answer one step (0: no limit). Past it the step's requests fail, "
@@ -354,6 +363,7 @@ def main(
             cors_allow_origin=tuple(cors_allow_origin), json_output=json_output, num_shard=num_shard,
             shutdown_timeout=shutdown_timeout, pipeline_depth=pipeline_depth,
             validation_workers=validation_workers, max_adapter_labels=max_adapter_labels, step_timeout=step_timeout,
+            metrics_prefix=metrics_prefix,
             prefix_caching=not no_prefix_caching,
             chat_template=chat_template, adapter_dir=split_ids(adapter_dir), api_key=api_key,
         )

@@ -1,4 +1,5 @@
 """Prometheus metrics of the router: TGI's set under the `specula_` prefix, plus what TGI and LoRAX lack.
+With the prefix `tgi` (or `lorax`) the text is written as TGI writes it, so dashboards built for TGI work.
 
 Additions: time to first token, inter-token latency, an `adapter` label on per-request metrics (empty
 for the base model), and the adapters' own loads, failures and offloads. Each `Metrics` owns its registry, so
@@ -13,10 +14,15 @@ cap) is `other`. The series count stays bounded, and /metrics never shows an id 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.utils import floatToGoString
 
 from specula_router.entries import Entry, ErrorEvent, FinalEvent
 
 OTHER_ADAPTERS = "other"  # the label of every adapter without its own
+# Prefixes whose exposition is written the way TGI's exporter writes it, so that a dashboard built for TGI or LoRAX
+# finds its series: counters without prometheus_client's `_total` suffix (TGI queries `tgi_request_count`), and no
+# `_created` series.
+TGI_STYLE_PREFIXES = ("tgi", "lorax")
 
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -29,6 +35,7 @@ class Metrics:
         if max_adapter_labels < 0:
             raise ValueError(f"--max-adapter-labels must be >= 0; got {max_adapter_labels}")
         self.max_adapter_labels = max_adapter_labels
+        self.is_tgi_style = prefix in TGI_STYLE_PREFIXES
         self._adapter_labels: set[str] = set()
         self.registry = CollectorRegistry()
         r, p = self.registry, prefix
@@ -172,4 +179,33 @@ class Metrics:
     def render(self) -> bytes:
         """The text format. Safe from any thread (prometheus_client locks each metric): the HTTP route runs it off
         the event loop, since a scrape's cost grows with the number of series."""
+        if self.is_tgi_style:
+            return _render_tgi_style(self.registry)
         return generate_latest(self.registry)
+
+
+def _render_tgi_style(registry: CollectorRegistry) -> bytes:
+    """The text format as TGI writes it: a counter's samples carry the family's own name (`tgi_request_count 3`,
+    not `tgi_request_count_total`), and no family has `_created` samples.
+
+    >>> m = Metrics(prefix="tgi"); m.request_count.labels("").inc()
+    >>> b'tgi_request_count{adapter=""} 1.0' in m.render()
+    True
+    """
+    lines = []
+    for family in registry.collect():
+        lines.append(f"# HELP {family.name} {_escape(family.documentation, quote=False)}")
+        lines.append(f"# TYPE {family.name} {family.type}")
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            name = family.name if family.type == "counter" else sample.name
+            labels = ",".join(f'{k}="{_escape(v, quote=True)}"' for k, v in sample.labels.items())
+            lines.append(f"{name}{{{labels}}} {floatToGoString(sample.value)}" if labels
+                         else f"{name} {floatToGoString(sample.value)}")
+    return ("\n".join(lines) + "\n").encode()
+
+
+def _escape(text: str, quote: bool) -> str:
+    text = text.replace("\\", "\\\\").replace("\n", "\\n")
+    return text.replace('"', '\\"') if quote else text

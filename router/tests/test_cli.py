@@ -46,6 +46,8 @@ def test_adapter_flags_and_environment(monkeypatch):
     (dict(preloaded_adapter_ids=("x" * 300,)), "is not an adapter id"),
     (dict(validation_workers=0), "--validation-workers must be at least 1; got 0"),
     (dict(max_adapter_labels=-1), "--max-adapter-labels must not be negative; got -1"),
+    (dict(metrics_prefix="tgi-x"), "--metrics-prefix must be letters, digits and _ .*; got 'tgi-x'"),
+    (dict(metrics_prefix="1tgi"), "--metrics-prefix must be letters"),
 ])
 def test_adapter_settings_are_checked(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -110,15 +112,23 @@ def test_validation_and_metrics_flags_and_environment(monkeypatch):
         parse(["--validation-workers", "0"])
 
 
+def test_metrics_prefix_flag_and_environment(monkeypatch):
+    monkeypatch.delenv("METRICS_PREFIX", raising=False)
+    assert parse([])["metrics_prefix"] == "specula"
+    assert parse(["--metrics-prefix", "lorax"])["metrics_prefix"] == "lorax"
+    assert parse([], {"METRICS_PREFIX": "tgi"}, monkeypatch)["metrics_prefix"] == "tgi"
+
+
 def test_validation_workers_and_adapter_labels_reach_the_served_state(startup):
     client, served, config = startup
     run_config = cli.RouterConfig(**config, preloaded_adapter_ids=("org/a", "org/b"), validation_workers=3,
-                                  max_adapter_labels=1)
+                                  max_adapter_labels=1, metrics_prefix="tgi")
     assert asyncio.run(cli.run(run_config)) == 0
     state = served[0]
     assert state.validation_workers == 3 and state.validation_pool._max_workers == 3
     assert state.info["validation_workers"] == 3
     assert [state.metrics.adapter_label(a) for a in ("org/a", "org/b", "")] == ["org/a", "other", ""]
+    assert b"\ntgi_queue_size " in state.metrics.render()  # --metrics-prefix reached the served metrics
     assert state.validator.max_top_k == state.validator.tokenizer.get_vocab_size(with_added_tokens=True)
 
 
