@@ -122,9 +122,11 @@ class Admission:
             if max_size is not None and len(batch) >= max_size:
                 break
             request = entry.request
-            prompt = () if request.decoder_input_details else request.input_ids  # its logprobs need every row
-            allocation = self.allocator.allocate(request.max_total_tokens + self.config.lookahead, prompt,
-                                                 entry.adapter)
+            if entry.prompt_hashes is None:  # once, not at every step the head of the queue waits for blocks
+                entry.prompt_hashes = self.allocator.chain(request.input_ids, entry.adapter)
+            reusable = () if request.decoder_input_details else entry.prompt_hashes  # its logprobs need every row
+            allocation = self.allocator.allocate(request.max_total_tokens + self.config.lookahead, reusable,
+                                                 request.input_length)
             if allocation is None:
                 break  # FIFO: nobody overtakes the head of the queue
             new_tokens = request.input_length - allocation.num_cached_tokens

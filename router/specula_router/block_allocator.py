@@ -60,10 +60,25 @@ class BlockAllocator:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate(self, num_tokens: int, prompt: Sequence[int] = (), namespace: str = "") -> Allocation | None:
-        """Blocks covering `num_tokens` positions, reusing the cached blocks `prompt` starts with; None (and
-        nothing taken) when they do not fit."""
-        cached = self._lookup(prompt, namespace) if self.prefix_caching else []
+    def chain(self, token_ids: Sequence[int], namespace: str = "", known: Sequence[bytes] = ()) -> list[bytes]:
+        """The hash chain of the full blocks of `token_ids`, one hash per block; `known` are the hashes of its
+        first blocks already computed (a request's prompt, when its answer is added), which are not redone.
+        Empty when prefix caching is off. A request's prompt is hashed once, at its first admission attempt."""
+        if not self.prefix_caching:
+            return []
+        hashes = list(known)
+        digest = hashes[-1] if hashes else hashlib.sha256(namespace.encode()).digest()
+        size = self.block_size
+        for i in range(len(hashes), len(token_ids) // size):
+            digest = hashlib.sha256(digest + struct.pack(f"<{size}I", *token_ids[i * size:(i + 1) * size])).digest()
+            hashes.append(digest)
+        return hashes
+
+    def allocate(self, num_tokens: int, prompt_hashes: Sequence[bytes] = (), prompt_len: int = 0
+                 ) -> Allocation | None:
+        """Blocks covering `num_tokens` positions, reusing the cached blocks a prompt of `prompt_len` tokens
+        (with `prompt_hashes`, its `chain`) starts with; None (and nothing taken) when they do not fit."""
+        cached = self._lookup(prompt_hashes[: max(prompt_len - 1, 0) // self.block_size])
         num_new = self.blocks_for(num_tokens) - len(cached)
         idle_reused = sum(1 for b in cached if b in self._idle)
         if num_new > self.num_free_blocks - idle_reused:
@@ -76,13 +91,11 @@ class BlockAllocator:
             self._refs[block] = 1
         return Allocation(cached + fresh, len(cached) * self.block_size)
 
-    def cache(self, blocks: Sequence[int], token_ids: Sequence[int], namespace: str = "") -> int:
-        """Marks the full blocks of `token_ids` (positions whose KV is written, in `blocks`) as reusable.
+    def cache(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> int:
+        """Marks the first blocks of `blocks`, whose KV is written and whose `chain` is `hashes`, as reusable.
         Returns how many blocks became cached."""
-        if not self.prefix_caching:
-            return 0
         num_new = 0
-        for block, digest in zip(blocks, self._chain(token_ids, len(token_ids) // self.block_size, namespace)):
+        for block, digest in zip(blocks, hashes):
             if block in self._hash_of or digest in self._by_hash:
                 continue  # cached already (it is the reused prefix), or another block holds the same content
             self._hash_of[block], self._by_hash[digest] = digest, block
@@ -99,24 +112,15 @@ class BlockAllocator:
             else:
                 self._free.append(block)
 
-    def _lookup(self, prompt: Sequence[int], namespace: str) -> list[int]:
-        """The cached blocks `prompt` starts with, never the one holding its last token."""
+    def _lookup(self, hashes: Sequence[bytes]) -> list[int]:
+        """The cached blocks a chain starts with."""
         blocks = []
-        for digest in self._chain(prompt, (len(prompt) - 1) // self.block_size, namespace):
+        for digest in hashes:
             block = self._by_hash.get(digest)
             if block is None:
                 break
             blocks.append(block)
         return blocks
-
-    def _chain(self, token_ids: Sequence[int], num_blocks: int, namespace: str):
-        """The hash chain of the first `num_blocks` full blocks of `token_ids`."""
-        digest = hashlib.sha256(namespace.encode()).digest()
-        size = self.block_size
-        for i in range(num_blocks):
-            block = token_ids[i * size:(i + 1) * size]
-            digest = hashlib.sha256(digest + struct.pack(f"<{size}I", *block)).digest()
-            yield digest
 
     def _take(self) -> int:
         if self._free:

@@ -74,6 +74,7 @@ class Entry:
     blocks: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # leading prompt tokens whose KV its blocks hold (a cached prefix, its chunks)
     token_ids: list[int] = field(default_factory=list)  # generated so far, to cache its blocks when it ends
+    prompt_hashes: list[bytes] | None = None  # hash chain of its prompt's full blocks, once computed
     # Set while RUNNING when the request must leave the workers' batch at the next step: its client went away,
     # or it failed on the router's side (then `failure` was already sent to its handler).
     cancelled: bool = False

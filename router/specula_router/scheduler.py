@@ -49,12 +49,9 @@ _FINISH_REASONS = {
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    max_batch_prefill_tokens: int
-    waiting_served_ratio: float = 1.2
-    max_waiting_tokens: int = 20
-    max_batch_size: int | None = None
-    lookahead: int = 0  # KV positions reserved past max_new_tokens for speculative drafts
+class SchedulerConfig(AdmissionConfig):
+    """The admission rule's settings, and the loop's own."""
+
     pipeline_depth: int = 2  # decode steps queued in the workers at once (1: wait for each result)
     speculation_method: str = "none"  # label of the speculation metrics
     step_timeout: float | None = None  # seconds a shard may take to answer one step (None: no limit)
@@ -79,9 +76,7 @@ class Scheduler:
         self.metrics = metrics
         self.adapters = adapters if adapters is not None else AdapterManager(client, metrics)
         self._wake = asyncio.Event()
-        self.admission = Admission(allocator, self.adapters, metrics, AdmissionConfig(
-            config.max_batch_prefill_tokens, config.waiting_served_ratio, config.max_waiting_tokens,
-            config.max_batch_size, config.lookahead), self._wake)
+        self.admission = Admission(allocator, self.adapters, metrics, config, self._wake)
         self.running: dict[int, Entry] = {}
         self.chunking: deque[Entry] = deque()  # admitted long prompts prefilled in chunks, oldest first
         self._ids = itertools.count()
@@ -305,7 +300,8 @@ class Scheduler:
         self.metrics.batch_inference_success.labels("prefill").inc()
         if entry.state is EntryState.PREFILLING:  # not cancelled meanwhile
             entry.num_cached_tokens = until
-            self.allocator.cache(entry.blocks, entry.request.input_ids[:until], entry.adapter)
+            written = (entry.prompt_hashes or [])[: until // self.allocator.block_size]
+            self.allocator.cache(entry.blocks, written)
         return []
 
     async def _prefill(self, entries: list[Entry]) -> list[int]:
@@ -409,7 +405,7 @@ class Scheduler:
             self._finish(entry, ErrorEvent(generation.error), send=not entry.cancelled)
             return
         if not entry.num_generated:  # its prefill: the prompt's KV is written, its full blocks may be reused
-            self.allocator.cache(entry.blocks, entry.request.input_ids, entry.adapter)
+            self.allocator.cache(entry.blocks, entry.prompt_hashes or ())
         now = time.monotonic()
         tokens = _tokens(generation.tokens)
         entry.token_ids += [t.id for t in tokens]
@@ -448,7 +444,8 @@ class Scheduler:
             # Every token but the last was fed back to the model: their KV is written and may be reused (a
             # chat's next turn resends them). Rejected drafts lie past these positions.
             written = entry.request.input_ids + tuple(entry.token_ids[:-1])
-            self.allocator.cache(entry.blocks, written, entry.adapter)
+            hashes = self.allocator.chain(written, entry.adapter, known=entry.prompt_hashes or ())
+            self.allocator.cache(entry.blocks, hashes)
         self.allocator.free(entry.blocks)
         entry.blocks = []
         self.metrics.observe_end(entry, event, time.monotonic())
