@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
 import statistics
 import sys
 import tempfile
@@ -27,7 +25,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from http_load import free_port, quantile, start_launcher, wait_healthy  # noqa: E402
+from http_load import quantile, served  # noqa: E402
 from prefix_cache import WORDS, stream  # noqa: E402
 
 
@@ -72,18 +70,11 @@ async def workload(url: str, args: argparse.Namespace, prompts: list[str]) -> di
 
 
 def run_config(model_dir: Path, tmp: Path, budget: int, args: argparse.Namespace) -> dict:
-    port = free_port()
     extra = ["--no-prefix-caching", "--max-batch-prefill-tokens", str(budget), "--max-concurrent-requests", "64"]
-    proc = start_launcher(model_dir, port, tmp, extra)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc)
+    with served(model_dir, tmp, extra) as url:
         prompts = [long_prompt(url, args.long_tokens, seed) for seed in range(args.long_prompts)]
         asyncio.run(stream(httpx.AsyncClient(), url, "warm up", 4))
         return asyncio.run(workload(url, args, prompts))
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=120)
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,6 +152,20 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float = 300) 
             pass
         time.sleep(0.5)
     raise SystemExit("server did not become healthy")
+
+
+@contextlib.contextmanager
+def served(model_dir: Path, tmp: Path, extra: list[str]) -> Iterator[str]:
+    """A launcher serving `model_dir` with the `extra` flags while the block runs; yields its URL once healthy."""
+    port = free_port()
+    proc = start_launcher(model_dir, port, tmp, extra)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
 
 
 def plot(results: list[dict], path: Path) -> None:

@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
 import statistics
 import sys
 import tempfile
@@ -34,7 +32,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from http_load import free_port, start_launcher, wait_healthy  # noqa: E402
+from http_load import served  # noqa: E402
 
 WORDS = ["def", "return", "value", "class", "import", "for", "while", "self", "data", "result", "index", "items",
          "config", "path", "name", "count", "total", "buffer", "stream", "token"]
@@ -112,12 +110,8 @@ async def chat_replay(url: str, prefix: str, conversations: int, turns: int, con
 
 
 def run_mode(model_dir: Path, tmp: Path, caching: bool, args: argparse.Namespace) -> dict:
-    port = free_port()
     extra = ["--max-concurrent-requests", "256", *([] if caching else ["--no-prefix-caching"])]
-    proc = start_launcher(model_dir, port, tmp, extra)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc)
+    with served(model_dir, tmp, extra) as url:
         prefix = make_prefix(url, args.prefix_tokens)
         asyncio.run(stream(httpx.AsyncClient(), url, "warm up", 4))
         result = {"shared_prefix": asyncio.run(shared_prefix(url, prefix, args.questions, args.new_tokens))}
@@ -125,9 +119,6 @@ def run_mode(model_dir: Path, tmp: Path, caching: bool, args: argparse.Namespace
             result[f"chat_c{c}"] = asyncio.run(chat_replay(url, prefix, args.conversations, args.turns, c,
                                                            args.new_tokens))
         return result
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=120)
 
 
 def main() -> None:
