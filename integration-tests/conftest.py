@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from stack import MAX_BATCH_SIZE, MAX_POSITIONS, PAYLOAD_LIMIT, LauncherProcess
+from stack import MAX_BATCH_SIZE, MAX_POSITIONS, PAYLOAD_LIMIT, LauncherProcess, started, stopped
 from specula_server.testing import clients
 from specula_server.testing.models import build_tiny_model
 
@@ -48,21 +48,10 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 def _start(model_dir: Path | None, work_dir: Path, args: list[str], name: str) -> LauncherProcess:
-    launcher = LauncherProcess(model_dir, work_dir, args, name).start()
-    try:
-        launcher.wait_healthy()
-    except BaseException:
-        launcher.close()
-        raise
-    return launcher
+    return started(LauncherProcess(model_dir, work_dir, args, name))
 
 
-def _stop(launcher: LauncherProcess) -> None:
-    try:
-        code = launcher.terminate()
-    finally:
-        launcher.close()
-    assert code == 0, f"{launcher.name} exited with {code} on SIGTERM:\n{launcher.output()}"
+_stop = stopped  # the name the test modules import
 
 
 @pytest.fixture(scope="session")

@@ -48,6 +48,26 @@ def is_alive(pid: int) -> bool:
         return False
 
 
+def started(launcher: LauncherProcess) -> LauncherProcess:
+    """Starts `launcher` and waits until it serves; closes it if it never does."""
+    launcher.start()
+    try:
+        launcher.wait_healthy()
+    except BaseException:
+        launcher.close()
+        raise
+    return launcher
+
+
+def stopped(launcher: LauncherProcess) -> None:
+    """SIGTERM, and the clean exit (0) that is part of the contract."""
+    try:
+        code = launcher.terminate()
+    finally:
+        launcher.close()
+    assert code == 0, f"{launcher.name} exited with {code} on SIGTERM:\n{launcher.output()}"
+
+
 def free_port() -> int:
     """A TCP port on the loopback interface that nothing listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

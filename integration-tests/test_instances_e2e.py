@@ -24,7 +24,9 @@ import pytest
 import torch
 import transformers
 
-from stack import MAX_POSITIONS, REPO_ROOT, LauncherProcess, _cmdline, _environ, free_port, is_alive, source_env
+from stack import (
+    MAX_POSITIONS, REPO_ROOT, LauncherProcess, _cmdline, _environ, free_port, is_alive, source_env, started, stopped,
+)
 from specula_server.testing.models import build_tiny_model
 from wire import REQUEST_TIMEOUT_S, generate, wait_until
 
@@ -64,26 +66,6 @@ def reference_greedy(model_dir: Path, prompt_ids: list[int], num_tokens: int) ->
         for _ in range(num_tokens):
             ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     return ids[0, len(prompt_ids):].tolist()
-
-
-def started(launcher: LauncherProcess) -> LauncherProcess:
-    """Starts `launcher` and waits until it serves; closes it if it never does."""
-    launcher.start()
-    try:
-        launcher.wait_healthy()
-    except BaseException:
-        launcher.close()
-        raise
-    return launcher
-
-
-def stopped(launcher: LauncherProcess) -> None:
-    """SIGTERM, and the clean exit (0) that is part of the contract."""
-    try:
-        code = launcher.terminate()
-    finally:
-        launcher.close()
-    assert code == 0, f"{launcher.name} exited with {code} on SIGTERM:\n{launcher.output()}"
 
 
 def child_argument(launcher: LauncherProcess, child: str, flag: str) -> str:

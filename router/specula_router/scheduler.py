@@ -162,18 +162,21 @@ class Scheduler:
             await self._wake.wait()
             self._wake.clear()
             try:
-                try:
-                    await self._serve_until_idle()
-                except ShardUnresponsive:
-                    raise
-                except Exception as e:  # a defect must cost the requests of this moment, never the server
-                    logger.exception("batching loop error; failing the running requests")
-                    await self._recover(ErrorEvent(f"internal error: {type(e).__name__}: {e}", "internal", 500))
+                await self._serve_or_recover()
             except ShardUnresponsive as e:
                 self._give_up(str(e))
                 raise
             if self.queue or self.chunking:
                 self._wake.set()
+
+    async def _serve_or_recover(self) -> None:
+        try:
+            await self._serve_until_idle()
+        except ShardUnresponsive:
+            raise
+        except Exception as e:  # a defect must cost the requests of this moment, never the server
+            logger.exception("batching loop error; failing the running requests")
+            await self._recover(ErrorEvent(f"internal error: {type(e).__name__}: {e}", "internal", 500))
 
     async def _serve_until_idle(self) -> None:
         live = await self._start(self.admission.first())
