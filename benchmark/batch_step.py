@@ -38,6 +38,7 @@ import specula_kernels.paged_attention as paged_attention  # noqa: E402
 import specula_server.generator as generator_module  # noqa: E402
 from specula_server import batch as batch_module  # noqa: E402
 from specula_server.params import SamplingParams  # noqa: E402
+from specula_server.request import StepPlan  # noqa: E402
 from specula_server.sampling import Sampler  # noqa: E402
 from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
 from specula_server.testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
@@ -84,17 +85,17 @@ def measure(generator, prompts: list[list[int]], steps: int) -> dict:
     specs = [make_spec(i, p, pool, max_new_tokens=steps + 8, ignore_eos_token=True,
                        sampling=SamplingParams(do_sample=True, seed=i)) for i, p in enumerate(prompts)]
     install(CURRENT)
-    generator.prefill(0, specs)
+    generator.step(StepPlan(new=specs))
     names = list(VARIANTS)
     times: dict[str, list[float]] = {name: [] for name in names}
     for step in range(steps // len(names)):
         for name in names if step % 2 == 0 else names[::-1]:
             install(VARIANTS[name])
             start = time.perf_counter()
-            generator.decode([0])
+            generator.step(StepPlan())
             times[name].append(time.perf_counter() - start)
     install(CURRENT)
-    generator.clear()
+    generator.reset()
     row = {name: {"step_ms": 1e3 * statistics.median(t)} for name, t in times.items()}
     for name in names[1:]:
         row[name]["vs_before"] = statistics.median(a / b for a, b in zip(times[name], times["before"]))

@@ -35,6 +35,7 @@ import speculation as bench  # noqa: E402  (puts the repo's packages on the path
 import torch  # noqa: E402
 
 from specula_server.batch import build_step  # noqa: E402
+from specula_server.request import StepPlan  # noqa: E402
 from specula_server.speculation.drafters import PromptLookupDrafter  # noqa: E402
 from specula_server.testing.worker import generate_alone, load_test_generator, token_ids  # noqa: E402
 
@@ -119,18 +120,18 @@ def main() -> None:
     r = requests[middle]
     spec = bench.batch_specs(generator, [r], 0, max(args.drafts) + 1,
                              max_new_tokens=len(answers[middle]) + extra)[0]
-    generator.prefill(0, [spec])
+    generator.step(StepPlan(new=[spec]))
     for _ in range(len(answers[middle]) // 2):
-        generator.decode([0])
-    request = generator.batches[0].requests[0]
+        generator.step(StepPlan())
+    request = generator.requests[spec.id]
     rows = sorted({1} | {k + 1 for k in args.drafts})
     forwards = forward_times(generator, request, rows, args.repeats)
     step_times = []
     for _ in range(min(args.repeats, 64)):
         start = time.perf_counter()
-        generator.decode([0])
+        generator.step(StepPlan())
         step_times.append(time.perf_counter() - start)
-    generator.clear()
+    generator.reset()
     plain = statistics.median(step_times)
     rest = max(plain - forwards[1], 0.0)
 

@@ -131,8 +131,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_launcher(model_dir: Path, port: int, tmp: Path, extra: list[str]) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(REPO / p) for p in
+def start_launcher(model_dir: Path, port: int, tmp: Path, extra: list[str], tree: Path = REPO) -> subprocess.Popen:
+    """`specula-launcher` from the source tree `tree` (this one, or a checkout of another commit to compare)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(tree / p) for p in
                                                       ("server", "kernels", "proto", "router", "launcher")))
     cmd = [sys.executable, "-m", "specula_launcher.cli", "--model-id", str(model_dir), "--port", str(port),
            "--hostname", "127.0.0.1", "--shard-uds-path", str(tmp / "shard"), *extra]
@@ -155,10 +156,10 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float = 300) 
 
 
 @contextlib.contextmanager
-def served(model_dir: Path, tmp: Path, extra: list[str]) -> Iterator[str]:
+def served(model_dir: Path, tmp: Path, extra: list[str], tree: Path = REPO) -> Iterator[str]:
     """A launcher serving `model_dir` with the `extra` flags while the block runs; yields its URL once healthy."""
     port = free_port()
-    proc = start_launcher(model_dir, port, tmp, extra)
+    proc = start_launcher(model_dir, port, tmp, extra, tree)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, proc)

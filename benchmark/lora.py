@@ -31,6 +31,7 @@ import torch  # noqa: E402
 
 from specula_server.testing.adapters import ALL_PROJECTIONS, build_lora_adapter  # noqa: E402
 from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
+from specula_server.request import StepPlan  # noqa: E402
 from specula_server.testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
 
 
@@ -40,10 +41,10 @@ def decode_rate(generator, adapter_ids: list[str], prompt_len: int, new_tokens: 
     gen = torch.Generator().manual_seed(seed)
     specs = [make_spec(i, [1] + torch.randint(3, 500, (prompt_len - 1,), generator=gen).tolist(), pool,
                        max_new_tokens=new_tokens, adapter_id=a) for i, a in enumerate(adapter_ids)]
-    result = generator.prefill(0, specs)
+    generator.step(StepPlan(new=specs))
     tokens, start = 0, time.perf_counter()
-    while result.batch is not None:
-        result = generator.decode([0])
+    while generator.requests:  # finished requests leave on their own
+        result = generator.step(StepPlan())
         tokens += sum(len(o.tokens) for o in result.outputs)
     return tokens / (time.perf_counter() - start)
 

@@ -31,6 +31,7 @@ sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto")]
 
 import torch  # noqa: E402
 
+from specula_server.request import StepPlan  # noqa: E402
 from specula_server.testing import code_corpus  # noqa: E402
 from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
 from specula_server.testing.worker import (  # noqa: E402
@@ -109,10 +110,12 @@ def perplexity(generator, windows: list[list[int]]) -> float:
     total, count = 0.0, 0
     for i, window in enumerate(windows):
         spec = make_spec(i, window, pool, max_new_tokens=1, prefill_logprobs=True)
-        result = generator.prefill(i, [spec])
-        scored = [t.logprob for t in result.outputs[0].prefill_tokens[1:]]
+        (out,) = generator.step(StepPlan(new=[spec])).outputs  # one token: it finishes in this step
+        if out.error:
+            raise RuntimeError(out.error)
+        scored = [t.logprob for t in out.prefill_tokens[1:]]
         total, count = total - sum(scored), count + len(scored)
-        generator.clear(i)
+        generator.reset()
         pool.give(spec.blocks)
     return math.exp(total / count)
 
@@ -122,7 +125,7 @@ def greedy_tokens(generator, prompts: list[list[int]], num_new: int) -> list[lis
     results = []
     for i, prompt in enumerate(prompts):
         spec = make_spec(i, prompt, pool, max_new_tokens=num_new)
-        results.append(token_ids(generate_alone(generator, spec, batch_id=i)))
+        results.append(token_ids(generate_alone(generator, spec)))
         pool.give(spec.blocks)
     return results
 

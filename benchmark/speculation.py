@@ -40,6 +40,7 @@ sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto")]
 import torch  # noqa: E402
 
 from specula_server.params import SamplingParams  # noqa: E402
+from specula_server.request import StepPlan  # noqa: E402
 from specula_server.testing import code_corpus  # noqa: E402
 from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
 from specula_server.testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
@@ -106,52 +107,50 @@ def run_requests(generator, requests: list[dict], concurrency: int, seed: int, l
     for first in range(0, len(requests), concurrency):
         specs = batch_specs(generator, requests[first : first + concurrency], seed + first, lookahead)
         start = time.perf_counter()
-        result = generator.prefill(0, specs)
-        tokens += sum(len(o.tokens) for o in result.outputs)
-        while result.batch is not None:
-            steps += len(result.batch.request_ids)
-            result = generator.decode([0])
-            tokens += sum(len(o.tokens) for o in result.outputs)
+        tokens += emitted(generator.step(StepPlan(new=specs)))
+        while generator.requests:  # finished requests leave on their own
+            steps += len(generator.requests)  # each decodes once this step
+            tokens += emitted(generator.step(StepPlan()))
         seconds += time.perf_counter() - start
     return seconds, tokens, steps
 
 
+def emitted(result) -> int:
+    """Tokens a step emitted; a failed request stops the benchmark."""
+    for o in result.outputs:
+        if o.error:
+            raise RuntimeError(o.error)
+    return sum(len(o.tokens) for o in result.outputs)
+
+
 def run_continuous(generator, requests: list[dict], concurrency: int, seed: int, lookahead: int):
     """Runs `requests` as `concurrency` clients in a closed loop would, the way the server batches them: a
-    finished request is replaced at once by the next, prefilled as a batch of its own and merged into the
-    running batch (continuous batching). Counts the steady part only, up to the first step after which a
+    finished request is replaced at once by the next, which joins the next step (its prompt is computed while
+    the others decode: continuous batching). Counts the steady part only, up to the first step after which a
     finished request has no successor: the drain that follows runs a shrinking batch that a server at this
     load does not see. Returns seconds, generated tokens and per-request decode steps of that part."""
     pool = BlockPool(generator.kv_cache.num_blocks, generator.block_size)
     queue = list(enumerate(requests))
     blocks: dict[int, tuple[int, ...]] = {}
-    running, next_batch, tokens, steps = None, 0, 0, 0
+    tokens, steps = 0, 0
     start = time.perf_counter()
     while True:
-        batch_ids = [] if running is None else [running]
+        specs = []
         if len(blocks) < concurrency and queue:
             admitted, queue = queue[: concurrency - len(blocks)], queue[concurrency - len(blocks) :]
             specs = [request_spec(i, r, pool, seed + i, lookahead) for i, r in admitted]
             blocks.update((s.id, s.blocks) for s in specs)
-            result = generator.prefill(next_batch, specs)
-            tokens += sum(len(o.tokens) for o in result.outputs)
-            if result.batch is not None:
-                batch_ids.append(next_batch)
-            next_batch += 1
-        if not batch_ids:
+        if not specs and not generator.requests:
             break
-        steps += sum(len(generator.batches[b].requests) for b in batch_ids)
-        result = generator.decode(batch_ids)
-        tokens += sum(len(o.tokens) for o in result.outputs)
-        running = None if result.batch is None else result.batch.id
-        alive = set() if result.batch is None else {r.id for r in result.batch.requests}
-        finished = [i for i in blocks if i not in alive]
+        steps += len(generator.requests)  # the running requests decode once this step; newcomers prefill
+        tokens += emitted(generator.step(StepPlan(new=specs)))
+        finished = [i for i in blocks if i not in generator.requests]  # they left on their own
         for i in finished:
             pool.give(blocks.pop(i))
         if finished and not queue:
             break
     seconds = time.perf_counter() - start
-    generator.clear()  # the drain is not run
+    generator.reset()  # the drain is not run
     return seconds, tokens, steps
 
 
@@ -245,7 +244,8 @@ def main() -> None:
         generators = {name: load_test_generator(model_dir, num_blocks=blocks, dtype=dtype, device=args.device, **s)
                       for name, s in configs.items()}
         for g in generators.values():
-            calibrate_step_cost(g)  # what the server's warmup does
+            if g.speculation is not None:  # what the server's warmup does (a plain generator has no cost model)
+                calibrate_step_cost(g)
         results = []
         for workload in args.workload:
             for c in args.concurrency:

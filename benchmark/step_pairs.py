@@ -27,6 +27,7 @@ import speculation as bench  # noqa: E402  (puts the repo's packages on the path
 
 import torch  # noqa: E402
 
+from specula_server.request import StepPlan  # noqa: E402
 from specula_server.testing.worker import load_test_generator  # noqa: E402
 from specula_server.warmup import calibrate_step_cost  # noqa: E402
 
@@ -37,22 +38,22 @@ def measure(generators: dict, requests: list[dict], repeats: int, new_tokens: in
     names = list(generators)
     for rep in range(repeats):
         for g in generators.values():
-            g.prefill(0, bench.batch_specs(g, requests, 1000 * rep, lookahead, max_new_tokens=new_tokens))
+            g.step(StepPlan(new=bench.batch_specs(g, requests, 1000 * rep, lookahead, max_new_tokens=new_tokens)))
         for step in range(new_tokens - 1):
             order = names if step % 2 == 0 else names[::-1]
             step_times, step_tokens = {}, {}
             for name in order:
                 start = time.perf_counter()
-                result = generators[name].decode([0])
+                result = generators[name].step(StepPlan())
                 step_times[name] = time.perf_counter() - start
                 step_tokens[name] = sum(len(o.tokens) for o in result.outputs)
-            if any(generators[name].batches.get(0) is None for name in names):
+            if any(not generators[name].requests for name in names):
                 break  # a setting finished (it emitted several tokens per step): only full steps compare
             for name in names:
                 times[name].append(step_times[name])
                 tokens[name] += step_tokens[name]
         for g in generators.values():
-            g.clear()
+            g.reset()
     row = {}
     for name in names[1:]:
         step_time = statistics.median(a / b for a, b in zip(times[name], times["off"]))
@@ -82,7 +83,8 @@ def main() -> None:
     generators = {name: load_test_generator(args.model_dir, num_blocks=blocks, dtype=dtype, device=args.device, **s)
                   for name, s in configs.items()}
     for g in generators.values():
-        calibrate_step_cost(g)
+        if g.speculation is not None:  # as the server's warmup does (a plain generator has no cost model)
+            calibrate_step_cost(g)
     results = []
     for c in args.concurrency:
         row = {"workload": args.workload, "concurrency": c,

@@ -1,9 +1,9 @@
 """Clients that go away: the request is dropped, its KV blocks come back, and the server keeps serving.
 
-The router notices a disconnect, marks the request cancelled, and drops it from the running batch after the
-current step (FilterBatch), which frees its KV blocks. Observed from outside through /metrics:
-`specula_request_failure{err="cancelled"}` counts dropped requests and `specula_batch_current_max_tokens` is the
-KV reserved by the running batch, which must return to 0 once nothing runs.
+The router notices a disconnect, marks the request cancelled, lists it as finished in the next step it sends,
+and frees its KV blocks. Observed from outside through /metrics: `specula_request_failure{err="cancelled"}`
+counts dropped requests and `specula_batch_current_max_tokens` is the KV held by running requests, which must
+return to 0 once nothing runs.
 """
 
 from __future__ import annotations

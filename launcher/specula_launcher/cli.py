@@ -67,8 +67,14 @@ def main(
     speculator: Optional[str] = typer.Option(
         None, envvar="SPECULATOR",
         help="Medusa heads, an MLP speculator or a draft model (a small causal LM with the model's tokenizer): "
-             "directory or Hub id, drafting for every request without Medusa heads of its own. With the demo "
-             "model, also a member of its bundled family: draft-model, mlp-speculator or medusa."),
+             "directory or Hub id, drafting for every request without Medusa heads of its own; or `suffix`, "
+             "suffix decoding (drafts from the request's context and from earlier requests' outputs, prompt "
+             "lookup behind it; a directory called suffix is ./suffix). With the demo model, also a member of "
+             "its bundled family: draft-model, mlp-speculator or medusa."),
+    suffix_cache_tokens: int = typer.Option(
+        100_000, envvar="SUFFIX_CACHE_TOKENS",
+        help="With --speculator suffix: output tokens of finished requests each shard keeps in its global suffix "
+             "trees (all adapters together; the oldest request's leave first)."),
     draft_tree_width: int = typer.Option(
         1, envvar="DRAFT_TREE_WIDTH",
         help="Candidates per Medusa head or MLP speculator stage: 1 verifies the top-1 chain, more verify a tree "
@@ -107,18 +113,30 @@ def main(
     max_batch_total_tokens: Optional[int] = typer.Option(
         None, envvar="MAX_BATCH_TOTAL_TOKENS", help="KV tokens across the batch. Default: measured at warmup."),
     max_waiting_tokens: int = typer.Option(
-        20, envvar="MAX_WAITING_TOKENS", help="Decode steps before waiting requests are forced into the batch."),
+        20, envvar="MAX_WAITING_TOKENS", help="Steps before waiting requests are forced into the batch."),
     max_batch_size: Optional[int] = typer.Option(None, envvar="MAX_BATCH_SIZE", help="Largest running batch."),
     shard_uds_path: Optional[str] = typer.Option(
         None, envvar="SHARD_UDS_PATH",
         help="Shard socket prefix; shard r listens on PATH-r. Refused when a live process serves one of them. "
              "Default: a new directory of this launcher's own under $XDG_RUNTIME_DIR (else the temp directory), "
              "removed at exit."),
-    master_addr: str = typer.Option("localhost", envvar="MASTER_ADDR", help="torch.distributed address."),
+    master_addr: str = typer.Option(
+        "localhost", envvar="MASTER_ADDR",
+        help="torch.distributed address: node 0's address (reachable from every node) with --nnodes > 1."),
     master_port: Optional[int] = typer.Option(
         None, envvar="MASTER_PORT",
         help="torch.distributed port (used with --num-shard > 1; refused when something listens on it). "
-             "Default: a free port chosen at start."),
+             "Default: a free port chosen at start; required with --nnodes > 1."),
+    nnodes: int = typer.Option(
+        1, envvar="NNODES",
+        help="Nodes one tensor-parallel group spans (torchrun's name). Each node runs `specula-launcher` with the "
+             "same --num-shard (all nodes' shards), --nnodes, --master-addr and --master-port, and its own "
+             "--node-rank; node 0 also runs the router, which reaches the other nodes' shards over TCP."),
+    node_rank: int = typer.Option(0, envvar="NODE_RANK", help="This node's rank, 0 .. --nnodes - 1 (torchrun's)."),
+    node_host: Optional[str] = typer.Option(
+        None, envvar="NODE_HOST",
+        help="With --node-rank > 0: the address node 0's router reaches this node's shards at (gRPC over TCP, "
+             "a free port per shard). Default: this node's address on the route to --master-addr."),
     huggingface_hub_cache: Optional[Path] = typer.Option(
         None, envvar="HUGGINGFACE_HUB_CACHE", help="Hub cache directory."),
     json_output: bool = typer.Option(
@@ -194,8 +212,11 @@ def launch(config: LauncherConfig, stream: TextIO | None = None) -> int:
         sink.emit(LAUNCHER, f"error: {e}")
         return 2
     config = endpoints.config
-    sink.emit(LAUNCHER, f"{config.num_shard} shard(s) of {config.model_id} on {config.device} ({config.dtype}), "
-                        f"router on {config.hostname}:{config.port}")
+    where = f"router on {config.hostname}:{config.port}" if config.runs_router else "router on node 0"
+    nodes = f", ranks {config.local_ranks.start}..{config.local_ranks.stop - 1} on node {config.node_rank} of " \
+            f"{config.nnodes}" if config.nnodes > 1 else ""
+    sink.emit(LAUNCHER, f"{config.num_shard} shard(s) of {config.model_id} on {config.device} ({config.dtype})"
+                        f"{nodes}, {where}")
     sink.emit(LAUNCHER, f"max_input_tokens={config.max_input_tokens} max_total_tokens={config.max_total_tokens} "
                         f"max_batch_prefill_tokens={config.max_batch_prefill_tokens} "
                         f"speculative_tokens={config.speculative_tokens}")
@@ -204,11 +225,13 @@ def launch(config: LauncherConfig, stream: TextIO | None = None) -> int:
                             f"adapter_dir={','.join(config.adapter_dir) or '-'} "
                             f"preloaded={','.join(config.preloaded_adapter_ids) or '-'}")
     owner = "this launcher's own directory, removed at exit" if endpoints.owned_dir else "--shard-uds-path"
-    sink.emit(LAUNCHER, f"shard sockets {config.shard_uds_path}-{{0..{config.num_shard - 1}}} ({owner}), "
+    ranks = config.local_ranks
+    sink.emit(LAUNCHER, f"shard sockets {config.shard_uds_path}-{{{ranks.start}..{ranks.stop - 1}}} ({owner}), "
                         f"torch.distributed {config.master_addr}:{config.master_port}, instance {config.instance_id}")
     try:
         supervisor = Supervisor(
-            shards=shard_specs(config), router=router_spec(config), shard_sockets=shard_sockets(config), sink=sink,
+            shards=shard_specs(config), router=router_spec(config) if config.runs_router else None,
+            shard_sockets=shard_sockets(config), sink=sink,
             drain_timeout=config.shutdown_timeout + ROUTER_CLOSE_GRACE_S, stop_timeout=SHARD_STOP_TIMEOUT_S,
         )
         return run_with_signal_handlers(supervisor)

@@ -6,8 +6,9 @@ Shards (one per rank, identical arguments, the rank in the environment as torch.
         --device cpu --block-size 16 --max-active-adapters 8 [--revision R] [--huggingface-hub-cache DIR]
         [--kv-cache-memory SIZE] [--adapter-dir DIR ...] --instance-id ID [--quantize Q --quantize-group-size G]
         [--speculative-tokens N --speculation-mode M --ngram-min A --ngram-max B --ngram-match W
-         --draft-tree-width K [--speculator S]]
-    env: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOG_LEVEL (+ the launcher's own environment, less API_KEY)
+         --draft-tree-width K [--speculator S] [--suffix-cache-tokens T]]
+    env: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOG_LEVEL (+ the launcher's own environment,
+    less API_KEY); on a node other than node 0 also GRPC_HOST, the address node 0's router reaches it at
 
 Router (connects to shard 0, which lists the others through ServiceDiscovery):
 
@@ -58,12 +59,16 @@ def shard_command(config: LauncherConfig) -> list[str]:
     ]
     for name in ("revision", "huggingface_hub_cache", "kv_cache_memory", "adapter_dir", "instance_id"):
         argv += _flag(name, getattr(config, name))
+    if not config.runs_router:  # node 0's router reaches these shards over TCP
+        argv += _flag("grpc_host", config.node_host)
     if config.quantize is not None:
         argv += [*_flag("quantize", config.quantize), *_flag("quantize_group_size", config.quantize_group_size)]
     if config.speculative_tokens > 0:
         for name in ("speculative_tokens", "speculation_mode", "ngram_min", "ngram_max", "ngram_match",
                      "speculator", "draft_tree_width"):
             argv += _flag(name, getattr(config, name))
+        if config.speculator == "suffix":
+            argv += _flag("suffix_cache_tokens", config.suffix_cache_tokens)
     return argv
 
 
@@ -74,7 +79,8 @@ def shard_env(config: LauncherConfig, rank: int, base_env: Mapping[str, str]) ->
     assert config.master_port is not None, "the master port is chosen at launch (endpoints.claim_endpoints)"
     return {
         **{k: v for k, v in base_env.items() if k != API_KEY_ENV},
-        "RANK": str(rank), "WORLD_SIZE": str(config.num_shard), "MASTER_ADDR": config.master_addr,
+        "RANK": str(rank), "LOCAL_RANK": str(rank - config.local_ranks.start),
+        "WORLD_SIZE": str(config.num_shard), "MASTER_ADDR": config.master_addr,
         "MASTER_PORT": str(config.master_port), "LOG_LEVEL": config.log_level,
         "PYTHONUNBUFFERED": "1",  # lines reach the launcher as they are printed, not when a buffer fills
     }
@@ -109,7 +115,7 @@ def router_env(config: LauncherConfig, base_env: Mapping[str, str]) -> dict[str,
 def shard_specs(config: LauncherConfig, base_env: Mapping[str, str] | None = None) -> list[ChildSpec]:
     env = os.environ if base_env is None else base_env
     argv = tuple(shard_command(config))
-    return [ChildSpec(f"shard-{rank}", argv, shard_env(config, rank, env)) for rank in range(config.num_shard)]
+    return [ChildSpec(f"shard-{rank}", argv, shard_env(config, rank, env)) for rank in config.local_ranks]
 
 
 def router_spec(config: LauncherConfig, base_env: Mapping[str, str] | None = None) -> ChildSpec:
@@ -118,7 +124,7 @@ def router_spec(config: LauncherConfig, base_env: Mapping[str, str] | None = Non
 
 
 def shard_sockets(config: LauncherConfig) -> list[Path]:
-    return [config.shard_socket(rank) for rank in range(config.num_shard)]
+    return [config.shard_socket(rank) for rank in config.local_ranks]
 
 
 def _flag(name: str, value: object) -> list[str]:

@@ -74,6 +74,7 @@ class LauncherConfig:
     ngram_max: int = 3
     ngram_match: str = "latest"
     speculator: str | None = None
+    suffix_cache_tokens: int = 100_000  # --speculator suffix: output tokens the global suffix trees keep
     draft_tree_width: int = 1
     adapter_source: str = "hub"
     adapter_dir: tuple[str, ...] = ()  # directories whose subdirectories are the `local` adapters
@@ -92,7 +93,10 @@ class LauncherConfig:
     max_batch_size: int | None = None
     shard_uds_path: str | None = None  # None: a directory of this launcher's own, chosen at launch (endpoints.py)
     master_addr: str = "localhost"
-    master_port: int | None = None  # None: a free port, chosen at launch
+    master_port: int | None = None  # None: a free port, chosen at launch (one node only)
+    nnodes: int = 1  # nodes the tensor-parallel group spans; node 0 runs the router
+    node_rank: int = 0  # this node's place among them
+    node_host: str | None = None  # the address node 0's router reaches this node's shards at (nodes > 0)
     huggingface_hub_cache: str | None = None
     json_output: bool = False
     payload_limit: int = 2_000_000
@@ -118,6 +122,16 @@ class LauncherConfig:
         _check_choices(self)
         _check_ranges(self)
         _check_token_relations(self)
+
+    @property
+    def local_ranks(self) -> range:
+        """The global ranks of the shards this launcher runs: `num_shard / nnodes` of them, by node."""
+        per_node = self.num_shard // self.nnodes
+        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
+
+    @property
+    def runs_router(self) -> bool:
+        return self.node_rank == 0
 
     def shard_socket(self, rank: int) -> Path:
         """The unix socket shard `rank` listens on once its model is loaded (the path must be chosen by then)."""
@@ -177,6 +191,7 @@ def _check_ranges(c: LauncherConfig) -> None:
         "--max-batch-size": (c.max_batch_size, 1), "--payload-limit": (c.payload_limit, 1),
         "--validation-workers": (c.validation_workers, 1), "--max-adapter-labels": (c.max_adapter_labels, 0),
         "--block-size": (c.block_size, 1), "--shutdown-timeout": (c.shutdown_timeout, 0),
+        "--suffix-cache-tokens": (c.suffix_cache_tokens, 0),
     }
     for flag, (value, low) in at_least.items():
         if value is not None and value < low:
@@ -191,6 +206,20 @@ def _check_ranges(c: LauncherConfig) -> None:
     if c.port == c.master_port:
         raise ValueError(f"--port and --master-port are both {c.port}; the router and torch.distributed "
                          f"cannot share a port")
+    _check_nodes(c)
+
+
+def _check_nodes(c: LauncherConfig) -> None:
+    """torchrun's rules: every node names the same --nnodes, --master-addr and --master-port, and its own
+    --node-rank; the shards divide evenly among the nodes."""
+    if c.nnodes < 1 or not 0 <= c.node_rank < c.nnodes:
+        raise ValueError(f"need --nnodes >= 1 and 0 <= --node-rank < --nnodes; got --nnodes {c.nnodes}, "
+                         f"--node-rank {c.node_rank}")
+    if c.num_shard % c.nnodes:
+        raise ValueError(f"--num-shard ({c.num_shard}, the shards of all nodes) must be a multiple of --nnodes "
+                         f"({c.nnodes})")
+    if c.nnodes > 1 and c.master_port is None:
+        raise ValueError("--nnodes > 1 needs --master-port (env MASTER_PORT): every node must name the same one")
 
 
 def _check_token_relations(c: LauncherConfig) -> None:
@@ -254,7 +283,7 @@ def build_config(
     if device is None:
         device = "cuda" if count() > 0 else "cpu"
     elif device == "cuda":
-        _check_cuda(count(), num_shard)
+        _check_cuda(count(), num_shard // int(settings.get("nnodes", 1)))  # type: ignore[call-overload]
     if dtype is None:
         dtype = "bfloat16" if device == "cuda" else "float32"
     max_positions = read_max_positions(model_dir) if model_dir is not None else None

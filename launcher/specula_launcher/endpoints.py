@@ -14,7 +14,10 @@ with names no other process holds, and refuses the ones the user named when a li
                              single shard never opens it
 
 The run's instance id (a random uuid) goes to every shard and to the router, which refuses a shard reporting
-another id: the last line of defence if two launchers still race to one path. A launcher killed by SIGKILL
+another id: the last line of defence if two launchers still race to one path. With --nnodes > 1 the launchers of
+one group must agree on it without talking: it is derived from the rendezvous address and port they share (two
+groups cannot hold one rendezvous at once). A node other than node 0 also needs the address node 0's router
+reaches its shards at (--node-host; by default its own address on the route to --master-addr). A launcher killed by SIGKILL
 leaves its directory behind; the next launcher removes it (`sweep_stale_dirs`).
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 import os
 import shutil
 import socket
@@ -61,17 +65,35 @@ def claim_endpoints(config: LauncherConfig, parent: Path | None = None) -> Endpo
     """
     if config.shard_uds_path is not None:
         check_socket_prefix(config.shard_uds_path, config.num_shard)
-    if config.master_port is not None and config.num_shard > 1:
-        check_master_port(config.master_port)
+    if config.master_port is not None and config.num_shard > 1 and config.node_rank == 0:
+        check_master_port(config.master_port)  # node 0's shard 0 listens on it; on other nodes it is remote
     master_port = config.master_port if config.master_port is not None else free_port(avoid=config.port)
+    instance_id = uuid.uuid4().hex
+    if config.nnodes > 1:
+        instance_id = hashlib.sha256(f"{config.master_addr}:{master_port}".encode()).hexdigest()[:32]
+    node_host = config.node_host
+    if config.node_rank > 0 and node_host is None:
+        node_host = route_address(config.master_addr, master_port)
     owned_dir = None
     shard_uds_path = config.shard_uds_path
     if shard_uds_path is None:
         owned_dir = make_socket_dir(parent or runtime_dir(), config.num_shard)
         shard_uds_path = str(owned_dir / SOCKET_NAME)
     resolved = dataclasses.replace(config, shard_uds_path=shard_uds_path, master_port=master_port,
-                                   instance_id=uuid.uuid4().hex)
+                                   instance_id=instance_id, node_host=node_host)
     return Endpoints(resolved, owned_dir)
+
+
+def route_address(host: str, port: int) -> str:
+    """This host's address on the route to `host` (a UDP socket "connected" to it sends nothing)."""
+    try:
+        family, _, _, _, address = socket.getaddrinfo(host, port, proto=socket.IPPROTO_UDP)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            return probe.getsockname()[0]
+    except OSError as e:
+        raise ValueError(f"cannot find this node's address on the route to --master-addr {host}: {e}; pass "
+                         f"--node-host (env NODE_HOST)") from e
 
 
 def runtime_dir() -> Path:

@@ -6,6 +6,7 @@ The launcher's whole life is one `Supervisor.run()`:
                                    │ a shard exits first                              │ any child exits
                                    └──────────────> failure: stop the rest, print its tail, return 1
     SIGINT / SIGTERM at any point ─> SIGTERM router, wait (it drains) ─> SIGTERM shards, wait ─> return 0
+    (a node other than node 0 of a multi-node group runs shards only: no router)
                                      (3 when the router's drain ran out and it cut requests short)
 
 Each child runs in its own process group (a Ctrl-C in the terminal reaches only the launcher, which then stops
@@ -145,7 +146,7 @@ class Supervisor:
     def __init__(
         self,
         shards: Sequence[ChildSpec],
-        router: ChildSpec,
+        router: ChildSpec | None,
         shard_sockets: Sequence[Path],
         sink: LogSink,
         drain_timeout: float,
@@ -155,7 +156,7 @@ class Supervisor:
     ) -> None:
         assert len(shards) == len(shard_sockets) and shards, "one socket per shard, at least one shard"
         self._shards = [Child(spec, sink) for spec in shards]
-        self._router = Child(router, sink)
+        self._router = Child(router, sink) if router is not None else None
         self._sockets = list(shard_sockets)
         self._sink = sink
         self._drain_timeout = drain_timeout
@@ -168,8 +169,12 @@ class Supervisor:
 
     @property
     def children(self) -> list[Child]:
-        """The shards in rank order, then the router."""
-        return [*self._shards, self._router]
+        """The shards in rank order, then the router (if this launcher runs one)."""
+        return [*self._shards, *self._routers]
+
+    @property
+    def _routers(self) -> list[Child]:
+        return [self._router] if self._router is not None else []
 
     def request_stop(self, reason: str = "stop requested") -> None:
         """Asks `run` to shut down; safe to call from a signal handler. A second call forces SIGKILL."""
@@ -182,8 +187,11 @@ class Supervisor:
             self._remove_sockets(at_start=True)
             failed = self._start_shards()
             if failed is None and not self._num_stop_requests:
-                self._log("starting router")
-                self._router.start()
+                if self._router is not None:
+                    self._log("starting router")
+                    self._router.start()
+                else:
+                    self._log("shards only: the router runs on node 0")
                 failed = self._monitor()
         except BaseException as e:
             self._log(f"launcher error: {e!r}; stopping")
@@ -199,7 +207,7 @@ class Supervisor:
             return 1
         self._log(f"{self._stop_reason}: shutting down")
         self._shutdown()
-        if self._router.returncode == DRAIN_CUT_EXIT_CODE:
+        if self._router is not None and self._router.returncode == DRAIN_CUT_EXIT_CODE:
             self._log("the router's drain was cut by --shutdown-timeout: the requests still in flight were "
                       "ended with a shutdown error")
             return DRAIN_CUT_EXIT_CODE
@@ -210,7 +218,7 @@ class Supervisor:
         for child in self._shards:
             child.start()
         started = time.monotonic()
-        pending = dict(enumerate(self._sockets))
+        pending = {child.name.replace("-", " "): path for child, path in zip(self._shards, self._sockets)}
         next_progress = started + self._progress_interval
         while pending:
             if self._num_stop_requests:
@@ -218,13 +226,13 @@ class Supervisor:
             dead = self._first_exited(self._shards)
             if dead is not None:
                 return dead
-            for rank, path in list(pending.items()):
+            for name, path in list(pending.items()):
                 if path.exists():
-                    self._log(f"shard {rank} ready ({path})")
-                    del pending[rank]
+                    self._log(f"{name} ready ({path})")
+                    del pending[name]
             if pending and time.monotonic() >= next_progress:
-                for rank in pending:
-                    self._log(f"waiting for shard {rank} ({time.monotonic() - started:.0f}s)")
+                for name in pending:
+                    self._log(f"waiting for {name} ({time.monotonic() - started:.0f}s)")
                 next_progress += self._progress_interval
             if pending:
                 time.sleep(self._poll)
@@ -233,7 +241,7 @@ class Supervisor:
 
     def _monitor(self) -> Child | None:
         while not self._num_stop_requests:
-            dead = self._first_exited([self._router, *self._shards])
+            dead = self._first_exited([*self._routers, *self._shards])
             if dead is not None:
                 return dead
             time.sleep(self._poll)
@@ -246,9 +254,9 @@ class Supervisor:
     def _shutdown(self) -> None:
         """Router first (it drains in-flight requests), then the shards; SIGKILL after each timeout."""
         requests_before = self._num_stop_requests
-        if self._router.is_running:
+        if any(r.is_running for r in self._routers):
             self._log(f"stopping router (drains for up to {self._drain_timeout:.0f}s)")
-        self._stop([self._router], self._drain_timeout, requests_before)
+        self._stop(self._routers, self._drain_timeout, requests_before)
         if any(c.is_running for c in self._shards):
             self._log("stopping shards")
         self._stop(self._shards, self._stop_timeout, requests_before)

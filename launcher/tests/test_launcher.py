@@ -22,7 +22,7 @@ import pytest
 from typer.testing import CliRunner
 
 from specula_launcher import cli
-from specula_launcher.commands import router_command, router_spec, shard_command, shard_env, shard_specs
+from specula_launcher.commands import router_command, router_spec, shard_command, shard_env, shard_sockets, shard_specs
 from specula_launcher.compat import FOREIGN_FLAGS
 from specula_launcher.config import DEMO_ADAPTERS_DIR, DEMO_MODEL_DIR, LauncherConfig, build_config, derive_token_limits
 from specula_launcher.endpoints import claim_endpoints
@@ -262,10 +262,31 @@ def test_shard_command_and_environment(tmp_path: Path) -> None:
         build_config(model_id=model, speculation_mode="sometimes", **NO_GPU)
     c = build_config(model_id=model, num_shard=2, master_port=29600, log_level="debug", **NO_GPU)
     env = shard_env(c, 1, {"HF_TOKEN": "secret", "PATH": "/bin"})
-    assert env == {"HF_TOKEN": "secret", "PATH": "/bin", "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost",
-                   "MASTER_PORT": "29600", "LOG_LEVEL": "DEBUG", "PYTHONUNBUFFERED": "1"}
+    assert env == {"HF_TOKEN": "secret", "PATH": "/bin", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
+                   "MASTER_ADDR": "localhost", "MASTER_PORT": "29600", "LOG_LEVEL": "DEBUG", "PYTHONUNBUFFERED": "1"}
     specs = shard_specs(claimed(c), {"HF_TOKEN": "secret"})
     assert [s.name for s in specs] == ["shard-0", "shard-1"] and [s.env["RANK"] for s in specs] == ["0", "1"]
+
+
+def test_each_node_of_a_multi_node_group_runs_its_share_of_the_ranks(tmp_path):
+    """torchrun's flags: 4 shards over 2 nodes; node 1 runs ranks 2 and 3 (local ranks 0 and 1), serves them over
+    TCP on the address node 0 reaches it at, and runs no router; both nodes agree on the instance id."""
+    model = str(make_model_dir(tmp_path))
+    common = dict(model_id=model, num_shard=4, nnodes=2, master_addr="10.0.0.1", master_port=29600, **NO_GPU)
+    node0 = claim_endpoints(build_config(**common), parent=tmp_path).config
+    node1 = claim_endpoints(build_config(**common, node_rank=1, node_host="10.0.0.2"), parent=tmp_path).config
+    assert list(node0.local_ranks) == [0, 1] and list(node1.local_ranks) == [2, 3]
+    assert node0.runs_router and not node1.runs_router and node0.instance_id == node1.instance_id
+    specs = shard_specs(node1, {})
+    assert [s.name for s in specs] == ["shard-2", "shard-3"]
+    assert [(s.env["RANK"], s.env["LOCAL_RANK"], s.env["WORLD_SIZE"]) for s in specs] == [("2", "0", "4"),
+                                                                                          ("3", "1", "4")]
+    assert specs[0].argv[-2:] == ("--grpc-host", "10.0.0.2") and "--grpc-host" not in shard_specs(node0, {})[0].argv
+    assert [p.name for p in shard_sockets(node1)] == ["shard-2", "shard-3"]
+    for bad, match in ((dict(num_shard=3), "multiple of --nnodes"), (dict(node_rank=2), "--node-rank"),
+                       (dict(master_port=None), "needs --master-port")):
+        with pytest.raises(ValueError, match=match):
+            build_config(**{**common, **bad})
 
 
 def test_router_command_with_defaults(tmp_path: Path) -> None:

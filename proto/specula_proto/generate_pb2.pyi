@@ -76,16 +76,6 @@ class ServiceDiscoveryResponse(_message.Message):
     urls: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, urls: _Optional[_Iterable[str]] = ...) -> None: ...
 
-class ClearCacheRequest(_message.Message):
-    __slots__ = ("id",)
-    ID_FIELD_NUMBER: _ClassVar[int]
-    id: int
-    def __init__(self, id: _Optional[int] = ...) -> None: ...
-
-class ClearCacheResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
 class NextTokenChooserParameters(_message.Message):
     __slots__ = ("do_sample", "temperature", "top_k", "top_p", "typical_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "logit_bias")
     class LogitBiasEntry(_message.Message):
@@ -128,7 +118,7 @@ class StoppingCriteriaParameters(_message.Message):
     def __init__(self, max_new_tokens: _Optional[int] = ..., stop_sequences: _Optional[_Iterable[str]] = ..., ignore_eos_token: _Optional[bool] = ...) -> None: ...
 
 class Request(_message.Message):
-    __slots__ = ("id", "inputs", "input_ids", "truncate", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "adapter_id", "speculative_tokens", "cached_tokens", "prefill_until")
+    __slots__ = ("id", "inputs", "input_ids", "truncate", "parameters", "stopping_parameters", "prefill_logprobs", "top_n_tokens", "blocks", "adapter_id", "speculative_tokens", "cached_tokens", "prefill_until", "generated_ids")
     ID_FIELD_NUMBER: _ClassVar[int]
     INPUTS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +132,7 @@ class Request(_message.Message):
     SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_IDS_FIELD_NUMBER: _ClassVar[int]
     id: int
     inputs: str
     input_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -155,25 +146,8 @@ class Request(_message.Message):
     speculative_tokens: int
     cached_tokens: int
     prefill_until: int
-    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., truncate: _Optional[int] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_until: _Optional[int] = ...) -> None: ...
-
-class Batch(_message.Message):
-    __slots__ = ("id", "requests")
-    ID_FIELD_NUMBER: _ClassVar[int]
-    REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    id: int
-    requests: _containers.RepeatedCompositeFieldContainer[Request]
-    def __init__(self, id: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[Request, _Mapping]]] = ...) -> None: ...
-
-class CachedBatch(_message.Message):
-    __slots__ = ("id", "request_ids", "num_cached_tokens")
-    ID_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    id: int
-    request_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_cached_tokens: int
-    def __init__(self, id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    generated_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., truncate: _Optional[int] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_until: _Optional[int] = ..., generated_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Tokens(_message.Message):
     __slots__ = ("ids", "logprobs", "texts", "is_special")
@@ -221,22 +195,6 @@ class Generation(_message.Message):
     error: str
     def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_method: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
-class FilterBatchRequest(_message.Message):
-    __slots__ = ("batch_id", "request_ids", "sequence")
-    BATCH_ID_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
-    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
-    batch_id: int
-    request_ids: _containers.RepeatedScalarFieldContainer[int]
-    sequence: int
-    def __init__(self, batch_id: _Optional[int] = ..., request_ids: _Optional[_Iterable[int]] = ..., sequence: _Optional[int] = ...) -> None: ...
-
-class FilterBatchResponse(_message.Message):
-    __slots__ = ("batch",)
-    BATCH_FIELD_NUMBER: _ClassVar[int]
-    batch: CachedBatch
-    def __init__(self, batch: _Optional[_Union[CachedBatch, _Mapping]] = ...) -> None: ...
-
 class WarmupRequest(_message.Message):
     __slots__ = ("max_input_tokens", "max_prefill_tokens", "max_total_tokens")
     MAX_INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -264,42 +222,6 @@ class Timings(_message.Message):
     decode_ns: int
     total_ns: int
     def __init__(self, forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
-
-class PrefillRequest(_message.Message):
-    __slots__ = ("batch", "sequence")
-    BATCH_FIELD_NUMBER: _ClassVar[int]
-    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
-    batch: Batch
-    sequence: int
-    def __init__(self, batch: _Optional[_Union[Batch, _Mapping]] = ..., sequence: _Optional[int] = ...) -> None: ...
-
-class PrefillResponse(_message.Message):
-    __slots__ = ("generations", "batch", "timings")
-    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
-    BATCH_FIELD_NUMBER: _ClassVar[int]
-    TIMINGS_FIELD_NUMBER: _ClassVar[int]
-    generations: _containers.RepeatedCompositeFieldContainer[Generation]
-    batch: CachedBatch
-    timings: Timings
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
-
-class DecodeRequest(_message.Message):
-    __slots__ = ("batches", "sequence")
-    BATCHES_FIELD_NUMBER: _ClassVar[int]
-    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
-    batches: _containers.RepeatedCompositeFieldContainer[CachedBatch]
-    sequence: int
-    def __init__(self, batches: _Optional[_Iterable[_Union[CachedBatch, _Mapping]]] = ..., sequence: _Optional[int] = ...) -> None: ...
-
-class DecodeResponse(_message.Message):
-    __slots__ = ("generations", "batch", "timings")
-    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
-    BATCH_FIELD_NUMBER: _ClassVar[int]
-    TIMINGS_FIELD_NUMBER: _ClassVar[int]
-    generations: _containers.RepeatedCompositeFieldContainer[Generation]
-    batch: CachedBatch
-    timings: Timings
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., batch: _Optional[_Union[CachedBatch, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
     __slots__ = ("adapter_id", "adapter_source", "api_token")
@@ -336,3 +258,39 @@ class OffloadAdapterResponse(_message.Message):
     OFFLOADED_FIELD_NUMBER: _ClassVar[int]
     offloaded: bool
     def __init__(self, offloaded: _Optional[bool] = ...) -> None: ...
+
+class RequestUpdate(_message.Message):
+    __slots__ = ("id", "new_blocks", "prefill_until")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_UNTIL_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    new_blocks: _containers.RepeatedScalarFieldContainer[int]
+    prefill_until: int
+    def __init__(self, id: _Optional[int] = ..., new_blocks: _Optional[_Iterable[int]] = ..., prefill_until: _Optional[int] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("sequence", "finished", "updates", "new_requests")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    finished: _containers.RepeatedScalarFieldContainer[int]
+    updates: _containers.RepeatedCompositeFieldContainer[RequestUpdate]
+    new_requests: _containers.RepeatedCompositeFieldContainer[Request]
+    def __init__(self, sequence: _Optional[int] = ..., finished: _Optional[_Iterable[int]] = ..., updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ..., new_requests: _Optional[_Iterable[_Union[Request, _Mapping]]] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("generations", "timings", "num_requests", "suffix_cache_tokens", "suffix_cache_nodes")
+    GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_CACHE_NODES_FIELD_NUMBER: _ClassVar[int]
+    generations: _containers.RepeatedCompositeFieldContainer[Generation]
+    timings: Timings
+    num_requests: int
+    suffix_cache_tokens: int
+    suffix_cache_nodes: int
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., num_requests: _Optional[int] = ..., suffix_cache_tokens: _Optional[int] = ..., suffix_cache_nodes: _Optional[int] = ...) -> None: ...

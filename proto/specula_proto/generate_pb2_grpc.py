@@ -49,30 +49,15 @@ class TextGenerationServiceStub:
                 request_serializer=specula__proto_dot_generate__pb2.ServiceDiscoveryRequest.SerializeToString,
                 response_deserializer=specula__proto_dot_generate__pb2.ServiceDiscoveryResponse.FromString,
                 _registered_method=True)
-        self.ClearCache = channel.unary_unary(
-                '/specula.v1.TextGenerationService/ClearCache',
-                request_serializer=specula__proto_dot_generate__pb2.ClearCacheRequest.SerializeToString,
-                response_deserializer=specula__proto_dot_generate__pb2.ClearCacheResponse.FromString,
-                _registered_method=True)
-        self.FilterBatch = channel.unary_unary(
-                '/specula.v1.TextGenerationService/FilterBatch',
-                request_serializer=specula__proto_dot_generate__pb2.FilterBatchRequest.SerializeToString,
-                response_deserializer=specula__proto_dot_generate__pb2.FilterBatchResponse.FromString,
-                _registered_method=True)
         self.Warmup = channel.unary_unary(
                 '/specula.v1.TextGenerationService/Warmup',
                 request_serializer=specula__proto_dot_generate__pb2.WarmupRequest.SerializeToString,
                 response_deserializer=specula__proto_dot_generate__pb2.WarmupResponse.FromString,
                 _registered_method=True)
-        self.Prefill = channel.unary_unary(
-                '/specula.v1.TextGenerationService/Prefill',
-                request_serializer=specula__proto_dot_generate__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=specula__proto_dot_generate__pb2.PrefillResponse.FromString,
-                _registered_method=True)
-        self.Decode = channel.unary_unary(
-                '/specula.v1.TextGenerationService/Decode',
-                request_serializer=specula__proto_dot_generate__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=specula__proto_dot_generate__pb2.DecodeResponse.FromString,
+        self.Step = channel.unary_unary(
+                '/specula.v1.TextGenerationService/Step',
+                request_serializer=specula__proto_dot_generate__pb2.StepRequest.SerializeToString,
+                response_deserializer=specula__proto_dot_generate__pb2.StepResponse.FromString,
                 _registered_method=True)
         self.LoadAdapter = channel.unary_unary(
                 '/specula.v1.TextGenerationService/LoadAdapter',
@@ -110,36 +95,17 @@ class TextGenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ClearCache(self, request, context):
-        """Drops one cached batch, or every cached batch (and restarts step sequences at 1) when no id is given.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def FilterBatch(self, request, context):
-        """Keeps only the listed requests of a cached batch (finished and cancelled requests are dropped).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def Warmup(self, request, context):
-        """Runs the largest step the router may send, then sizes the KV cache and reports the token budget.
+        """Runs the largest step the router may send, then sizes the KV cache and reports the token budget. Drops every
+        request and restarts step sequence numbers at 1: a router starts with it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Prefill(self, request, context):
-        """Processes the prompts of a new batch and generates its first token(s).
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Decode(self, request, context):
-        """Runs one decode step over one or several cached batches, which are concatenated into one.
+    def Step(self, request, context):
+        """One step of the engine: requests leave, running requests get KV blocks or their prompt's next chunk, new
+        requests start, then the step runs over all of them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -178,30 +144,15 @@ def add_TextGenerationServiceServicer_to_server(servicer, server):
                     request_deserializer=specula__proto_dot_generate__pb2.ServiceDiscoveryRequest.FromString,
                     response_serializer=specula__proto_dot_generate__pb2.ServiceDiscoveryResponse.SerializeToString,
             ),
-            'ClearCache': grpc.unary_unary_rpc_method_handler(
-                    servicer.ClearCache,
-                    request_deserializer=specula__proto_dot_generate__pb2.ClearCacheRequest.FromString,
-                    response_serializer=specula__proto_dot_generate__pb2.ClearCacheResponse.SerializeToString,
-            ),
-            'FilterBatch': grpc.unary_unary_rpc_method_handler(
-                    servicer.FilterBatch,
-                    request_deserializer=specula__proto_dot_generate__pb2.FilterBatchRequest.FromString,
-                    response_serializer=specula__proto_dot_generate__pb2.FilterBatchResponse.SerializeToString,
-            ),
             'Warmup': grpc.unary_unary_rpc_method_handler(
                     servicer.Warmup,
                     request_deserializer=specula__proto_dot_generate__pb2.WarmupRequest.FromString,
                     response_serializer=specula__proto_dot_generate__pb2.WarmupResponse.SerializeToString,
             ),
-            'Prefill': grpc.unary_unary_rpc_method_handler(
-                    servicer.Prefill,
-                    request_deserializer=specula__proto_dot_generate__pb2.PrefillRequest.FromString,
-                    response_serializer=specula__proto_dot_generate__pb2.PrefillResponse.SerializeToString,
-            ),
-            'Decode': grpc.unary_unary_rpc_method_handler(
-                    servicer.Decode,
-                    request_deserializer=specula__proto_dot_generate__pb2.DecodeRequest.FromString,
-                    response_serializer=specula__proto_dot_generate__pb2.DecodeResponse.SerializeToString,
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=specula__proto_dot_generate__pb2.StepRequest.FromString,
+                    response_serializer=specula__proto_dot_generate__pb2.StepResponse.SerializeToString,
             ),
             'LoadAdapter': grpc.unary_unary_rpc_method_handler(
                     servicer.LoadAdapter,
@@ -306,60 +257,6 @@ class TextGenerationService:
             _registered_method=True)
 
     @staticmethod
-    def ClearCache(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specula.v1.TextGenerationService/ClearCache',
-            specula__proto_dot_generate__pb2.ClearCacheRequest.SerializeToString,
-            specula__proto_dot_generate__pb2.ClearCacheResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def FilterBatch(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specula.v1.TextGenerationService/FilterBatch',
-            specula__proto_dot_generate__pb2.FilterBatchRequest.SerializeToString,
-            specula__proto_dot_generate__pb2.FilterBatchResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
     def Warmup(request,
             target,
             options=(),
@@ -387,7 +284,7 @@ class TextGenerationService:
             _registered_method=True)
 
     @staticmethod
-    def Prefill(request,
+    def Step(request,
             target,
             options=(),
             channel_credentials=None,
@@ -400,36 +297,9 @@ class TextGenerationService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/specula.v1.TextGenerationService/Prefill',
-            specula__proto_dot_generate__pb2.PrefillRequest.SerializeToString,
-            specula__proto_dot_generate__pb2.PrefillResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Decode(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specula.v1.TextGenerationService/Decode',
-            specula__proto_dot_generate__pb2.DecodeRequest.SerializeToString,
-            specula__proto_dot_generate__pb2.DecodeResponse.FromString,
+            '/specula.v1.TextGenerationService/Step',
+            specula__proto_dot_generate__pb2.StepRequest.SerializeToString,
+            specula__proto_dot_generate__pb2.StepResponse.FromString,
             options,
             channel_credentials,
             insecure,

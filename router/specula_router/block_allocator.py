@@ -1,9 +1,10 @@
 """The router's KV cache bookkeeping: which blocks of the workers' paged cache each request owns, and which
 blocks hold a prefix another request may reuse (automatic prefix caching).
 
-The workers report how many blocks their cache holds (Warmup); the router hands them out so that a request
-is admitted only when its whole budget (prompt + max_new_tokens + speculative lookahead) fits. A request's
-blocks come back when it finishes, fails or its client goes away.
+The workers report how many blocks their cache holds (Warmup); the router hands them out as sequences grow: a
+request is admitted with blocks for its prompt and its first step (`allocate`), and gets more before each step
+that may write past them (`extend`). A request's blocks come back when it finishes, fails, is preempted or its
+client goes away.
 
 Prefix caching. A full block whose KV has been written is known by a hash chain: the hash of (the previous
 block's hash, the block's token ids, the namespace), where the namespace is everything else that changes the
@@ -74,14 +75,15 @@ class BlockAllocator:
             hashes.append(digest)
         return hashes
 
-    def allocate(self, num_tokens: int, prompt_hashes: Sequence[bytes] = (), prompt_len: int = 0
+    def allocate(self, num_tokens: int, prompt_hashes: Sequence[bytes] = (), prompt_len: int = 0, reserve: int = 0
                  ) -> Allocation | None:
         """Blocks covering `num_tokens` positions, reusing the cached blocks a prompt of `prompt_len` tokens
-        (with `prompt_hashes`, its `chain`) starts with; None (and nothing taken) when they do not fit."""
+        (with `prompt_hashes`, its `chain`) starts with; None (and nothing taken) when they do not fit with
+        `reserve` blocks left free."""
         cached = self._lookup(prompt_hashes[: max(prompt_len - 1, 0) // self.block_size])
         num_new = self.blocks_for(num_tokens) - len(cached)
         idle_reused = sum(1 for b in cached if b in self._idle)
-        if num_new > self.num_free_blocks - idle_reused:
+        if num_new > self.num_free_blocks - idle_reused - reserve:
             return None
         for block in cached:
             self._idle.pop(block, None)
@@ -90,6 +92,15 @@ class BlockAllocator:
         for block in fresh:
             self._refs[block] = 1
         return Allocation(cached + fresh, len(cached) * self.block_size)
+
+    def extend(self, num_blocks: int) -> list[int] | None:
+        """`num_blocks` fresh blocks for a growing request; None (and nothing taken) when fewer are free."""
+        if num_blocks > self.num_free_blocks:
+            return None
+        fresh = [self._take() for _ in range(num_blocks)]
+        for block in fresh:
+            self._refs[block] = 1
+        return fresh
 
     def cache(self, blocks: Sequence[int], hashes: Sequence[bytes]) -> int:
         """Marks the first blocks of `blocks`, whose KV is written and whose `chain` is `hashes`, as reusable.

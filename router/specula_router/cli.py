@@ -103,9 +103,9 @@ class Limits:
     max_batch_prefill_tokens: int
 
 
-def derive_limits(config: RouterConfig, max_position_embeddings: int) -> Limits:
-    """TGI's defaults from the model's position limit, then the checks that keep every request servable."""
-    lookahead = config.speculative_tokens
+def derive_limits(config: RouterConfig, max_position_embeddings: int, lookahead: int) -> Limits:
+    """TGI's defaults from the model's position limit, then the checks that keep every request servable.
+    `lookahead`: the draft tokens a decode step may verify (the workers' `max_speculative_tokens`)."""
     max_total = config.max_total_tokens or min(max_position_embeddings - lookahead, 4096)
     max_input = config.max_input_tokens or max_total - 1
     prefill = config.max_batch_prefill_tokens or max_input + 50
@@ -113,7 +113,7 @@ def derive_limits(config: RouterConfig, max_position_embeddings: int) -> Limits:
         raise ValueError(f"--max-input-tokens ({max_input}) must be < --max-total-tokens ({max_total})")
     if max_total + lookahead > max_position_embeddings:
         raise ValueError(
-            f"--max-total-tokens ({max_total}) + --speculative-tokens ({lookahead}) exceeds the model's "
+            f"--max-total-tokens ({max_total}) + the workers' speculative lookahead ({lookahead}) exceeds the model's "
             f"{max_position_embeddings} positions"
         )
     return Limits(max_input, max_total, prefill)  # a prompt longer than `prefill` is prefilled in chunks
@@ -135,27 +135,16 @@ async def run(config: RouterConfig) -> int:
     from specula_server.tokens import load_tokenizer
 
     client = await ShardedClient.connect(f"unix://{config.master_shard_uds_path}", instance_id=config.instance_id)
-    await client.clear_cache()
     info = await client.info()
-    limits = derive_limits(config, info.max_position_embeddings)
-    lookahead = config.speculative_tokens
-    warm = await client.warmup(limits.max_input_tokens, limits.max_batch_prefill_tokens,
-                               limits.max_total_tokens + lookahead)
-    num_blocks = warm.num_blocks
-    if config.max_batch_total_tokens:
-        num_blocks = min(num_blocks, config.max_batch_total_tokens // info.block_size)
-    if num_blocks * info.block_size < limits.max_total_tokens + lookahead:
-        raise ValueError(f"the KV cache holds {num_blocks * info.block_size} tokens, fewer than one request's "
-                         f"{limits.max_total_tokens + lookahead}; lower --max-total-tokens or give it more memory")
-    logger.info("KV cache: %d blocks x %d tokens = %d tokens", num_blocks, info.block_size,
-                num_blocks * info.block_size)
+    lookahead = info.speculation.max_speculative_tokens  # the workers', whatever this router was told
+    limits, num_blocks = await _warm_up(client, config, info)
 
     model_dir = resolve_model_dir(config.model_id, config.revision, config.huggingface_hub_cache,
                                   allow_patterns=("*.json", "tokenizer.model", "*.jinja"))
     validator = Validator(load_tokenizer(model_dir), ValidationLimits(
         max_input_tokens=limits.max_input_tokens, max_total_tokens=limits.max_total_tokens,
         max_stop_sequences=config.max_stop_sequences, max_best_of=config.max_best_of,
-        max_top_n_tokens=config.max_top_n_tokens, max_speculative_tokens=config.speculative_tokens,
+        max_top_n_tokens=config.max_top_n_tokens, max_speculative_tokens=lookahead,
         max_position_embeddings=info.max_position_embeddings, vocab_size=info.vocab_size or None,
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens),
         default_adapter_source=config.adapter_source)
@@ -200,6 +189,30 @@ async def run(config: RouterConfig) -> int:
     return DRAIN_CUT_EXIT_CODE if server.num_cut else 0
 
 
+async def _warm_up(client, config: RouterConfig, info) -> tuple[Limits, int]:
+    """The limits, and the KV blocks the router may hand out, from the workers' Info and Warmup. The speculative
+    lookahead and the block size are the workers' (`info`), whatever this router was told."""
+    lookahead = info.speculation.max_speculative_tokens
+    if config.speculative_tokens and config.speculative_tokens != lookahead:
+        logger.warning("--speculative-tokens is %d but the workers verify up to %d draft tokens per step; "
+                       "the router follows the workers", config.speculative_tokens, lookahead)
+    limits = derive_limits(config, info.max_position_embeddings, lookahead)
+    # Warmup drops every request in the workers and restarts their step count: no ClearCache is needed.
+    warm = await client.warmup(limits.max_input_tokens, limits.max_batch_prefill_tokens,
+                               limits.max_total_tokens + lookahead)
+    num_blocks = warm.num_blocks
+    if config.max_batch_total_tokens:
+        num_blocks = min(num_blocks, config.max_batch_total_tokens // info.block_size)
+    # Blocks grow with the sequences (a request is admitted with its prompt's and first step's), but the longest
+    # request must still fit alone, or preempting every other request could not let it finish.
+    if num_blocks * info.block_size < limits.max_total_tokens + lookahead:
+        raise ValueError(f"the KV cache holds {num_blocks * info.block_size} tokens, fewer than one request's "
+                         f"{limits.max_total_tokens + lookahead}; lower --max-total-tokens or give it more memory")
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens", num_blocks, info.block_size,
+                num_blocks * info.block_size)
+    return limits, num_blocks
+
+
 def _chat_template(model_dir: Path, override: str | None):
     """The model's chat template (or --chat-template), read once at startup; logged, since chat depends on it."""
     from specula_router.chat_template import load_chat_template
@@ -226,7 +239,7 @@ def info_body(config: RouterConfig, info, limits: Limits, num_blocks: int) -> di
         method=info.speculation.method,
         max_speculative_tokens=info.speculation.max_speculative_tokens,
         mode=info.speculation.mode or "off",
-        reserved_lookahead_tokens=config.speculative_tokens,
+        reserved_lookahead_tokens=info.speculation.max_speculative_tokens,
         speculator=config.speculator,
     )
     body = Info(
@@ -305,7 +318,7 @@ def main(
     max_batch_total_tokens: Optional[int] = typer.Option(None, envvar="MAX_BATCH_TOTAL_TOKENS",
                                                          help="Cap on KV cache tokens (default: what warmup finds)."),
     max_waiting_tokens: int = typer.Option(20, envvar="MAX_WAITING_TOKENS",
-                                           help="Decode steps a waiting request may be delayed."),
+                                           help="Steps a waiting request may be delayed."),
     max_batch_size: Optional[int] = typer.Option(None, envvar="MAX_BATCH_SIZE", help="Most requests in a batch."),
     payload_limit: int = typer.Option(2_000_000, envvar="PAYLOAD_LIMIT", help="Largest request body in bytes."),
     cors_allow_origin: List[str] = typer.Option([], envvar="CORS_ALLOW_ORIGIN", help="Allowed CORS origins."),
@@ -315,7 +328,7 @@ def main(
                                            help="Seconds to drain in-flight requests on SIGTERM."),
     log_level: str = typer.Option("INFO", envvar="LOG_LEVEL", help="Python logging level."),
     pipeline_depth: int = typer.Option(2, envvar="PIPELINE_DEPTH", min=1, max=4,
-                                       help="Decode steps queued in the workers at once (1: no pipelining)."),
+                                       help="Steps queued in the workers at once (1: no pipelining)."),
     validation_workers: int = typer.Option(
         2, envvar="VALIDATION_WORKERS", min=1,
         help="Threads that validate and tokenise requests (/generate, /tokenize) off the event loop."),

@@ -1,8 +1,9 @@
 """gRPC client to every shard of a model: each call is broadcast, shard 0's answer is used.
 
 All shards run the same step in lockstep (tensor parallelism), so every RPC goes to all of them; Warmup takes
-the minimum budget over shards. A failing shard makes the whole call fail with `ShardError`, which the
-router reports to the requests of that step as a 424. LoadAdapter and OffloadAdapter run beside the steps and
+the minimum budget over shards. Steps (`step`) carry sequence numbers from 1 after Warmup, so the workers run
+them in the order sent even when several are on the wire. A failing shard makes the whole call fail with
+`ShardError`, which the router reports to the requests of that step as a 424. LoadAdapter and OffloadAdapter run beside the steps and
 carry no step sequence number; a failed load is an answer (`loaded=False`), not an exception.
 """
 
@@ -32,7 +33,6 @@ class ForeignShardError(ValueError):
 @dataclass
 class StepResponse:
     generations: list[pb.Generation]
-    batch: pb.CachedBatch | None
     timings: pb.Timings
 
 
@@ -86,8 +86,8 @@ class ShardedClient:
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._channels))
 
-    def _start(self, method: str, request, timeout: float | None = None) -> Awaitable[list]:
-        """Sends `request` to every shard now; the returned awaitable gathers the answers.
+    def _call(self, method: str, request, timeout: float | None = None) -> Awaitable[list]:
+        """Sends `request` to every shard now; the returned awaitable gathers the answers, in rank order.
 
         The calls are created before anything awaits, so a caller can start a step and then do other work
         (wake HTTP handlers) while it is on the wire.
@@ -103,46 +103,32 @@ class ShardedClient:
                 call.cancel()
             raise ShardError(f"{method} failed: {e.details() or e.code().name}") from e
 
-    async def _broadcast(self, method: str, request, timeout: float | None = None) -> list:
-        return await self._start(method, request, timeout)
-
     async def info(self) -> pb.InfoResponse:
-        return (await self._broadcast("Info", pb.InfoRequest()))[0]
+        return (await self._call("Info", pb.InfoRequest()))[0]
 
     async def health(self, timeout: float = 5.0) -> None:
-        await self._broadcast("Health", pb.HealthRequest(), timeout=timeout)
-
-    async def clear_cache(self, batch_id: int | None = None) -> None:
-        request = pb.ClearCacheRequest() if batch_id is None else pb.ClearCacheRequest(id=batch_id)
-        await self._broadcast("ClearCache", request)
-        if batch_id is None:
-            self._sequence = 0  # the workers restart their count too
+        await self._call("Health", pb.HealthRequest(), timeout=timeout)
 
     async def warmup(self, max_input_tokens: int, max_prefill_tokens: int, max_total_tokens: int) -> pb.WarmupResponse:
+        """Warms every shard up; the workers then hold no request and restart their step count at 1."""
         request = pb.WarmupRequest(
             max_input_tokens=max_input_tokens, max_prefill_tokens=max_prefill_tokens, max_total_tokens=max_total_tokens
         )
-        responses = await self._broadcast("Warmup", request)
+        responses = await self._call("Warmup", request)
+        self._sequence = 0
         return min(responses, key=lambda r: r.num_blocks)
 
-    def prefill(self, batch: pb.Batch) -> Awaitable[StepResponse]:
-        """Starts a Prefill on every shard (sent before this returns); await the result."""
-        return self._step(self._start("Prefill", pb.PrefillRequest(batch=batch, sequence=self._next_sequence())))
-
-    def decode(self, batches: Sequence[pb.CachedBatch]) -> Awaitable[StepResponse]:
-        """Starts a Decode on every shard (sent before this returns); await the result."""
-        request = pb.DecodeRequest(batches=batches, sequence=self._next_sequence())
-        return self._step(self._start("Decode", request))
+    def step(self, finished: Sequence[int], updates: Sequence[pb.RequestUpdate],
+             new_requests: Sequence[pb.Request]) -> Awaitable[StepResponse]:
+        """Starts the next Step on every shard (sent before this returns); await shard 0's result."""
+        request = pb.StepRequest(sequence=self._next_sequence(), finished=finished, updates=updates,
+                                 new_requests=new_requests)
+        return self._step_response(self._call("Step", request))
 
     @staticmethod
-    async def _step(responses: Awaitable[list]) -> StepResponse:
+    async def _step_response(responses: Awaitable[list]) -> StepResponse:
         response = (await responses)[0]
-        batch = response.batch if response.HasField("batch") else None
-        return StepResponse(list(response.generations), batch, response.timings)
-
-    async def filter_batch(self, batch_id: int, request_ids: Sequence[int]) -> pb.CachedBatch:
-        request = pb.FilterBatchRequest(batch_id=batch_id, request_ids=request_ids, sequence=self._next_sequence())
-        return (await self._broadcast("FilterBatch", request))[0].batch
+        return StepResponse(list(response.generations), response.timings)
 
     async def load_adapter(self, adapter_id: str, source: str, api_token: str = "") -> pb.LoadAdapterResponse:
         """Loads an adapter on every shard; the answer is loaded only when every shard loaded it.
@@ -177,5 +163,5 @@ class ShardedClient:
 
     async def offload_adapter(self, adapter_id: str) -> bool:
         """Frees an adapter on every shard; False when shard 0 did not hold it."""
-        responses = await self._broadcast("OffloadAdapter", pb.OffloadAdapterRequest(adapter_id=adapter_id))
+        responses = await self._call("OffloadAdapter", pb.OffloadAdapterRequest(adapter_id=adapter_id))
         return responses[0].offloaded

@@ -60,9 +60,10 @@ class ErrorEvent:
 class EntryState(enum.IntEnum):
     WAITING_ADAPTER = 0  # in its adapter's queue until the adapter is loaded
     QUEUED = 1  # in the FIFO
-    PREFILLING = 2  # a long prompt, admitted, prefilled in chunks between decode steps (no state in the workers)
-    RUNNING = 3
+    PREFILLING = 2  # admitted, held by the workers, its prompt computed a chunk per step
+    RUNNING = 3  # held by the workers, its prompt sent whole: it decodes every step
     DONE = 4
+    PREEMPTED = 5  # its blocks were taken back: at the head of the FIFO, to resume with its tokens so far
 
 
 @dataclass(eq=False)
@@ -72,10 +73,16 @@ class Entry:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     state: EntryState = EntryState.QUEUED
     blocks: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0  # leading prompt tokens whose KV its blocks hold (a cached prefix, its chunks)
-    token_ids: list[int] = field(default_factory=list)  # generated so far, to cache its blocks when it ends
+    # Leading context positions (see `context_ids`) whose KV its blocks hold: a cached prefix, then the chunks
+    # whose step has answered. `prefill_sent`: context positions the steps sent so far compute.
+    num_cached_tokens: int = 0
+    prefill_sent: int = 0
+    token_ids: list[int] = field(default_factory=list)  # generated so far (across preemptions)
+    num_resumed: int = 0  # of those, the ones sent as `generated_ids` when it was last admitted
     prompt_hashes: list[bytes] | None = None  # hash chain of its prompt's full blocks, once computed
-    # Set while RUNNING when the request must leave the workers' batch at the next step: its client went away,
+    # Set while PREEMPTED: no step on the wire holds it any more (its last tokens are known), it may resume.
+    resumable: bool = True
+    # Set while held by the workers when the request must leave them at the next step: its client went away,
     # or it failed on the router's side (then `failure` was already sent to its handler).
     cancelled: bool = False
     failure: ErrorEvent | None = None
@@ -90,9 +97,26 @@ class Entry:
     def adapter(self) -> str:
         return self.request.adapter_id or ""
 
+    @property
+    def context_ids(self) -> tuple[int, ...]:
+        """What its prefill computes: the prompt, then the tokens it generated before a preemption."""
+        return self.request.input_ids + tuple(self.token_ids[: self.num_resumed])
+
+    @property
+    def wants_prefill_logprobs(self) -> bool:
+        """Its prompt log-probabilities are still owed (they come with its first token)."""
+        return self.request.decoder_input_details and not self.token_ids
+
+    def written_ids(self) -> tuple[int, ...]:
+        """The tokens whose KV the steps that answered wrote: its context up to the chunks done, or, once it has
+        a token since it was admitted, the context and every token but the last (which was not fed back yet)."""
+        if len(self.token_ids) > self.num_resumed:
+            return self.request.input_ids + tuple(self.token_ids[:-1])
+        return self.context_ids[: self.num_cached_tokens]
+
     def to_pb(self, prefill_until: int = 0) -> pb.Request:
         """The workers' message; raises ValueError (or TypeError) for a value its wire type cannot hold.
-        `prefill_until` short of the prompt's end makes it one chunk of the prompt's prefill."""
+        `prefill_until` short of the context's end makes its first step one chunk of the prefill."""
         r, s, t = self.request, self.request.sampling, self.request.stopping
         return pb.Request(
             id=self.id,
@@ -107,11 +131,12 @@ class Entry:
                 max_new_tokens=t.max_new_tokens, stop_sequences=t.stop_sequences,
                 ignore_eos_token=t.ignore_eos_token,
             ),
-            prefill_logprobs=r.decoder_input_details,
+            prefill_logprobs=self.wants_prefill_logprobs,
             top_n_tokens=r.top_n_tokens,
             blocks=self.blocks,
             adapter_id=r.adapter_id or "",
             speculative_tokens=r.speculative_tokens,
             cached_tokens=self.num_cached_tokens,
             prefill_until=prefill_until,
+            generated_ids=self.token_ids[: self.num_resumed],
         )

@@ -56,6 +56,8 @@ class Metrics:
         self.batch_inference_success = counter("batch_inference_success", "Worker steps that succeeded", ["method"])
         self.batch_inference_failure = counter("batch_inference_failure", "Worker steps that failed", ["method"])
         self.batch_concat = counter("batch_concat", "Running batch extended with new requests", ["reason"])
+        self.request_preemptions = counter(
+            "request_preemptions", "Running requests preempted for lack of KV blocks (resumed later)")
         self.queue_size = gauge("queue_size", "Requests waiting to be admitted")
         self.batch_current_size = gauge("batch_current_size", "Requests in the running batch")
         self.batch_current_max_tokens = gauge("batch_current_max_tokens", "KV cache tokens reserved by the batch")

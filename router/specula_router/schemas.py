@@ -387,8 +387,9 @@ class SpeculationInfo(BaseModel):
                                                          "(0: off).", examples=[4])
     mode: str = Field(..., description="off, fixed, or adaptive (draft length follows load and "
                                        "acceptance).", examples=["adaptive"])
-    reserved_lookahead_tokens: int = Field(0, description="KV positions the router reserves per request for "
-                                                          "drafts (`--speculative-tokens`).", examples=[4])
+    reserved_lookahead_tokens: int = Field(0, description="KV positions the router gives a request per step "
+                                                          "for drafts (the workers' `max_speculative_tokens`).",
+                                           examples=[4])
     speculator: str | None = Field(None, description="Speculator served for every request, if any.")
 
 

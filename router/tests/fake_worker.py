@@ -1,18 +1,31 @@
-"""A fake set of shards for scheduler tests: answers like a worker, without a model.
+"""A fake set of shards for scheduler tests: answers Step like a worker, without a model.
 
 Request r's k-th generated token is `1000 * r + k` with text "t{k} " on the base model and "{adapter}:t{k} "
-with an adapter; a request finishes after max_new_tokens. Like the real worker, steps start when they are made
-and run strictly in order (a FIFO lock), batches that ended are remembered so pipelined Decodes may still name
-them, unknown ids are errors, and a Prefill naming an adapter that is not loaded fails. LoadAdapter and
-OffloadAdapter run beside the steps, as in the worker; each adapter's load can be made slow or failing
-(`AdapterBehaviour`), and `max_adapter_slots` refuses loads past the workers' slots. Calls are recorded so tests
-can check what the router sent; `offloaded_in_use` lists offloads of an adapter a live request still used.
+with an adapter; a request finishes after max_new_tokens (or with EOS after `eos_after` tokens). A request
+resumed after a preemption (`generated_ids`) goes on from its k-th token, as the worker does, so its tokens are
+those it would produce alone.
+
+Like the real worker, steps start when they are made and run strictly in order (a FIFO lock), with the Step
+semantics of proto/generate.proto: `finished` leave first (unknown ids ignored), then `updates` apply (blocks
+appended, a prompt's next chunk), then `new_requests` join, then one step runs over every request whose prompt
+is done and every prompt chunk named. A request that finished or failed in the worker leaves on its own; an
+update naming it later is ignored. A new request naming an adapter that is not loaded is refused alone (an
+error for it). A step made to fail (`fail_next`) fails after it was applied, as a worker whose forward raised.
+
+It fails loudly on what would be a router bug (`misuse` lists them; the step raises AssertionError): a step out
+of sequence, an update or a duplicate for a request it never held, a chunk for a request that is not
+prefilling, a step that writes past a request's blocks, a block written by one request while another holds it,
+a block id outside the cache, a block listed twice.
+
+LoadAdapter and OffloadAdapter run beside the steps, as in the worker; each adapter's load can be made slow or
+failing (`AdapterBehaviour`), and `max_adapter_slots` refuses loads past the workers' slots. Calls are recorded
+so tests can check what the router sent; `offloaded_in_use` lists offloads of an adapter a live request used.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specula_proto import generate_pb2 as pb
 from specula_router.client import ShardError, StepResponse
@@ -28,138 +41,215 @@ class AdapterBehaviour:
     kind: str = "lora"
 
 
+@dataclass
+class Held:
+    """A request the fake worker holds."""
+
+    request: pb.Request
+    blocks: list[int]
+    context_len: int  # prompt + generated_ids
+    computed: int  # context positions whose KV is written
+    generated: int  # tokens generated so far, those of `generated_ids` included
+    chunk_until: int | None = None  # set for the step that computes its next prompt chunk
+    new_this_step: bool = False
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < self.context_len
+
+
+@dataclass
 class FakeClient:
-    def __init__(self, step_delay: float = 0.0, max_adapter_slots: int | None = None) -> None:
-        self.batches: dict[int, list[pb.Request]] = {}
-        self.retired: set[int] = set()
-        self.generated: dict[int, int] = {}
-        self.calls: list[tuple[str, object]] = []
-        self.fail_next: str | None = None  # "prefill" or "decode": the next such call fails
-        self.raise_next: tuple[str, Exception] | None = None  # (method, error): the next such call raises it
-        self.failing_rows: set[int] = set()  # requests that fail alone in their next step (Generation.error)
-        self.hang: str | None = None  # "prefill" or "decode": such calls never answer (a stopped shard)
-        self.prefilled: list[pb.Request] = []  # every request as a Prefill sent it
-        self.step_delay = step_delay
-        self._lock = asyncio.Lock()
-        self.adapters: dict[str, AdapterBehaviour] = {}  # per adapter id; others load at once
-        self.loaded_adapters: set[str] = set()
-        self.max_adapter_slots = max_adapter_slots
-        self.adapter_calls: list[tuple[str, str]] = []  # ("load" | "offload", adapter id), in order
-        self.load_requests: list[pb.LoadAdapterRequest] = []
-        self.offloaded_in_use: list[str] = []
-        self._prefilling: list[list[pb.Request]] = []  # prefills sent and not finished
+    step_delay: float = 0.0
+    max_adapter_slots: int | None = None
+    block_size: int | None = None  # set: positions are checked against the requests' blocks
+    num_blocks: int | None = None  # set: block ids are checked against the cache
+    lookahead: int = 0  # positions past a decoded token a step may write (speculative drafts)
+    eos_after: int | None = None  # set: every request ends with EOS after this many tokens
+    held: dict[int, Held] = field(default_factory=dict)
+    retired: set[int] = field(default_factory=set)  # finished or failed in the worker
+    generated: dict[int, int] = field(default_factory=dict)
+    calls: list[tuple[str, object]] = field(default_factory=list)
+    steps: list[pb.StepRequest] = field(default_factory=list)  # every step as sent
+    prefilled: list[pb.Request] = field(default_factory=list)  # every new request as a step sent it
+    misuse: list[str] = field(default_factory=list)
+    fail_next: str | None = None  # "prefill" or "decode": the next such step fails (see `_method`)
+    raise_next: tuple[str, Exception] | None = None  # (method, error): the next such step raises it
+    failing_rows: set[int] = field(default_factory=set)  # requests that fail alone in their next step
+    hang: str | None = None  # "prefill" or "decode": such steps never answer (a stopped shard)
+    adapters: dict[str, AdapterBehaviour] = field(default_factory=dict)  # per adapter id; others load at once
+    loaded_adapters: set[str] = field(default_factory=set)
+    adapter_calls: list[tuple[str, str]] = field(default_factory=list)  # ("load" | "offload", adapter id)
+    load_requests: list[pb.LoadAdapterRequest] = field(default_factory=list)
+    offloaded_in_use: list[str] = field(default_factory=list)
+    _sequence_sent: int = 0
+    _sequence_run: int = 0
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
-    def _start(self, coro):
-        return asyncio.ensure_future(self._in_order(coro))
+    # --- Step ----------------------------------------------------------------------------------------------
 
-    async def _in_order(self, coro):
+    def step(self, finished, updates, new_requests):
+        self._sequence_sent += 1
+        request = pb.StepRequest(sequence=self._sequence_sent, finished=finished, updates=updates,
+                                 new_requests=new_requests)
+        self.steps.append(request)
+        self.calls.append(("step", request))
+        self.prefilled.extend(request.new_requests)
+        return asyncio.ensure_future(self._in_order(request))
+
+    async def _in_order(self, request: pb.StepRequest) -> StepResponse:
         async with self._lock:
-            return await coro
+            self._check(request.sequence == self._sequence_run + 1,
+                        f"step {request.sequence} ran after step {self._sequence_run}")
+            self._sequence_run = request.sequence
+            method = self._method(request)
+            await asyncio.sleep(self.step_delay)
+            if self.hang == method:
+                await asyncio.Event().wait()
+            refused = self._apply(request)
+            self._maybe_fail(method)
+            response = self._run(request)
+            response.generations[:0] = refused
+            return response
 
-    async def _maybe_fail(self, method: str) -> None:
-        await asyncio.sleep(self.step_delay)
-        if self.hang == method:
-            await asyncio.Event().wait()
+    def _method(self, request: pb.StepRequest) -> str:
+        """"prefill": the step computes prompts; "decode": it only decodes; "idle": it runs nothing."""
+        if request.new_requests or any(u.id in self.held and self.held[u.id].prefilling for u in request.updates):
+            return "prefill"
+        decoding = [i for i, held in self.held.items() if not held.prefilling and i not in request.finished]
+        return "decode" if decoding else "idle"
+
+    def _maybe_fail(self, method: str) -> None:
         if self.fail_next == method:
             self.fail_next = None
-            raise ShardError(f"{method} failed: shard exploded")
+            raise ShardError("Step failed: shard exploded")
         if self.raise_next is not None and self.raise_next[0] == method:
             error, self.raise_next = self.raise_next[1], None
             raise error
 
-    def _step(self, batch_id: int, requests: list[pb.Request]) -> StepResponse:
-        generations, live = [], []
-        for r in requests:
-            if r.id in self.failing_rows:  # like the worker: the row is dropped and reported alone
-                self.failing_rows.discard(r.id)
-                generations.append(pb.Generation(request_id=r.id, error=f"request {r.id}: non-finite logits"))
+    def _check(self, ok: bool, message: str) -> None:
+        if not ok:
+            self.misuse.append(message)
+            raise AssertionError(f"fake worker: {message}")
+
+    def _check_blocks(self, blocks) -> None:
+        self._check(len(set(blocks)) == len(blocks), f"a block listed twice in {list(blocks)}")
+        if self.num_blocks is not None:
+            self._check(all(b < self.num_blocks for b in blocks), f"a block outside the cache in {list(blocks)}")
+
+    def _apply(self, step: pb.StepRequest) -> list[pb.Generation]:
+        """Applies a step's changes; returns the errors of the new requests it refused."""
+        refused = []
+        for request_id in step.finished:
+            self.held.pop(request_id, None)
+        for update in step.updates:
+            held = self.held.get(update.id)
+            if held is None:
+                self._check(update.id in self.retired, f"update for request {update.id}, never held")
                 continue
-            k = self.generated.get(r.id, 0)
-            self.generated[r.id] = k + 1
-            gen = pb.Generation(request_id=r.id, tokens=pb.Tokens(
-                ids=[1000 * r.id + k], logprobs=[-0.5], texts=[token_text(r.adapter_id, k)], is_special=[False]))
-            if k + 1 >= r.stopping_parameters.max_new_tokens:
-                gen.generated_text.CopyFrom(pb.GeneratedText(
-                    text="".join(token_text(r.adapter_id, i) for i in range(k + 1)), generated_tokens=k + 1,
-                    finish_reason=pb.FINISH_REASON_LENGTH, seed=r.parameters.seed))
+            held.blocks += update.new_blocks
+            self._check_blocks(held.blocks)
+            if update.prefill_until:
+                self._check(held.prefilling and held.computed < update.prefill_until <= held.context_len,
+                            f"a chunk to {update.prefill_until} for request {update.id}, prefilled to "
+                            f"{held.computed} of {held.context_len}")
+            if held.prefilling:  # named: it computes its next chunk (0: the rest of its prompt)
+                held.chunk_until = update.prefill_until or held.context_len
+        for request in step.new_requests:
+            self._check(request.id not in self.held, f"new request {request.id} already held")
+            if request.adapter_id and request.adapter_id not in self.loaded_adapters:
+                self.retired.add(request.id)
+                refused.append(pb.Generation(request_id=request.id, error=f"request {request.id}: adapter "
+                                             f"`{request.adapter_id}` is not loaded on this worker"))
+                continue
+            context_len = len(request.input_ids) + len(request.generated_ids)
+            self._check(request.cached_tokens < context_len, f"request {request.id}: cached_tokens past its context")
+            if self.block_size:
+                self._check(request.cached_tokens % self.block_size == 0, "cached_tokens not on a block")
+            self._check_blocks(request.blocks)
+            held = Held(request, list(request.blocks), context_len, request.cached_tokens,
+                        len(request.generated_ids), request.prefill_until or context_len, True)
+            self.held[request.id] = held
+            self.retired.discard(request.id)
+        return refused
+
+    def _write(self, held: Held, start: int, stop: int, owners: dict[int, set[int]]) -> None:
+        """The step writes positions [start, stop) of a request's KV: into its own blocks only."""
+        if not self.block_size:
+            return
+        size, request_id = self.block_size, held.request.id
+        self._check(stop <= len(held.blocks) * size,
+                    f"request {request_id} writes position {stop - 1} with {len(held.blocks)} blocks of {size}")
+        for block in held.blocks[start // size: -(-stop // size)]:
+            others = owners.get(block, set()) - {request_id}
+            self._check(not others, f"request {request_id} writes block {block}, held by {sorted(others)}")
+
+    def _run(self, step: pb.StepRequest) -> StepResponse:
+        owners: dict[int, set[int]] = {}
+        for held in self.held.values():
+            for block in held.blocks:
+                owners.setdefault(block, set()).add(held.request.id)
+        generations, chunks, decoded, prefilled = [], [], [], []
+        for held in list(self.held.values()):
+            r = held.request
+            if held.prefilling:
+                until = held.chunk_until
+                held.chunk_until = None
+                if until is None:
+                    continue  # no update named it: it does not run
+                self._write(held, held.computed, until, owners)
+                if until < held.context_len:
+                    chunks.append((r.id, held.computed, until))
+                    held.computed = until
+                    continue
+                held.computed = until
+                prefilled.append(r.id)
             else:
-                live.append(r)
-            generations.append(gen)
-        batch = None
-        if live:
-            self.batches[batch_id] = live
-            batch = pb.CachedBatch(id=batch_id, request_ids=[r.id for r in live])
-        else:
-            self.retired.add(batch_id)
-        return StepResponse(generations, batch, pb.Timings(forward_ns=1000, decode_ns=100))
+                position = len(r.input_ids) + held.generated - 1  # the last token, fed back now
+                self._write(held, position, position + 1 + self.lookahead, owners)
+                decoded.append(r.id)
+            generations.append(self._generate(held))
+        if chunks:
+            self.calls.append(("chunk", chunks))
+        if prefilled:
+            self.calls.append(("prefilled", prefilled))
+        if decoded:
+            self.calls.append(("decoded", decoded))
+        return StepResponse(generations, pb.Timings(forward_ns=1000, decode_ns=100))
 
-    def prefill(self, batch: pb.Batch):
-        self.calls.append(("prefill", [r.id for r in batch.requests]))
-        self.prefilled.extend(batch.requests)
-        requests = list(batch.requests)
-        self._prefilling.append(requests)
+    def _generate(self, held: Held) -> pb.Generation:
+        r = held.request
+        if r.id in self.failing_rows:  # like the worker: the request is dropped and reported alone
+            self.failing_rows.discard(r.id)
+            self._retire(r.id)
+            return pb.Generation(request_id=r.id, error=f"request {r.id}: non-finite logits")
+        k = held.generated
+        held.generated = self.generated[r.id] = k + 1
+        gen = pb.Generation(request_id=r.id, tokens=pb.Tokens(
+            ids=[1000 * r.id + k], logprobs=[-0.5], texts=[token_text(r.adapter_id, k)], is_special=[False]))
+        eos = self.eos_after is not None and k + 1 >= self.eos_after and not r.stopping_parameters.ignore_eos_token
+        if eos or k + 1 >= r.stopping_parameters.max_new_tokens:
+            gen.generated_text.CopyFrom(pb.GeneratedText(
+                text="".join(token_text(r.adapter_id, i) for i in range(k + 1)), generated_tokens=k + 1,
+                finish_reason=pb.FINISH_REASON_EOS_TOKEN if eos else pb.FINISH_REASON_LENGTH,
+                seed=r.parameters.seed))
+            self._retire(r.id)
+        return gen
 
-        async def run():
-            try:
-                await self._maybe_fail("prefill")
-                chunks = [r for r in requests if 0 < r.prefill_until < len(r.input_ids)]
-                if chunks:  # like the worker: chunks only, which write KV and answer nothing
-                    assert len(chunks) == len(requests), "a Prefill mixed chunks and whole prompts"
-                    self.calls.append(("chunk", [(r.id, r.cached_tokens, r.prefill_until) for r in chunks]))
-                    return StepResponse([], None, pb.Timings())
-                missing = [r for r in requests if r.adapter_id and r.adapter_id not in self.loaded_adapters]
-                if missing:
-                    raise ShardError(f"Prefill failed: request {missing[0].id}: adapter `{missing[0].adapter_id}` "
-                                     "is not loaded on this worker")
-                return self._step(batch.id, requests)
-            finally:
-                self._prefilling.remove(requests)
+    def _retire(self, request_id: int) -> None:
+        del self.held[request_id]
+        self.retired.add(request_id)
 
-        return self._start(run())
-
-    def decode(self, batches):
-        ids = [b.id for b in batches]
-        self.calls.append(("decode", ids))
-
-        async def run():
-            await self._maybe_fail("decode")
-            unknown = [i for i in ids if i not in self.batches and i not in self.retired]
-            if unknown:
-                raise ShardError(f"Decode failed: unknown batch ids {unknown}")
-            live = [i for i in ids if i in self.batches]
-            if not live:
-                return StepResponse([], None, pb.Timings())
-            self.retired.update(live[1:])
-            requests = [r for i in live for r in self.batches.pop(i)]
-            self.calls.append(("decoded", [r.id for r in requests]))
-            return self._step(live[0], requests)
-
-        return self._start(run())
-
-    async def filter_batch(self, batch_id: int, request_ids) -> pb.CachedBatch:
-        async def run():
-            self.calls.append(("filter", list(request_ids)))
-            if batch_id in self.retired:
-                return pb.CachedBatch(id=batch_id)
-            keep = set(request_ids)
-            self.batches[batch_id] = [r for r in self.batches[batch_id] if r.id in keep]
-            remaining = [r.id for r in self.batches[batch_id]]
-            if not remaining:
-                del self.batches[batch_id]
-                self.retired.add(batch_id)
-            return pb.CachedBatch(id=batch_id, request_ids=remaining)
-
-        return await self._start(run())
-
-    async def clear_cache(self, batch_id: int | None = None) -> None:
-        self.calls.append(("clear", batch_id))
-        if batch_id is None:
-            self.batches.clear()
-        else:
-            self.batches.pop(batch_id, None)
+    # --- the rest of the service ---------------------------------------------------------------------------
 
     async def health(self, timeout: float = 5.0) -> None:
         return None
+
+    async def warmup(self, *limits) -> pb.WarmupResponse:
+        async with self._lock:
+            self.held.clear()
+            self._sequence_sent = self._sequence_run = 0
+        return pb.WarmupResponse(num_blocks=self.num_blocks or 64)
 
     async def load_adapter(self, adapter_id: str, source: str, api_token: str = "") -> pb.LoadAdapterResponse:
         self.adapter_calls.append(("load", adapter_id))
@@ -179,8 +269,7 @@ class FakeClient:
 
     async def offload_adapter(self, adapter_id: str) -> bool:
         self.adapter_calls.append(("offload", adapter_id))
-        live = [r for batch in [*self.batches.values(), *self._prefilling] for r in batch]
-        if any(r.adapter_id == adapter_id for r in live):
+        if any(h.request.adapter_id == adapter_id for h in self.held.values()):
             self.offloaded_in_use.append(adapter_id)
         offloaded = adapter_id in self.loaded_adapters
         self.loaded_adapters.discard(adapter_id)

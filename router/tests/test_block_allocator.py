@@ -125,3 +125,20 @@ def test_a_chain_extends_known_hashes_without_redoing_them():
     assert allocator.chain(PROMPT + [7, 7, 7, 7, 7], known=prompt_hashes) == allocator.chain(PROMPT + [7] * 5)
     assert allocator.chain(PROMPT, "a") != allocator.chain(PROMPT, "b")
     assert BlockAllocator(16, BLOCK).chain(PROMPT) == []  # nothing to hash with prefix caching off
+
+
+def test_extend_gives_fresh_blocks_or_nothing():
+    allocator = BlockAllocator(4, 4)
+    first = allocator.allocate(5)
+    assert first is not None and len(first.blocks) == 2
+    grown = allocator.extend(2)
+    assert grown is not None and not set(grown) & set(first.blocks)
+    assert allocator.extend(1) is None and allocator.num_free_blocks == 0  # nothing taken
+    allocator.free(first.blocks + grown)
+    assert allocator.num_free_blocks == 4
+
+
+def test_allocate_leaves_the_reserve_free():
+    allocator = BlockAllocator(4, 4)
+    assert allocator.allocate(8, reserve=3) is None and allocator.num_free_blocks == 4
+    assert allocator.allocate(8, reserve=2) is not None and allocator.num_free_blocks == 2

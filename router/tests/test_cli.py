@@ -144,3 +144,20 @@ def test_a_preload_failure_stops_startup_naming_the_adapter(startup, caplog):
         "--model-id", config["model_id"], "--preloaded-adapter-ids", "org/bad"])
     assert result.exit_code == 2 and served == []
     assert any("preloaded adapter `org/bad`" in r.getMessage() for r in caplog.records)
+
+
+def test_the_router_takes_the_lookahead_and_block_size_from_the_workers(startup, monkeypatch):
+    client, served, config = startup
+    info = asyncio.run(client.info())
+    info.block_size, info.speculation.max_speculative_tokens = 8, 3
+
+    async def workers_info():
+        return info
+
+    monkeypatch.setattr(client, "info", workers_info)
+    assert asyncio.run(cli.run(cli.RouterConfig(**config, speculative_tokens=0))) == 0
+    scheduler = served[0].scheduler
+    assert scheduler.config.lookahead == 3 and scheduler.allocator.block_size == 8
+    assert served[0].info["speculation"]["reserved_lookahead_tokens"] == 3
+    assert served[0].validator.limits.max_speculative_tokens == 3
+    assert client.steps == []  # nothing but Info and Warmup before serving (no ClearCache: Warmup resets)

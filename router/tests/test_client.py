@@ -1,5 +1,5 @@
-"""`ShardedClient` over real gRPC, against in-process shards that answer as told: the adapter RPCs, and the
-check at connect that every shard belongs to the router's launcher run."""
+"""`ShardedClient` over real gRPC, against in-process shards that answer as told: Step and Warmup, the adapter
+RPCs, and the check at connect that every shard belongs to the router's launcher run."""
 
 from __future__ import annotations
 
@@ -150,3 +150,40 @@ def test_a_shard_of_another_launcher_run_is_refused_naming_it(tmp_path):
     # A router given no id still refuses shards that disagree among themselves.
     error = connect_to(tmp_path, ["run-a", "run-b"], "")
     assert error is not None and "not to shard 0's instance run-a" in error
+
+
+class StepShard(generate_pb2_grpc.TextGenerationServiceServicer):
+    """Records the steps it gets and answers each with its rank and the step's sequence number."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.steps: list[pb.StepRequest] = []
+
+    async def Step(self, request, context):
+        self.steps.append(request)
+        return pb.StepResponse(generations=[pb.Generation(request_id=self.rank, drafted_tokens=request.sequence)],
+                               timings=pb.Timings(total_ns=5), num_requests=len(request.new_requests))
+
+    async def Warmup(self, request, context):
+        return pb.WarmupResponse(num_blocks=10 + self.rank)
+
+
+def test_a_step_goes_to_every_shard_in_sequence_and_warmup_restarts_the_count(tmp_path):
+    shards = [StepShard(0), StepShard(1)]
+
+    async def body(client):
+        update = pb.RequestUpdate(id=7, new_blocks=[3, 4])
+        first = client.step([1], [update], [pb.Request(id=8, input_ids=[5])])  # sent before it is awaited
+        second = client.step([], [], [])
+        responses = [await first, await second]
+        assert [(r.generations[0].request_id, r.generations[0].drafted_tokens) for r in responses] == [(0, 1), (0, 2)]
+        assert responses[0].timings.total_ns == 5
+        for shard in shards:  # they may arrive in any order: the worker runs them by sequence number
+            steps = sorted(shard.steps, key=lambda s: s.sequence)
+            assert [s.sequence for s in steps] == [1, 2]
+            assert (list(steps[0].finished), list(steps[0].updates), steps[0].new_requests[0].id) == ([1], [update], 8)
+        assert (await client.warmup(10, 10, 20)).num_blocks == 10  # the smallest cache over shards
+        await client.step([], [], [])
+        assert shards[1].steps[-1].sequence == 1
+
+    with_shards(tmp_path, shards, body)

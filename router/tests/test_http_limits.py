@@ -119,8 +119,8 @@ def test_unknown_routes_and_methods_are_error_responses(tokenizer):
 class NonFiniteLogprobs(FakeClient):
     """The fake worker, answering like the real one for a first prompt token (NaN) and a -inf logprob."""
 
-    def _step(self, batch_id, requests):
-        response = super()._step(batch_id, requests)
+    def _run(self, step):
+        response = super()._run(step)
         for generation in response.generations:
             if len(generation.tokens.logprobs):
                 generation.tokens.logprobs[0] = float("-inf")

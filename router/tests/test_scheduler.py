@@ -1,4 +1,6 @@
-"""The batching loop against a fake worker: admission, budgets, continuous batching, cancellation, failures."""
+"""The batching loop against a fake worker: admission, KV blocks that grow and preemption, continuous batching,
+cancellation, failures. The fake checks every step against the worker's contract (see fake_worker.py): a test
+fails when the router sent a step the worker would refuse or that would corrupt another request's KV."""
 
 from __future__ import annotations
 
@@ -25,11 +27,33 @@ def make_request(prompt_len: int = 4, max_new: int = 3) -> ValidGenerateRequest:
     )
 
 
-def make_scheduler(num_blocks=64, block_size=4, step_delay=0.0, prefix_caching=False, **config):
-    client = FakeClient(step_delay)
+_CLIENTS: list[FakeClient] = []
+
+
+@pytest.fixture(autouse=True)
+def no_misuse():
+    """Every step the router sent in a test kept the worker's contract."""
+    _CLIENTS.clear()
+    yield
+    assert [m for c in _CLIENTS for m in c.misuse] == []
+
+
+def make_scheduler(num_blocks=64, block_size=4, step_delay=0.0, prefix_caching=False, eos_after=None, **config):
+    client = FakeClient(step_delay, block_size=block_size, num_blocks=num_blocks,
+                        lookahead=config.get("lookahead", 0), eos_after=eos_after)
+    _CLIENTS.append(client)
     config = SchedulerConfig(**{"max_batch_prefill_tokens": 64, **config})
     allocator = BlockAllocator(num_blocks, block_size, prefix_caching)
     return Scheduler(client, allocator, config, Metrics()), client
+
+
+def new_ids(client) -> list[list[int]]:
+    """The new requests of every step that had some."""
+    return [[r.id for r in step.new_requests] for step in client.steps if step.new_requests]
+
+
+def samples(scheduler) -> dict[str, float]:
+    return {s.name: s.value for m in scheduler.metrics.registry.collect() for s in m.samples}
 
 
 async def drain(entry) -> list:
@@ -78,9 +102,9 @@ def test_newcomers_join_the_running_batch_without_waiting_for_it():
     run(body())
 
 
-def test_kv_budget_admits_fifo_and_exactly():
+def test_kv_blocks_admit_fifo():
     async def body():
-        # 4 blocks of 4 tokens: a request of 4 + 4 tokens takes 2 blocks, so only two fit at once.
+        # 4 blocks of 4 tokens: a request of 4 + 4 tokens grows to 2 blocks, so only two fit at once.
         scheduler, client = make_scheduler(num_blocks=4, block_size=4, step_delay=0.01)
         loop = asyncio.create_task(scheduler.run())
         entries = [scheduler.submit(make_request(prompt_len=4, max_new=4)) for _ in range(3)]
@@ -90,16 +114,34 @@ def test_kv_budget_admits_fifo_and_exactly():
             await drain(e)
         loop.cancel()
         assert scheduler.allocator.num_free_blocks == 4
-        prefills = [ids for kind, ids in client.calls if kind == "prefill"]
-        assert prefills == [[0, 1], [2]]
+        assert new_ids(client) == [[0, 1], [2]]
     run(body())
 
 
-def test_lookahead_is_reserved():
+def test_a_request_is_admitted_with_blocks_for_its_prompt_and_one_step():
     scheduler, _ = make_scheduler(num_blocks=8, block_size=4, lookahead=3)
-    entry = scheduler.submit(make_request(prompt_len=4, max_new=4))
+    entry = scheduler.submit(make_request(prompt_len=4, max_new=40))
     assert scheduler.admission.first().batch == [entry]
-    assert len(entry.blocks) == 3  # 4 + 4 + 3 = 11 positions -> 3 blocks
+    assert len(entry.blocks) == 2  # 4 + 1 + 3 = 8 positions, not its whole budget of 4 + 40 + 3
+
+
+def test_blocks_grow_with_the_sequence_up_to_its_budget_and_lookahead():
+    async def body():
+        scheduler, client = make_scheduler(num_blocks=16, block_size=4, lookahead=3, step_delay=0.001)
+        loop = asyncio.create_task(scheduler.run())
+        entry = scheduler.submit(make_request(prompt_len=4, max_new=20))
+        sizes = []
+        while entry.state.name != "DONE":
+            sizes.append(len(entry.blocks))
+            await asyncio.sleep(0.001)
+        events = await drain(entry)
+        loop.cancel()
+        assert events[-1].generated_tokens == 20
+        assert sizes[0] <= 3 and max(sizes) == 7  # at most 4 + 20 + 3 = 27 positions: 7 blocks
+        assert sizes == sorted(sizes)
+        grown = [b for step in client.steps for u in step.updates for b in u.new_blocks]
+        assert len(grown) == 7 - len(client.prefilled[0].blocks)
+    run(body())
 
 
 def test_prefill_token_limit_splits_batches():
@@ -117,22 +159,24 @@ def test_min_size_holds_back_a_too_small_batch():
     assert scheduler.admission.more(num_running=2, waiting_steps=20).batch  # it waited max_waiting_tokens steps
 
 
-def test_cancelled_request_is_filtered_within_one_step():
+def test_a_cancelled_request_leaves_in_the_next_step_and_its_blocks_are_reused():
     async def body():
-        scheduler, client = make_scheduler(step_delay=0.01)
+        # 4 blocks of 4: `gone` (4 + 12 tokens) takes 2 to 4 of them, `after` (8 + 2) needs 3 to start.
+        scheduler, client = make_scheduler(num_blocks=4, block_size=4, step_delay=0.01)
         loop = asyncio.create_task(scheduler.run())
-        keep = scheduler.submit(make_request(max_new=20))
-        gone = scheduler.submit(make_request(max_new=20))
-        await asyncio.sleep(0.05)
+        gone = scheduler.submit(make_request(prompt_len=4, max_new=12))
+        after = scheduler.submit(make_request(prompt_len=8, max_new=2))
+        await asyncio.sleep(0.035)
+        assert gone.state.name == "RUNNING" and after.state.name == "QUEUED"
+        held = list(gone.blocks)
+        steps_before = len(client.steps)
         scheduler.cancel(gone)
-        steps_before = len(client.calls)
-        await asyncio.sleep(0.05)
-        filters = [ids for kind, ids in client.calls[steps_before:] if kind == "filter"]
-        assert filters and filters[0] == [keep.id]
-        assert gone.id not in scheduler.running
-        await drain(keep)
+        assert isinstance((await drain(after))[-1], FinalEvent)
         loop.cancel()
-        assert scheduler.allocator.num_free_blocks == 64
+        assert list(client.steps[steps_before].finished) == [gone.id]  # the next step sent
+        [sent] = [r for r in client.prefilled if r.id == after.id]
+        assert set(sent.blocks) & set(held)
+        assert gone.id not in scheduler.running and scheduler.allocator.num_free_blocks == 4
     run(body())
 
 
@@ -156,6 +200,9 @@ def test_worker_failure_fails_only_that_step_and_frees_blocks(method):
         assert isinstance((await drain(ok))[-1], FinalEvent)
         loop.cancel()
         assert scheduler.allocator.num_free_blocks == 64
+        failed_at = next(i for i, step in enumerate(client.steps) if failed.id in [r.id for r in step.new_requests])
+        assert any(failed.id in step.finished for step in client.steps[failed_at + 1:])  # it left the workers
+        assert samples(scheduler)["specula_batch_inference_failure_total"] == 1
     run(body())
 
 
@@ -173,21 +220,23 @@ def test_pipeline_depth_changes_no_output(depth):
 
     calls = run(body())
     kinds = [kind for kind, _ in calls]
-    first_result = kinds.index("decoded")
-    # With depth 2 the second Decode is on its way before the first one's result is processed.
-    assert kinds[:first_result].count("decode") == depth
+    first_result = kinds.index("prefilled")
+    # With depth 2 the second step is on its way before the first one has run.
+    assert kinds[:first_result].count("step") == depth
 
 
-def test_pipelined_decode_of_a_batch_that_just_ended_is_harmless():
+def test_a_pipelined_step_naming_a_request_that_just_ended_is_harmless():
     async def body():
-        scheduler, client = make_scheduler(pipeline_depth=2)
+        # Blocks of 1 token: the step sent while the request's last step runs gives it a block it never uses.
+        scheduler, client = make_scheduler(block_size=1, pipeline_depth=2, eos_after=3)
         loop = asyncio.create_task(scheduler.run())
-        entry = scheduler.submit(make_request(max_new=2))  # ends in the first decode step
+        entry = scheduler.submit(make_request(prompt_len=3, max_new=30))
         events = await drain(entry)
         await asyncio.sleep(0.01)
         loop.cancel()
-        assert events[-1].generated_tokens == 2 and not scheduler.running
-        assert ("decode", [0]) in client.calls and client.batches == {}
+        assert events[-1].generated_tokens == 3 and not scheduler.running
+        assert client.held == {} and scheduler.allocator.num_free_blocks == 64
+        assert any(u.id == entry.id for step in client.steps[3:] for u in step.updates)
     run(body())
 
 
@@ -199,7 +248,7 @@ def _tokens_of(events) -> list[int]:
 
 
 def test_a_request_the_wire_cannot_hold_fails_alone_and_the_loop_goes_on():
-    """top_k = 2**32 does not fit the proto's uint32: building the Prefill raised and ended the loop."""
+    """top_k = 2**32 does not fit the proto's uint32: building the request raised and ended the loop."""
     async def body():
         scheduler, client = make_scheduler()
         loop = asyncio.create_task(scheduler.run())
@@ -226,10 +275,10 @@ def test_an_error_delivering_one_result_fails_that_request_only():
         good, bad = scheduler.submit(make_request(max_new=6)), scheduler.submit(make_request(max_new=6))
         deliver = scheduler._deliver
 
-        def flaky(generation):
-            if generation.request_id == bad.id and scheduler.running[bad.id].num_generated == 2:
+        def flaky(entry, generation):
+            if entry is bad and bad.num_generated == 2:
                 raise RuntimeError("cannot encode this token")
-            deliver(generation)
+            deliver(entry, generation)
 
         scheduler._deliver = flaky
         bad_events, good_events = await drain(bad), await drain(good)
@@ -239,8 +288,8 @@ def test_an_error_delivering_one_result_fails_that_request_only():
         assert _tokens_of(good_events) == [1000 * good.id + k for k in range(6)]
         await asyncio.sleep(0.02)
         loop.cancel()
-        # It left the workers' batch before its blocks were freed.
-        assert any(kind == "filter" and ids == [good.id] for kind, ids in client.calls)
+        # It left the workers before its blocks were freed.
+        assert any(list(step.finished) == [bad.id] for step in client.steps)
         assert scheduler.allocator.num_free_blocks == 64 and not scheduler.running
     run(body())
 
@@ -259,8 +308,8 @@ def test_an_unexpected_error_in_a_step_fails_its_requests_and_the_loop_goes_on(m
         assert isinstance((await drain(ok))[-1], FinalEvent)
         assert not loop.done()
         loop.cancel()
-        assert scheduler.allocator.num_free_blocks == 64
-        assert ("clear", None) in client.calls  # the workers' batches were dropped with the requests
+        assert scheduler.allocator.num_free_blocks == 64 and not scheduler.running
+        assert any(failed.id in step.finished for step in client.steps)  # the workers dropped it too
     run(body())
 
 
@@ -338,9 +387,9 @@ def test_a_prompt_sharing_a_finished_requests_prefix_reuses_its_blocks():
         assert list(second.blocks[:3]) == list(first.blocks[:3])
         assert third.cached_tokens == 0  # its prompt log-probabilities need every prompt row
         assert isinstance(details[-1], FinalEvent)
-        samples = {s.name: s.value for m in scheduler.metrics.registry.collect() for s in m.samples}
-        assert samples["specula_prefix_cache_hits_total"] == 12
-        assert samples["specula_prefix_cache_queries_total"] == 13 + 14 + 14
+        counts = samples(scheduler)
+        assert counts["specula_prefix_cache_hits_total"] == 12
+        assert counts["specula_prefix_cache_queries_total"] == 13 + 14 + 14
         assert scheduler.allocator.num_free_blocks == 64  # cached blocks held by nobody count as free
     run(body())
 
@@ -385,7 +434,10 @@ def test_a_prompt_longer_than_the_prefill_budget_is_prefilled_in_chunks():
         assert isinstance(events[-1], FinalEvent) and events[-1].generated_tokens == 3
         chunks = [c for kind, c in client.calls if kind == "chunk"]
         assert chunks == [[(0, 0, 16)], [(0, 16, 32)]]
-        assert client.prefilled[-1].cached_tokens == 32 and client.prefilled[-1].prefill_until == 0
+        [sent] = client.prefilled
+        assert (sent.cached_tokens, sent.prefill_until) == (0, 16)  # its first chunk
+        # The next ones, one per step; the last (0: the rest) yields its first token.
+        assert [u.prefill_until for step in client.steps for u in step.updates if u.id == 0][:2] == [32, 0]
         assert scheduler.allocator.num_free_blocks == 64 and not scheduler.chunking
     run(body())
 
@@ -401,9 +453,14 @@ def test_running_requests_decode_between_the_chunks_of_a_long_prompt():
         await drain(running)
         loop.cancel()
         kinds = [kind for kind, _ in client.calls if kind in ("chunk", "decoded")]
-        first, last = kinds.index("chunk"), len(kinds) - 1 - kinds[::-1].index("chunk")
-        assert kinds.count("chunk") == 4  # 40 tokens: four chunks of 8, then the last 8 as a plain prefill
-        assert all(kinds[i + 1] == "decoded" for i in range(first, last) if kinds[i] == "chunk")
+        assert kinds.count("chunk") == 4  # 40 tokens: four chunks of 8, then the last 8
+        # Each chunk runs in a step that also decodes the running request.
+        assert all(kinds[i + 1] == "decoded" for i in range(len(kinds)) if kinds[i] == "chunk")
+        chunk_steps = [step for step in client.steps
+                       if any(u.id == long.id for u in step.updates) or long.id in [r.id for r in step.new_requests]]
+        assert len(chunk_steps) == 5  # the first chunk, three more, the rest: one per step
+        for step in chunk_steps:
+            assert len(step.new_requests) + sum(1 for u in step.updates if u.prefill_until or u.id == long.id) == 1
     run(body())
 
 
@@ -433,4 +490,161 @@ def test_chunks_of_a_prompt_are_reused_by_a_prompt_with_the_same_start():
         await drain(scheduler.submit(dataclasses.replace(long, input_ids=long.input_ids[:40] + (7, 7, 7))))
         loop.cancel()
         assert client.prefilled[-1].cached_tokens == 40  # every whole block of the shared 40 tokens
+    run(body())
+
+
+SEEDS = [1, 2, 3]
+
+# --- blocks that grow, preemption ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("lookahead", "prefix_caching", "depth"), [(0, False, 2), (2, True, 2), (0, True, 1)])
+def test_more_requests_than_blocks_all_complete_through_preemption(lookahead, prefix_caching, depth):
+    async def body():
+        # 10 blocks of 4 tokens: each request grows to 16 + lookahead positions, so about two fit at once, yet
+        # four are admitted (their prompts and first steps fit) and the newest are preempted as they grow.
+        scheduler, client = make_scheduler(num_blocks=10, block_size=4, step_delay=0.001, lookahead=lookahead,
+                                           prefix_caching=prefix_caching, pipeline_depth=depth)
+        preempted_with: list[tuple[int, int]] = []  # (request, tokens it had when preempted)
+        preempt = scheduler.planner._preempt
+
+        def counting(entry, plan):
+            preempted_with.append((entry.id, len(entry.token_ids)))
+            preempt(entry, plan)
+
+        scheduler.planner._preempt = counting
+        loop = asyncio.create_task(scheduler.run())
+        entries = [scheduler.submit(make_request(prompt_len=4, max_new=12)) for _ in range(6)]
+        results = [await drain(e) for e in entries]
+        loop.cancel()
+        for entry, events in zip(entries, results):
+            streamed = _tokens_of(events)  # no duplicate, no missing token: exactly what it makes alone
+            assert streamed == [1000 * entry.id + k for k in range(12)]
+            final = events[-1]
+            assert isinstance(final, FinalEvent) and final.generated_tokens == 12
+            assert final.generated_text == "".join(f"t{k} " for k in range(12))
+            assert entry.num_generated == 12
+        assert samples(scheduler)["specula_request_preemptions_total"] >= 1
+        resumed = [r for r in client.prefilled if r.generated_ids]
+        assert resumed
+        for request in resumed:  # it resumes with every token it had: those of steps on the wire too
+            assert list(request.generated_ids) == [1000 * request.id + k for k in range(len(request.generated_ids))]
+            assert request.cached_tokens % 4 == 0 and request.cached_tokens < 4 + len(request.generated_ids)
+            assert not request.prefill_logprobs
+        if depth == 2:  # a step on the wire when it was preempted still gave it a token, which it kept
+            had = dict(preempted_with)
+            assert any(len(r.generated_ids) > had.get(r.id, 12) for r in resumed)
+        assert scheduler.allocator.num_free_blocks == 10 and not scheduler.running and not scheduler.queue
+        assert client.held == {}
+    run(body())
+
+
+def test_the_most_recently_admitted_request_is_preempted_and_resumes_first():
+    async def body():
+        scheduler, client = make_scheduler(num_blocks=6, block_size=4, step_delay=0.002)
+        loop = asyncio.create_task(scheduler.run())
+        entries = [scheduler.submit(make_request(prompt_len=4, max_new=12)) for _ in range(3)]
+        later = scheduler.submit(make_request(prompt_len=4, max_new=2))
+        results = [await drain(e) for e in [*entries, later]]
+        loop.cancel()
+        assert all(isinstance(r[-1], FinalEvent) for r in results)
+        preempted = [i for step in client.steps for i in step.finished]
+        assert preempted and preempted[0] == entries[-1].id  # the newest first
+        # The preempted request resumed before `later`, which was queued behind it.
+        starts = [r.id for r in client.prefilled]
+        resumed_at = starts.index(entries[-1].id, starts.index(entries[-1].id) + 1)
+        assert resumed_at < starts.index(later.id)
+    run(body())
+
+
+def test_a_request_whose_prompt_alone_fills_the_cache_still_completes():
+    async def body():
+        scheduler, client = make_scheduler(num_blocks=4, block_size=4, step_delay=0.001)
+        loop = asyncio.create_task(scheduler.run())
+        small = scheduler.submit(make_request(prompt_len=4, max_new=6))
+        await asyncio.sleep(0.005)
+        big = scheduler.submit(make_request(prompt_len=8, max_new=8))  # 16 positions: the whole cache
+        assert _tokens_of(await drain(big)) == [1000 * big.id + k for k in range(8)]
+        assert _tokens_of(await drain(small)) == [1000 * small.id + k for k in range(6)]
+        loop.cancel()
+        assert scheduler.allocator.num_free_blocks == 4
+    run(body())
+
+
+def test_requests_with_large_budgets_that_stop_early_run_together():
+    async def body():
+        # 70 blocks of 16 tokens: one request's whole budget (4 + 1000 tokens) takes 63 of them, so reserving
+        # budgets up front would run these one at a time. Blocks that grow let them run side by side.
+        scheduler, client = make_scheduler(num_blocks=70, block_size=16, eos_after=20, step_delay=0.001)
+        loop = asyncio.create_task(scheduler.run())
+        entries = [scheduler.submit(make_request(prompt_len=4, max_new=1000)) for _ in range(4)]
+        results = [await drain(e) for e in entries]
+        loop.cancel()
+        for entry, events in zip(entries, results):
+            assert _tokens_of(events) == [1000 * entry.id + k for k in range(20)]
+            assert events[-1].finish_reason == "eos_token"
+        decoded = [ids for kind, ids in client.calls if kind == "decoded"]
+        assert max(len(ids) for ids in decoded) == 4  # all four in one step
+        assert new_ids(client) == [[e.id for e in entries]]
+        assert samples(scheduler)["specula_request_preemptions_total"] == 0
+    run(body())
+
+
+def test_a_newcomer_waits_rather_than_take_the_blocks_the_running_requests_grow_into():
+    scheduler, _ = make_scheduler(num_blocks=4, block_size=4)
+    running = scheduler.submit(make_request(prompt_len=4, max_new=8))
+    assert scheduler.planner.plan(0).new_requests  # it takes 2 blocks (4 + 1 positions)
+    running.token_ids += [1, 2]  # with two steps on the wire it may write 4 + 2 + 2 positions: its 2 blocks
+    newcomer = scheduler.submit(make_request(prompt_len=4, max_new=2))  # needs the 2 free blocks ...
+    plan = scheduler.planner.plan(1)
+    assert not plan.new_requests and newcomer.state.name == "QUEUED"  # ... one of which `running` needs next
+    running.token_ids += [3, 4]
+    plan = scheduler.planner.plan(0)  # 4 + 4 + 1 positions: it grows into a third block, the fourth stays free
+    assert len(plan.updates[running.id].new_blocks) == 1 and not plan.new_requests
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_a_random_mix_under_pressure_keeps_the_contract_and_every_stream_exact(seed):
+    """Long and short prompts, shared prefixes, speculation's lookahead, clients that leave, rows and steps that
+    fail, on a cache that forces preemptions: every step keeps the worker's contract (checked by the fake), every
+    request that completes streams exactly its own tokens, and every block comes back."""
+    import random
+
+    async def body():
+        rng = random.Random(seed)
+        scheduler, client = make_scheduler(num_blocks=24, block_size=4, step_delay=0.0005, lookahead=seed % 2,
+                                           prefix_caching=True, max_batch_prefill_tokens=12,
+                                           pipeline_depth=1 + seed % 3 // 2)
+        loop = asyncio.create_task(scheduler.run())
+        shared = list(range(100, 120))
+        entries, gone = [], set()
+        for _ in range(40):
+            prompt = shared[: rng.randrange(0, 20)] + [rng.randrange(50) for _ in range(rng.randrange(1, 30))]
+            entries.append(scheduler.submit(_with_prompt(prompt, max_new=rng.randrange(1, 30))))
+            if rng.random() < 0.1:
+                client.failing_rows.add(entries[-1].id)
+            if rng.random() < 0.03:
+                client.fail_next = rng.choice(["prefill", "decode"])
+            await asyncio.sleep(rng.random() * 0.004)
+            if rng.random() < 0.15:
+                victim = rng.choice(entries)
+                gone.add(victim)
+                scheduler.cancel(victim)
+        completed = 0
+        for entry in entries:
+            if entry in gone:
+                continue  # its client went away: it may never get another event
+            events = await drain(entry)
+            if isinstance(events[-1], ErrorEvent):
+                assert "non-finite" in events[-1].message or "shard exploded" in events[-1].message
+                continue
+            assert _tokens_of(events) == [1000 * entry.id + k for k in range(entry.request.stopping.max_new_tokens)]
+            completed += 1
+        assert completed >= 10
+        assert samples(scheduler)["specula_request_preemptions_total"] >= 1
+        assert any(kind == "chunk" for kind, _ in client.calls)
+        await asyncio.sleep(0.05)
+        loop.cancel()
+        assert not scheduler.running and not scheduler.queue and client.held == {}
+        assert scheduler.allocator.num_free_blocks == 24
     run(body())

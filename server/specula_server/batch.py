@@ -1,46 +1,22 @@
-"""Batches of requests and the tensors of one forward step.
+"""The tensors of one forward step, rebuilt from the requests each step.
 
-A `Batch` is an id and a list of `RequestState`s: filtering and concatenation are list operations. The
-tensors a forward pass needs are rebuilt from the requests each step by `build_step`, which describes each
-request's new tokens as a span `[start, start + count)` of its positions:
+`build_step` describes each request's new tokens as a span `[start, start + count)` of its positions:
 
-    prefill:  start = 0,               count = prompt length
-    decode:   start = num_tokens - 1,  count = 1   (the last generated token is fed back)
+    prefill:  start = positions already computed (a cached prefix, earlier chunks),  count = the rest or a chunk
+    decode:   start = num_tokens - 1,  count = 1 + drafts   (the last generated token is fed back)
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
+from specula_kernels.paged_attention import GroupedAttentionInputs, PagedAttentionInputs
 from torch.nn.utils.rnn import pad_sequence
 
-from specula_kernels.paged_attention import GroupedAttentionInputs, PagedAttentionInputs
 from specula_server.request import RequestState
 from specula_server.speculation.drafters import Draft
-
-
-@dataclass
-class Batch:
-    id: int
-    requests: list[RequestState]
-
-    @property
-    def request_ids(self) -> list[int]:
-        return [r.id for r in self.requests]
-
-    @property
-    def num_cached_tokens(self) -> int:
-        return sum(r.num_tokens for r in self.requests)
-
-    def filter(self, keep_ids: Sequence[int]) -> None:
-        keep = set(keep_ids)
-        self.requests = [r for r in self.requests if r.id in keep]
-
-    @classmethod
-    def concatenate(cls, batches: Sequence[Batch]) -> Batch:
-        return cls(id=batches[0].id, requests=[r for b in batches for r in b.requests])
 
 
 @dataclass

@@ -80,6 +80,18 @@ def serve(
     max_active_adapters: int = typer.Option(8, envvar="MAX_ACTIVE_ADAPTERS", min=1,
                                             help="Adapters loaded at once (slots of the LoRA stacks)."),
     log_level: str = typer.Option("INFO", envvar="LOG_LEVEL", help="Python logging level."),
+    suffix_cache_tokens: int = typer.Option(
+        100_000, envvar="SUFFIX_CACHE_TOKENS", min=0,
+        help="With --speculator suffix: output tokens of finished requests the global suffix trees keep for "
+             "drafting (per shard, all adapters together; the oldest request's leave first)."),
+    local_rank: Optional[int] = typer.Option(
+        None, envvar="LOCAL_RANK", min=0,
+        help="This shard's rank on its node, the index of its GPU (default: --rank; set per node when the group "
+             "spans several nodes)."),
+    grpc_host: Optional[str] = typer.Option(
+        None, envvar="GRPC_HOST",
+        help="Also serve gRPC over TCP on this address (a free port), and give that address to the router: for "
+             "shards on a node without the router (multi-node tensor parallelism)."),
     instance_id: str = typer.Option(
         "", envvar="SPECULA_INSTANCE_ID",
         help="Id of the launcher run this shard belongs to, reported in Info; a router given another id refuses "
@@ -99,6 +111,7 @@ def serve(
             ngram_max=ngram_max, ngram_match=ngram_match, adapter_dirs=tuple(adapter_dir),
             max_active_adapters=max_active_adapters, speculator=speculator, draft_tree_width=draft_tree_width,
             instance_id=instance_id, quantize=quantize, quantize_group_size=quantize_group_size,
+            local_rank=local_rank, grpc_host=grpc_host, suffix_cache_tokens=suffix_cache_tokens,
         )
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e

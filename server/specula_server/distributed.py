@@ -38,6 +38,14 @@ class ShardGroup:
         dist.all_gather(parts, tensor.contiguous())
         return torch.cat(parts, dim=dim)
 
+    def all_gather_object(self, value: object) -> list:
+        """Every rank's `value` (picklable), in rank order."""
+        if self.world_size == 1:
+            return [value]
+        values: list = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()

@@ -1,13 +1,16 @@
-"""The worker's step executor: prefill and decode over cached batches.
+"""The worker's engine: it keeps the requests the router sent, by id, and runs the steps the router orders.
 
-`TextGenerator` owns the model, the KV cache and the batches cached between steps. The router decides what
-runs (which requests, which KV blocks); this class runs it and reports tokens:
+`TextGenerator.step(plan)` is one step of the per-step contract (`StepPlan`, the Step RPC):
 
-    prefill(batch)  -> forward over every prompt, first token of each request
-    decode(batches) -> concatenate, forward over each request's last token, next token of each request
-    filter / clear  -> drop requests or batches the router no longer wants
+    requests leave          `finished`: the router ended them (cancelled, failed, preempted)
+    requests change         `updates`: KV blocks appended as they grow; a long prompt's next chunk
+    requests join           `new`: the prompt (or its first chunk) is computed this step
+    one step runs           every request whose prompt is done decodes one token (and verifies its drafts,
+                            see `Speculator`); every prompt chunk named this step is computed; a prompt
+                            whose last chunk ran yields its first token
 
-Finished requests leave their batch in the step that finishes them; their KV blocks return to the router.
+Requests leave on their own in the step that finishes them (stop, EOS, max_new_tokens) or fails them (their
+logits were not finite, their blocks did not cover the step); the router frees their blocks.
 """
 
 from __future__ import annotations
@@ -15,56 +18,44 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import tokenizers
 import torch
 
 from specula_server.adapters.registry import AdapterRegistry, LoraBatch
 from specula_server.adapters.sources import AdapterError
-from specula_server.batch import Batch, StepInputs, build_step
+from specula_server.batch import StepInputs, build_step
 from specula_server.distributed import ShardGroup
 from specula_server.kv_cache import KVCache, slots_for_blocks
 from specula_server.models.llama import LlamaForCausalLM
 from specula_server.nonfinite import failure, kept_rows, nonfinite_requests
-from specula_server.request import RequestSpec, RequestState, StepOutput, TokenInfo
-from specula_server.sampling import Sampler, SamplingRow
-from specula_server.speculation.controller import (
-    AcceptancePriors, StepCostModel, choose_draft_lengths, drafting_bar, proposal_backoff,
+from specula_server.request import (
+    RequestSpec,
+    RequestState,
+    RequestUpdate,
+    StepOutput,
+    StepPlan,
+    TokenInfo,
 )
+from specula_server.sampling import Sampler, SampleResult, SamplingRow
+from specula_server.speculation.controller import AcceptancePriors, StepCostModel
 from specula_server.speculation.draft_model import DraftModelDrafter
-from specula_server.speculation.drafters import Draft, Drafter
-from specula_server.speculation.verify import Verdict, verify
+from specula_server.speculation.speculator import (
+    DraftPlan,
+    SpeculationConfig,
+    Speculator,
+)
+
+__all__ = ["InvalidRequestError", "SpeculationConfig", "StepPlan", "StepResult", "StepTimings", "TextGenerator"]
 
 logger = logging.getLogger("specula.generator")
 
 
-@dataclass(frozen=True)
-class SpeculationConfig:
-    """Speculative decoding of the worker: up to `max_tokens` drafts per request per step.
-
-    `draft_model`, when the server drafts with a draft model, is that drafter (also reachable through
-    `drafter`, which may be a composite): the generator sizes and allocates its KV cache beside the target's
-    and asks it for the tokens of the pending drafts it proposed."""
-
-    drafter: Drafter
-    max_tokens: int
-    mode: str = "adaptive"  # "adaptive" (draft lengths follow acceptance and load) or "fixed"
-    draft_model: DraftModelDrafter | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 0 or self.mode not in ("adaptive", "fixed"):
-            raise ValueError(f"invalid speculation settings: {self.max_tokens} tokens, mode {self.mode!r}")
-
-
 class InvalidRequestError(ValueError):
-    """A request the worker cannot run; reported to the router as INVALID_ARGUMENT."""
-
-
-class BatchNotFoundError(KeyError):
-    """A batch id the worker does not hold; reported as NOT_FOUND."""
+    """A step or request the worker cannot run: a whole step is reported as INVALID_ARGUMENT, a request fails
+    alone (`StepOutput.error`)."""
 
 
 @dataclass
@@ -76,12 +67,10 @@ class StepTimings:
 @dataclass
 class StepResult:
     outputs: list[StepOutput]
-    batch: Batch | None  # None when every request finished
-    timings: StepTimings
+    timings: StepTimings = field(default_factory=StepTimings)
 
 
 class TextGenerator:
-    MAX_RETIRED = 4096  # ended batch ids remembered, far more than the router can have in flight
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -97,10 +86,8 @@ class TextGenerator:
         self.group = group or ShardGroup()
         self.adapters = adapters
         self.speculation = speculation if speculation is not None and speculation.max_tokens > 0 else None
-        self.step_cost = StepCostModel()
-        self.acceptance_priors = AcceptancePriors()
-        self._declined_in_a_row = 0  # adaptive: steps whose drafts were all declined, since one verified
-        self._steps_without_proposals = 0  # adaptive: plain steps left before drafts are proposed again
+        self.speculator = None if self.speculation is None else Speculator(
+            self.speculation, model.config.max_position_embeddings, self.agreed_seconds)
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.special_ids = frozenset(
@@ -111,8 +98,29 @@ class TextGenerator:
         self.dtype = model.norm.weight.dtype
         self.sampler = Sampler()
         self.kv_cache: KVCache | None = None
-        self.batches: dict[int, Batch] = {}
-        self._retired: OrderedDict[int, None] = OrderedDict()  # ids of batches that ended, oldest first
+        self.requests: dict[int, RequestState] = {}
+
+    @property
+    def step_cost(self) -> StepCostModel:
+        """The adaptive controller's cost model (speculation on)."""
+        assert self.speculator is not None
+        return self.speculator.step_cost
+
+    @step_cost.setter
+    def step_cost(self, cost: StepCostModel) -> None:
+        assert self.speculator is not None
+        self.speculator.step_cost = cost
+
+    @property
+    def acceptance_priors(self) -> AcceptancePriors:
+        assert self.speculator is not None
+        return self.speculator.acceptance_priors
+
+    def suffix_cache_size(self) -> tuple[int, int]:
+        """(tokens, nodes) of suffix decoding's global trees; (0, 0) without it."""
+        drafter = self.speculation.drafter if self.speculation is not None else None
+        cache = getattr(getattr(drafter, "fallback", drafter), "cache", None)
+        return (cache.num_tokens, cache.num_nodes) if cache is not None else (0, 0)
 
     # --- KV cache -----------------------------------------------------------------------------------------
 
@@ -130,7 +138,7 @@ class TextGenerator:
         return size
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.clear()
+        self.reset()
         self.release_kv_cache()  # release the old caches before allocating the new ones
         cfg = self.model.config
         self.kv_cache = KVCache.allocate(
@@ -144,45 +152,57 @@ class TextGenerator:
         if self.draft_model is not None:
             self.draft_model.release_kv_cache()
 
+    def reset(self) -> None:
+        """Drops every request (Warmup: a router starts afresh)."""
+        for request_id in list(self.requests):
+            self._leave(request_id)
+
+    def _leave(self, request_id: int) -> None:
+        """A request leaves the worker (finished, failed, or ended by the router)."""
+        r = self.requests.pop(request_id, None)
+        if r is not None and self.speculator is not None:
+            self.speculator.release(r)
+
     # --- requests -----------------------------------------------------------------------------------------
 
+    def _slots(self, request_id: int, blocks: Sequence[int]) -> torch.Tensor:
+        assert self.kv_cache is not None
+        if any(not 0 <= b < self.kv_cache.num_blocks for b in blocks):
+            raise InvalidRequestError(f"request {request_id}: KV block ids must be in [0, {self.kv_cache.num_blocks})")
+        return slots_for_blocks(torch.tensor(blocks, dtype=torch.long, device=self.device), self.block_size)
+
     def _admit(self, spec: RequestSpec) -> RequestState:
-        """Checks a request against the model and the cache, then builds its state."""
-        cache = self.kv_cache
-        if cache is None:
-            raise InvalidRequestError("the KV cache is not allocated: call Warmup first")
+        """Checks a new request against the model and the cache, then builds its state."""
+        if spec.id in self.requests:
+            raise InvalidRequestError(f"request {spec.id} is already running")
         if not spec.input_ids:
             raise InvalidRequestError(f"request {spec.id}: empty prompt")
         vocab = self.model.config.vocab_size
-        bad = [t for t in spec.input_ids if not 0 <= t < vocab]
+        bad = [t for t in spec.input_ids + spec.generated_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"request {spec.id}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        if spec.stopping.max_new_tokens < 1:
-            raise InvalidRequestError(f"request {spec.id}: max_new_tokens must be at least 1")
+        if spec.stopping.max_new_tokens <= len(spec.generated_ids):
+            raise InvalidRequestError(f"request {spec.id}: max_new_tokens ({spec.stopping.max_new_tokens}) must "
+                                      f"exceed the tokens already generated ({len(spec.generated_ids)})")
         total = len(spec.input_ids) + spec.stopping.max_new_tokens
         if total > self.model.config.max_position_embeddings:
             raise InvalidRequestError(
                 f"request {spec.id}: {len(spec.input_ids)} prompt + {spec.stopping.max_new_tokens} new tokens "
                 f"exceed the model's {self.model.config.max_position_embeddings} positions"
             )
-        if len(spec.blocks) * self.block_size < total:
-            raise InvalidRequestError(
-                f"request {spec.id}: {len(spec.blocks)} KV blocks of {self.block_size} tokens cannot hold "
-                f"{total} tokens"
-            )
-        if any(not 0 <= b < cache.num_blocks for b in spec.blocks):
-            raise InvalidRequestError(f"request {spec.id}: KV block ids must be in [0, {cache.num_blocks})")
-        if spec.cached_tokens and (spec.cached_tokens >= len(spec.input_ids) or spec.cached_tokens % self.block_size
-                                   or spec.prefill_logprobs):
-            raise InvalidRequestError(
-                f"request {spec.id}: cached_tokens ({spec.cached_tokens}) must be whole blocks of {self.block_size} "
-                f"shorter than the prompt ({len(spec.input_ids)} tokens), and 0 with prefill_logprobs")
-        if spec.prefill_until and not (spec.cached_tokens < spec.prefill_until <= len(spec.input_ids)
-                                       and not spec.prefill_logprobs):
-            raise InvalidRequestError(
-                f"request {spec.id}: prefill_until ({spec.prefill_until}) must lie past cached_tokens "
-                f"({spec.cached_tokens}) and within the prompt ({len(spec.input_ids)} tokens), without "
-                f"prefill_logprobs")
+        context, until = spec.context_len, spec.prefill_until or spec.context_len
+        if spec.cached_tokens and (spec.cached_tokens >= context or spec.cached_tokens % self.block_size):
+            raise InvalidRequestError(f"request {spec.id}: cached_tokens ({spec.cached_tokens}) must be whole blocks "
+                                      f"of {self.block_size} shorter than its context ({context} tokens)")
+        if not spec.cached_tokens < until <= context:
+            raise InvalidRequestError(f"request {spec.id}: prefill_until ({spec.prefill_until}) must lie past "
+                                      f"cached_tokens ({spec.cached_tokens}) and within its context ({context})")
+        if spec.prefill_logprobs and (spec.cached_tokens or until < context or spec.generated_ids):
+            raise InvalidRequestError(f"request {spec.id}: prefill_logprobs needs the whole prompt computed in one "
+                                      f"step (no cached prefix, no chunks, not resumed)")
+        if len(spec.blocks) * self.block_size < until:
+            raise InvalidRequestError(f"request {spec.id}: {len(spec.blocks)} KV blocks of {self.block_size} tokens "
+                                      f"cannot hold the {until} positions of its first step")
         if spec.adapter_id:
             if self.adapters is None:
                 raise InvalidRequestError(f"request {spec.id}: this worker serves no adapters")
@@ -190,149 +210,158 @@ class TextGenerator:
                 self.adapters.check(spec.adapter_id)
             except AdapterError as e:
                 raise InvalidRequestError(f"request {spec.id}: {e}") from None
-        slots = slots_for_blocks(torch.tensor(spec.blocks, device=self.device), self.block_size)
-        return RequestState.create(spec, self.tokenizer, slots, self.eos_token_ids, self.device)
+        return RequestState.create(spec, self.tokenizer, self._slots(spec.id, spec.blocks), self.eos_token_ids,
+                                   self.device)
 
-    # --- steps --------------------------------------------------------------------------------------------
+    def _update(self, r: RequestState, update: RequestUpdate) -> int | None:
+        """Appends an update's blocks; returns the end of the prompt chunk it schedules (None: none)."""
+        if update.new_blocks:
+            r.grow(self._slots(r.id, update.new_blocks))
+        if not r.is_prefilling:
+            return None
+        until = update.prefill_until or r.num_tokens
+        if not r.prefilled < until <= r.num_tokens:
+            raise InvalidRequestError(f"request {r.id}: prefill_until ({update.prefill_until}) must lie past the "
+                                      f"{r.prefilled} positions already computed, within {r.num_tokens}")
+        return until
 
-    def prefill(self, batch_id: int, specs: Sequence[RequestSpec]) -> StepResult:
-        if batch_id in self.batches:
-            raise InvalidRequestError(f"batch {batch_id} already exists")
-        if not specs:
-            raise InvalidRequestError("a batch needs at least one request")
-        if len({s.id for s in specs}) != len(specs):
-            raise InvalidRequestError("request ids within a batch must be unique")
+    # --- the step -----------------------------------------------------------------------------------------
+
+    def step(self, plan: StepPlan) -> StepResult:
+        """Applies `plan` and runs one step over every request (see the module's docstring)."""
+        if self.kv_cache is None:
+            raise InvalidRequestError("the KV cache is not allocated: call Warmup first")
         start = time.perf_counter_ns()
-        requests = [self._admit(spec) for spec in specs]
-        if any(r.spec.is_chunk for r in requests):
-            return self._prefill_chunks(batch_id, requests, start)
-        self._declined_in_a_row = self._steps_without_proposals = 0  # new requests may have drafts that pay
-        # A reused prefix's KV is in the request's first blocks already: only the rest of the prompt is computed.
-        starts = [r.spec.cached_tokens for r in requests]
-        step = build_step(requests, starts, [r.prompt_len - s for r, s in zip(requests, starts)], self.device)
-        return self._run(Batch(batch_id, requests), step, start, with_prefill_logprobs=True)
+        for request_id in plan.finished:
+            self._leave(request_id)
+        outputs: list[StepOutput] = []
+        refused: list[StepOutput] = []  # new requests that never joined (one may carry a running request's id)
+        chunks: dict[int, int] = {}  # request id -> end of the prompt chunk it computes this step
+        for update in plan.updates:
+            r = self.requests.get(update.id)
+            if r is None:
+                continue  # it finished in an earlier step the router had not seen yet
+            try:
+                until = self._update(r, update)
+            except InvalidRequestError as e:
+                outputs.append(self._drop(r.id, str(e)))
+                continue
+            if until is not None:
+                chunks[r.id] = until
+        for spec in plan.new:
+            try:
+                r = self._admit(spec)
+            except InvalidRequestError as e:
+                refused.append(StepOutput(spec.id, [], [], error=str(e)))
+                continue
+            self.requests[r.id] = r
+            chunks[r.id] = spec.prefill_until or r.num_tokens
+        if plan.new and self.speculator is not None:
+            self.speculator.requests_joined()
+        timings = StepTimings()
+        decoding = [r for r in self.requests.values() if not r.is_prefilling]
+        short = [r for r in decoding if r.capacity < r.num_tokens]
+        for r in short:  # the router grows blocks before a step needs them: a request without one fails alone
+            outputs.append(self._drop(r.id, f"request {r.id}: its {r.capacity} KV positions do not cover position "
+                                            f"{r.num_tokens - 1} of this step"))
+        decoding = [r for r in decoding if r.capacity >= r.num_tokens]
+        if decoding:
+            outputs += self._decode(decoding, timings)
+        if chunks:
+            outputs += self._prefill([(self.requests[i], until) for i, until in chunks.items()], timings)
+        for out in outputs:
+            r = self.requests.get(out.request_id)
+            if out.error or (r is not None and r.is_finished):
+                self._leave(out.request_id)
+        timings.decode_ns = time.perf_counter_ns() - start - timings.forward_ns
+        return StepResult(refused + outputs, timings)
+
+    def _drop(self, request_id: int, error: str) -> StepOutput:
+        self._leave(request_id)
+        return StepOutput(request_id, [], [], error=error)
+
+    def _forward(self, requests: Sequence[RequestState], step: StepInputs) -> torch.Tensor:
+        assert self.kv_cache is not None
+        return self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attn,
+                          self._lora(requests, step.counts))
 
     @torch.inference_mode()
-    def _prefill_chunks(self, batch_id: int, requests: list[RequestState], start: int) -> StepResult:
-        """Chunks of long prompts: one forward that writes the chunks' KV into their blocks, and nothing else
-        (no logits, no token, no state kept). The router sends each prompt's last part as a plain prefill, with
-        `cached_tokens` covering the chunks, so a long prompt never stalls running requests for all of it."""
-        if not all(r.spec.is_chunk for r in requests):
-            raise InvalidRequestError("a Prefill holds either chunks of prompts only, or no chunk")
-        assert self.kv_cache is not None
-        starts = [r.spec.cached_tokens for r in requests]
-        step = build_step(requests, starts, [r.spec.prefill_until - s for r, s in zip(requests, starts)],
-                          self.device)
-        self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attn, self._lora(requests, step.counts))
-        forward_done = time.perf_counter_ns()
-        self._retire(batch_id)
-        return StepResult([], None, StepTimings(forward_done - start, 0))
-
-    def decode(self, batch_ids: Sequence[int]) -> StepResult:
-        """One step over the named batches, concatenated into the first that still exists.
-
-        Ids of batches that ended (all their requests finished, merged into another batch, or cleared) are
-        skipped: the router sends its next Decode before it has seen the previous step's result, so it may
-        name a batch that ended in that step. Ids never seen are an error.
-        """
-        if not batch_ids:
-            raise BatchNotFoundError("no batch given")
-        missing = [b for b in batch_ids if b not in self.batches and b not in self._retired]
-        if missing:
-            raise BatchNotFoundError(f"unknown batch ids {missing}")
-        live = [b for b in batch_ids if b in self.batches]
-        if not live:
-            return StepResult([], None, StepTimings())
+    def _prefill(self, items: list[tuple[RequestState, int]], timings: StepTimings) -> list[StepOutput]:
+        """One forward over prompt chunks: each writes its KV; a prompt whose end ran yields its first token."""
         start = time.perf_counter_ns()
-        for merged in live[1:]:
-            self._retire(merged)
-        batch = Batch.concatenate([self.batches.pop(b) for b in live])
-        reqs = batch.requests
-        if self.speculation is not None:
-            return self._speculative_step(batch, start)
+        reqs = [r for r, _ in items]
+        starts = [r.prefilled for r in reqs]
+        step = build_step(reqs, starts, [until - s for (_, until), s in zip(items, starts)], self.device)
+        hidden = self._forward(reqs, step)
+        done = [i for i, (r, until) in enumerate(items) if until == r.num_tokens]
+        for r, until in items:
+            r.prefilled = until
+        if not done:
+            timings.forward_ns += time.perf_counter_ns() - start
+            return []
+        last_hidden = hidden[step.last_rows[done]]
+        logits = self.model.compute_logits(last_hidden)
+        timings.forward_ns += time.perf_counter_ns() - start
+        reqs, row_starts = [reqs[i] for i in done], [step.row_starts[i] for i in done]
+        for r in reqs:
+            r.prefilled = None
+        outputs, kept = self._drop_nonfinite(reqs, logits, [1] * len(reqs))
+        prompts = {}
+        for i in kept:
+            if reqs[i].spec.prefill_logprobs:
+                prompts[i] = self._prefill_tokens(reqs[i], hidden, row_starts[i])
+                if prompts[i] is None:
+                    outputs.append(failure(reqs[i], "prompt logits"))
+        kept = [i for i in kept if prompts.get(i, ()) is not None]
+        if kept:
+            sample = self._sample([reqs[i] for i in kept], logits[kept])
+            outputs += self._commit_sampled([reqs[i] for i in kept], sample, last_hidden[kept],
+                                            [prompts.get(i) for i in kept])
+        return outputs
+
+    @torch.inference_mode()
+    def _decode(self, reqs: list[RequestState], timings: StepTimings) -> list[StepOutput]:
+        """One decode step over every running request: plain, or verifying the drafts the speculator plans."""
+        start = time.perf_counter_ns()
+        plan = self.speculator.plan(reqs) if self.speculator is not None else None
+        if plan is not None:
+            return self._verify(reqs, plan, start, timings)
         step = build_step(reqs, [r.num_tokens - 1 for r in reqs], [1] * len(reqs), self.device)
-        return self._run(batch, step, start, with_prefill_logprobs=False)
+        last_hidden = self._forward(reqs, step)[step.last_rows]
+        logits = self.model.compute_logits(last_hidden)
+        timings.forward_ns += time.perf_counter_ns() - start
+        outputs, kept = self._drop_nonfinite(reqs, logits, [1] * len(reqs))
+        if not kept:
+            return outputs
+        sample = self._sample([reqs[i] for i in kept], logits[kept])
+        if self.speculator is not None:  # timed up to the chosen tokens, as a verifying step is
+            self.speculator.observe_plain(len(reqs), time.perf_counter_ns() - start)
+        return outputs + self._commit_sampled([reqs[i] for i in kept], sample, last_hidden[kept])
 
-    def filter(self, batch_id: int, keep_ids: Sequence[int]) -> Batch:
-        """Keeps only the listed requests (ids of other batches may be listed too); an emptied batch ends."""
-        batch = self.batches.get(batch_id)
-        if batch is None:
-            if batch_id in self._retired:
-                return Batch(batch_id, [])
-            raise BatchNotFoundError(f"unknown batch id {batch_id}")
-        batch.filter(keep_ids)
-        if not batch.requests:
-            self.batches.pop(batch_id)
-            self._retire(batch_id)
-        return batch
+    def _drop_nonfinite(self, reqs: Sequence[RequestState], logits: torch.Tensor, counts: Sequence[int]
+                        ) -> tuple[list[StepOutput], list[int]]:
+        """Failures of the requests whose rows are not finite, and the indices of the others."""
+        failed = nonfinite_requests(logits, counts)
+        return [failure(reqs[i]) for i in failed], [i for i in range(len(reqs)) if i not in failed]
 
-    def clear(self, batch_id: int | None = None) -> None:
-        if batch_id is None:
-            self.batches.clear()
-            self._retired.clear()
-        elif self.batches.pop(batch_id, None) is not None:
-            self._retire(batch_id)
+    def _sample(self, reqs: Sequence[RequestState], logits: torch.Tensor) -> SampleResult:
+        rows = [SamplingRow(r.spec.sampling, r.history, r.generator) for r in reqs]
+        return self.sampler(logits, rows, num_top=max(r.spec.top_n_tokens for r in reqs))
 
-    def _retire(self, batch_id: int) -> None:
-        self._retired[batch_id] = None
-        while len(self._retired) > self.MAX_RETIRED:
-            self._retired.popitem(last=False)
-
-    @torch.inference_mode()
-    def _run(self, batch: Batch, step: StepInputs, start: int, with_prefill_logprobs: bool) -> StepResult:
-        """Forward, sample and commit one step; `start` is when the step began (its inputs' preparation)."""
-        assert self.kv_cache is not None
-        lora = self._lora(batch.requests, step.counts)
-        hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attn, lora)
-        last_hidden = hidden[step.last_rows]
-        logits = self.model.compute_logits(last_hidden)  # [num_seqs, vocab]
-        forward_done = time.perf_counter_ns()
-
-        requests, row_starts = batch.requests, step.row_starts
-        failed = nonfinite_requests(logits, [1] * len(requests))
-        outputs = [failure(requests[i]) for i in failed]
-        if failed:  # the others go on without them: from here on every operation is row by row
-            keep = [i for i in range(len(requests)) if i not in failed]
-            requests, row_starts = [requests[i] for i in keep], [row_starts[i] for i in keep]
-            logits, last_hidden = logits[keep], last_hidden[keep]
-            if not requests:
-                return self._end_step(batch, outputs, start, forward_done)
-        rows = [SamplingRow(r.spec.sampling, r.history, r.generator) for r in requests]
-        num_top = max(r.spec.top_n_tokens for r in requests)
-        sample = self.sampler(logits, rows, num_top=num_top)
+    def _commit_sampled(self, reqs: Sequence[RequestState], sample: SampleResult, last_hidden: torch.Tensor,
+                        prompts: Sequence[list[TokenInfo] | None] | None = None) -> list[StepOutput]:
+        """Appends each request's sampled token (row i) and reports it."""
         token_ids, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
-        if self.speculation is not None and step.input_ids.numel() == len(batch.requests):  # decode steps only
-            # Up to the chosen tokens: a verifying step is timed to the same point (its acceptance included).
-            self.step_cost.observe(len(batch.requests), self.agreed_seconds(time.perf_counter_ns() - start))
-
-        for i, r in enumerate(requests):
+        outputs = []
+        for i, r in enumerate(reqs):
             r.last_hidden = last_hidden[i]
-            prefill = None
-            if with_prefill_logprobs and r.spec.prefill_logprobs:
-                prefill = self._prefill_tokens(r, hidden, row_starts[i])
-                if prefill is None:
-                    outputs.append(failure(r, "prompt logits"))
-                    continue
             token = r.append(token_ids[i], logprobs[i])
             top = self._top_tokens(sample, i, r.spec.top_n_tokens)
-            out = StepOutput(r.id, [token], [top] if r.spec.top_n_tokens else [], prefill)
+            out = StepOutput(r.id, [token], [top] if r.spec.top_n_tokens else [], prompts[i] if prompts else None)
             if r.is_finished:
                 out.generated_text = r.generated_text()
             outputs.append(out)
-
-        return self._end_step(batch, outputs, start, forward_done)
-
-    def _end_step(self, batch: Batch, outputs: list[StepOutput], start: int, forward_done: int) -> StepResult:
-        """Drops finished and failed requests from the batch (it ends when none is left); reports the step."""
-        failed = {o.request_id for o in outputs if o.error}
-        batch.requests = [r for r in batch.requests if not r.is_finished and r.id not in failed]
-        kept = batch if batch.requests else None
-        if kept is not None:
-            self.batches[batch.id] = kept
-        else:
-            self._retire(batch.id)
-        timings = StepTimings(forward_done - start, time.perf_counter_ns() - forward_done)
-        return StepResult(outputs, kept, timings)
+        return outputs
 
     # --- speculative decoding -------------------------------------------------------------------------------
 
@@ -349,147 +378,46 @@ class TextGenerator:
         agreed = torch.tensor([seconds], dtype=torch.float64, device=self.device)
         return float(self.group.all_reduce(agreed, op="max"))
 
-    def _draft_cap(self, r: RequestState) -> int:
-        """Most drafts `r` may verify: its own cap, what it may still emit, and the positions it owns."""
-        assert self.speculation is not None
-        cap = self.speculation.max_tokens
-        if r.spec.speculative_tokens is not None:
-            cap = min(cap, r.spec.speculative_tokens)
-        remaining = r.spec.stopping.max_new_tokens - r.num_generated - 1  # the target adds one token itself
-        room = min(r.capacity, self.model.config.max_position_embeddings) - r.num_tokens
-        return max(0, min(cap, remaining, room))
-
-    @torch.inference_mode()
-    def _speculative_step(self, batch: Batch, start: int) -> StepResult:
-        """propose → verify (one forward over `[last, d1..dk]` per request) → accept → commit."""
-        assert self.speculation is not None and self.kv_cache is not None
-        reqs = batch.requests
-        adaptive = self.speculation.mode == "adaptive"
-        if adaptive and self._steps_without_proposals > 0:
-            self._steps_without_proposals -= 1
-            self.step_cost.declined()
-            return self._plain_step(batch, start)
-        drafter = self.speculation.drafter
-        methods = [drafter.method_for(r) for r in reqs]
-        acceptance = [r.acceptance.estimate(self.acceptance_priors.value(m)) for r, m in zip(reqs, methods)]
-        bar = drafting_bar(len(reqs), self.step_cost) if adaptive else -1.0
-        caps = [self._draft_cap(r) if a > bar else 0 for r, a in zip(reqs, acceptance)]
-        try:
-            proposals = self.speculation.drafter.propose(reqs, caps)
-        except Exception:  # drafts only ever save time: a drafter's failure must not fail the requests
-            logger.exception("drafting failed; this step verifies no drafts")
-            return self._plain_step(batch, start)
-        lengths = choose_draft_lengths([p.available for p in proposals], acceptance, self.step_cost,
-                                       self.speculation.mode)
-        if not any(lengths):  # nothing worth verifying: a plain step, at a plain step's cost
-            if any(p.available for p in proposals):
-                self.step_cost.declined()
-                self._declined_in_a_row += 1
-                self._steps_without_proposals = proposal_backoff(self._declined_in_a_row)
-            return self._plain_step(batch, start)
-        self._declined_in_a_row = 0
-        try:
-            drafts = self._draft_pending(reqs, [p.truncated(k) for p, k in zip(proposals, lengths)])
-        except Exception:
-            logger.exception("drafting failed; this step verifies no drafts")
-            return self._plain_step(batch, start)
-        return self._verify_step(batch, drafts, [m if len(d) else "" for m, d in zip(methods, drafts)], start)
-
-    def _verify_step(self, batch: Batch, drafts: list[Draft], methods: list[str], start: int) -> StepResult:
+    def _verify(self, reqs: list[RequestState], plan: DraftPlan, start: int, timings: StepTimings
+                ) -> list[StepOutput]:
         """verify → accept → commit: one forward over `[last, d1..dk]` per request, then the exact rule."""
-        assert self.kv_cache is not None
-        reqs = batch.requests
+        assert self.speculator is not None and self.kv_cache is not None
+        drafts, methods, counts = plan.drafts, plan.methods, plan.counts
         for r, d in zip(reqs, drafts):  # the buffer tail past num_tokens is free: drafts go there
             r.token_ids[r.num_tokens : r.num_tokens + len(d)] = d.tokens
         trees = [None if d.is_chain else d for d in drafts]
-        counts = [len(d) + 1 for d in drafts]
         step = build_step(reqs, [r.num_tokens - 1 for r in reqs], counts, self.device, trees)
-        hidden = self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attn,
-                            self._lora(reqs, counts))
+        hidden = self._forward(reqs, step)
         logits = self.model.compute_logits(hidden)  # [sum(counts), vocab]
-        forward_done = time.perf_counter_ns()
-
-        num_seqs, num_drafted, row_starts = len(reqs), sum(counts) - len(counts), step.row_starts
-        failed = nonfinite_requests(logits, counts)  # any verified row: its drafts' rows are its logits too
-        outputs = [failure(reqs[i]) for i in failed]
-        if failed:  # the others go on without them: from here on every operation is row by row
-            keep = [i for i in range(num_seqs) if i not in failed]
+        timings.forward_ns += time.perf_counter_ns() - start
+        num_seqs, row_starts = len(reqs), step.row_starts
+        outputs, keep = self._drop_nonfinite(reqs, logits, counts)  # a verified row's logits are its drafts' too
+        if len(keep) < num_seqs:  # the others go on without them: from here on every operation is row by row
             rows, row_starts = kept_rows(counts, keep)
             hidden, logits = hidden[rows], logits[rows]
-            reqs, drafts, methods = ([x[i] for i in keep] for x in (reqs, drafts, methods))
+            reqs = [reqs[i] for i in keep]
+            plan = DraftPlan([drafts[i] for i in keep], [methods[i] for i in keep])
             if not reqs:
-                return self._end_step(batch, outputs, start, forward_done)
-        verdicts, processed = verify(logits, reqs, drafts, row_starts, self.sampler)
-        # Timed up to the accepted tokens, as plain steps are up to their sampled ones: drawing and checking a
-        # token at every verified position is part of what a draft costs (a sampling request's rows most of all).
-        self.step_cost.observe_speculative(num_seqs, self.agreed_seconds(time.perf_counter_ns() - start),
-                                          num_drafted)
-        self._compact_accepted_paths(reqs, drafts, verdicts)
+                return outputs
+        verdicts, processed = self.speculator.accept(reqs, plan, logits, row_starts, self.sampler, self.kv_cache,
+                                                     start, num_seqs)
         scores = processed if processed is not None else logits
-        outputs += [self._commit_verdict(r, v, method, hidden, scores, normalized=processed is not None)
-                    for r, v, method in zip(reqs, verdicts, methods)]
-        return self._end_step(batch, outputs, start, forward_done)
-
-    def _commit_verdict(self, r: RequestState, v: Verdict, method: str, hidden: torch.Tensor,
-                        scores: torch.Tensor, normalized: bool) -> StepOutput:
-        """Appends a request's accepted tokens (up to a stop) and updates its acceptance statistics."""
-        r.last_hidden = hidden[v.rows[-1]]
-        tokens = []
-        for token_id, logprob in zip(v.token_ids, v.logprobs):
-            tokens.append(r.append(token_id, logprob))
+        for r, v, method in zip(reqs, verdicts, plan.methods):
+            r.last_hidden = hidden[v.rows[-1]]
+            tokens = []
+            for token_id, logprob in zip(v.token_ids, v.logprobs):
+                tokens.append(r.append(token_id, logprob))
+                if r.is_finished:
+                    break  # nothing after a stop is emitted or counted
+            self.speculator.record(r, v, method)
+            tops = self._row_top_tokens(scores, v.rows[: len(tokens)], r.spec.top_n_tokens,
+                                        normalized=processed is not None)
+            out = StepOutput(r.id, tokens, tops, num_drafted=v.num_drafted,
+                             num_accepted=min(v.num_accepted, len(tokens)), draft_method=method)
             if r.is_finished:
-                break  # nothing after a stop is emitted or counted
-        r.acceptance.observe(v.num_drafted, v.num_accepted)
-        self.acceptance_priors.observe(method, v.num_drafted, v.num_accepted)
-        # The draft model's KV is valid up to the last accepted draft it ran over; the target's own token
-        # (correction or bonus) is run over before the next draft.
-        r.draft_cached = min(r.draft_cached, r.num_tokens - 1)
-        tops = self._row_top_tokens(scores, v.rows[: len(tokens)], r.spec.top_n_tokens, normalized=normalized)
-        out = StepOutput(r.id, tokens, tops, num_drafted=v.num_drafted,
-                         num_accepted=min(v.num_accepted, len(tokens)), draft_method=method)
-        if r.is_finished:
-            out.generated_text = r.generated_text()
-        return out
-
-    def _plain_step(self, batch: Batch, start: int) -> StepResult:
-        """A step that verifies no drafts (each request's acceptance estimate drifts back to the prior)."""
-        for r in batch.requests:
-            r.acceptance.observe(0, 0)
-        step = build_step(batch.requests, [r.num_tokens - 1 for r in batch.requests], [1] * len(batch.requests),
-                          self.device)
-        return self._run(batch, step, start, with_prefill_logprobs=False)
-
-    def _draft_pending(self, reqs: Sequence[RequestState], drafts: list[Draft]) -> list[Draft]:
-        """Has the draft model draft the tokens of pending drafts, exactly as many as the controller granted."""
-        pending = [i for i, d in enumerate(drafts) if d.pending]
-        if not pending:
-            return drafts
-        assert self.draft_model is not None, "a drafter proposed pending drafts but the worker has no draft model"
-        drafted = self.draft_model.draft([reqs[i] for i in pending], [drafts[i].pending for i in pending])
-        for i, d in zip(pending, drafted):
-            drafts[i] = d
-        return drafts
-
-    def _compact_accepted_paths(self, reqs: Sequence[RequestState], drafts: Sequence[Draft],
-                                verdicts: Sequence[Verdict]) -> None:
-        """Moves the KV of each tree's accepted nodes to the positions they now hold in the sequence.
-
-        Node i was written at buffer index `num_tokens + i`; the accepted node at depth d belongs at
-        `num_tokens + d - 1`. Chains, and tree paths along the first nodes, are already in place. Rejected
-        nodes' slots are past the sequence's end and are overwritten by later steps, never read.
-        """
-        assert self.kv_cache is not None
-        src: list[torch.Tensor] = []
-        dst: list[torch.Tensor] = []
-        for r, d, v in zip(reqs, drafts, verdicts):
-            if d.is_chain:
-                continue
-            moves = [(r.num_tokens + node, r.num_tokens + depth) for depth, node in enumerate(v.path) if node != depth]
-            if moves:
-                src.append(r.slots[[m[0] for m in moves]])
-                dst.append(r.slots[[m[1] for m in moves]])
-        if src:
-            self.kv_cache.move(torch.cat(src), torch.cat(dst))
+                out.generated_text = r.generated_text()
+            outputs.append(out)
+        return outputs
 
     def _lora(self, requests: Sequence[RequestState], counts: Sequence[int]) -> LoraBatch | None:
         if self.adapters is None:

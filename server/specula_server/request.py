@@ -1,12 +1,14 @@
-"""One request's state inside the worker, from prefill to its last token.
+"""One request's state inside the worker, from its first step to its last token.
 
-A `RequestState` is created at prefill from the router's request and lives in a batch until it finishes or
-the router filters it out. Everything a step needs (token ids, KV slots, sampling generator, detokenizer,
-stop checker) hangs off this one object; batch tensors are rebuilt from these objects each step.
+A `RequestState` is created when the router first sends the request and is kept, by id, until it finishes or
+the router lists it as finished. Everything a step needs (token ids, KV slots, sampling generator,
+detokenizer, stop checker) hangs off this one object; a step's tensors are rebuilt from these objects.
+Its KV slots grow as the router appends blocks (`grow`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import tokenizers
@@ -65,13 +67,34 @@ class RequestSpec:
     top_n_tokens: int = 0
     speculative_tokens: int | None = None  # per-request cap on draft tokens (None: the server's)
     adapter_id: str = ""  # LoRA adapter applied to this request ("": the base model)
-    cached_tokens: int = 0  # leading prompt positions whose KV `blocks` already hold (a reused prefix)
-    prefill_until: int = 0  # a chunk of a long prompt computes positions [cached_tokens, prefill_until); 0: all
+    cached_tokens: int = 0  # leading positions whose KV `blocks` already hold (a reused prefix)
+    prefill_until: int = 0  # its first step computes positions [cached_tokens, prefill_until); 0: all
+    generated_ids: tuple[int, ...] = ()  # tokens generated before it was preempted (recomputed, not re-emitted)
 
     @property
-    def is_chunk(self) -> bool:
-        """Whether this prefill computes only a part of the prompt (no token comes out of it)."""
-        return 0 < self.prefill_until < len(self.input_ids)
+    def context_len(self) -> int:
+        """Positions its prefill computes: the prompt's, and those of tokens generated before a preemption."""
+        return len(self.input_ids) + len(self.generated_ids)
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """What changes this step for a request the worker holds: blocks appended, or its prompt's next chunk
+    (positions up to `prefill_until`, 0: to the end) for one still prefilling."""
+
+    id: int
+    new_blocks: tuple[int, ...] = ()
+    prefill_until: int = 0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One engine step as the router orders it (the Step RPC): `finished` requests leave, `updates` apply,
+    `new` requests join, then one step runs over every request (named prompt chunks, every decode)."""
+
+    new: Sequence[RequestSpec] = ()
+    updates: Sequence[RequestUpdate] = ()
+    finished: Sequence[int] = ()
 
 
 @dataclass(eq=False)
@@ -90,6 +113,9 @@ class RequestState:
     # Positions 0 .. draft_cached - 1 hold the draft model's KV of this request's own tokens (draft-model
     # speculation); the draft model runs over the rest of its tokens before drafting again.
     draft_cached: int = 0
+    # Positions whose KV the target holds, while the prompt (and any tokens recomputed after a preemption) is
+    # being prefilled; None once that prefill chose its first token and the request decodes.
+    prefilled: int | None = 0
 
     @classmethod
     def create(
@@ -100,22 +126,33 @@ class RequestState:
         eos_token_ids: frozenset[int],
         device: torch.device,
     ) -> RequestState:
-        capacity = slots.numel()
-        token_ids = torch.zeros(capacity, dtype=torch.long)
-        token_ids[: len(spec.input_ids)] = torch.tensor(spec.input_ids, dtype=torch.long)
-        generator = None
-        if not spec.sampling.is_greedy:
-            generator = torch.Generator(device=device)
-            generator.manual_seed(spec.sampling.seed)
-        return cls(
+        context = spec.input_ids + spec.generated_ids
+        # One entry past the last slot: the token chosen at the last position the blocks cover is appended there.
+        token_ids = torch.zeros(max(slots.numel(), len(context)) + 1, dtype=torch.long)
+        token_ids[: len(context)] = torch.tensor(context, dtype=torch.long)
+        generator = None if spec.sampling.is_greedy else torch.Generator(device=device)
+        state = cls(
             spec=spec,
             token_ids=token_ids,
             slots=slots,
             detokenizer=IncrementalDetokenizer(tokenizer, list(spec.input_ids)),
             stop_checker=StopChecker(spec.stopping, eos_token_ids),
             generator=generator,
-            num_tokens=len(spec.input_ids),
+            num_tokens=len(context),
+            prefilled=spec.cached_tokens,
         )
+        for token_id in spec.generated_ids:  # a resumed request: text and stop checks as they were
+            state.detokenizer.push(token_id)
+            state.stop_checker.check(token_id, state.detokenizer.text)
+        return state
+
+    def grow(self, slots: torch.Tensor) -> None:
+        """Appends the slots of blocks the router added."""
+        self.slots = torch.cat([self.slots, slots])
+        if self.token_ids.numel() < self.slots.numel() + 1:
+            grown = torch.zeros(self.slots.numel() + 1, dtype=torch.long)
+            grown[: self.token_ids.numel()] = self.token_ids
+            self.token_ids = grown
 
     @property
     def id(self) -> int:
@@ -125,6 +162,10 @@ class RequestState:
     def capacity(self) -> int:
         """Positions the request's KV blocks cover."""
         return self.slots.numel()
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.prefilled is not None
 
     @property
     def prompt_len(self) -> int:
@@ -137,10 +178,6 @@ class RequestState:
     @property
     def history(self) -> torch.Tensor:  # [num_tokens]: every token in context, for penalties
         return self.token_ids[: self.num_tokens]
-
-    @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.prompt_len : self.num_tokens].tolist()
 
     @property
     def is_finished(self) -> bool:
@@ -178,3 +215,4 @@ class RequestState:
         seed = None if self.spec.sampling.is_greedy else self.spec.sampling.seed
         text = self.detokenizer.text[: self.text_end]
         return GeneratedText(text, self.num_generated, self.finish_reason, seed)
+

@@ -48,13 +48,37 @@ import torch
 from .params import SamplingParams
 
 
+# Independent random streams of one request (see `seed_for`).
+TARGET_STREAM = 0  # the target model's token at a position (a plain step, a verified row, a prompt's end)
+DRAFT_STREAM = 1  # a draft model's sampled draft at a position
+ACCEPT_STREAM = 2  # the uniforms of speculative sampling's acceptance test
+
+
+def seed_for(seed: int, position: int, stream: int = TARGET_STREAM) -> int:
+    """A 63-bit seed from (request seed, position, stream): splitmix64's finaliser, so nearby inputs give
+    unrelated generator states.
+
+    Every draw reseeds the request's generator from its seed and the position it draws for, so a request's
+    tokens are a function of (seed, position) alone: the same whatever its batch-mates, after a preemption that
+    recomputed it, and with or without speculation that verifies deterministic drafts (a verified row draws the
+    target's token at its position exactly as a plain step does, and a draft is kept only when it equals it).
+    Streams keep the draws that must be independent apart: a draft model's sample for a position and the
+    target's draw there (speculative sampling's residual draw must not reuse the uniform that chose the draft).
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xD1B54A32D192ED03 + stream + 1) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 1
+
+
 @dataclass
 class SamplingRow:
-    """One position to choose a token for."""
+    """One position to choose a token for: the token at index `len(history)` of its request's sequence."""
 
     params: SamplingParams
     history: torch.Tensor  # [num_context_tokens] long: prompt + generated (+ draft prefix), for penalties
-    generator: torch.Generator | None  # the request's own generator, seeded by the caller; None when greedy
+    generator: torch.Generator | None  # the request's own generator; None when greedy
+    stream: int = TARGET_STREAM  # which of the request's random streams the draw comes from
 
 
 @dataclass
@@ -108,9 +132,9 @@ class Sampler:
     def choose(self, logprobs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """[n] long: argmax for greedy rows, a draw from exp(logprobs) with the row's generator otherwise.
 
-        `logprobs` may be unnormalised (a residual distribution's log). A row's draw depends only on its
-        generator's state and its own distribution, never on the other rows, so a seed reproduces its tokens
-        whatever the batch. The draw is by inverse CDF: one uniform u per row from its generator, then the
+        `logprobs` may be unnormalised (a residual distribution's log). A row's draw depends only on its seed,
+        position and stream (`seed_for`) and its own distribution, never on the other rows, so a seed reproduces
+        its tokens whatever the batch. The draw is by inverse CDF: one uniform u per row from its generator, then the
         first token whose cumulative mass exceeds u times the total (`draw_by_inverse_cdf`). One random number
         per row instead of one per vocabulary entry: at a 32k vocabulary and 32 sampling rows the per-entry
         noise of an exponential race took 34 ms a step on 2 CPU cores, this 2 ms.
@@ -121,8 +145,10 @@ class Sampler:
             return token_ids
         draws = []
         for i in sampled:
-            generator = rows[i].generator
+            row = rows[i]
+            generator = row.generator
             assert generator is not None, f"row {i} samples but has no generator"
+            generator.manual_seed(seed_for(row.params.seed, row.history.numel(), row.stream))
             # Drawn on the generator's own device (a CPU generator may serve logits on an accelerator).
             draw = torch.rand((), generator=generator, device=generator.device, dtype=torch.float64)
             draws.append(draw.to(logprobs.device))

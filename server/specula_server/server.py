@@ -32,6 +32,7 @@ from specula_server.adapters.sources import AdapterError, detect_adapter_kind, r
 from specula_server.speculation.draft_model import DraftModelDrafter, find_draft_model, load_draft_model
 from specula_server.speculation.drafters import PromptLookupDrafter
 from specula_server.speculation.medusa import MedusaDrafter
+from specula_server.speculation.suffix import DEFAULT_CACHE_TOKENS, SUFFIX, SuffixDrafter
 from specula_server.speculation.mlp_speculator import (
     MLPSpeculator, MLPSpeculatorDrafter, find_mlp_speculator, load_mlp_speculator,
 )
@@ -72,6 +73,9 @@ class ServerConfig:
     instance_id: str = ""  # the launcher run this shard belongs to (reported in Info); "" when started alone
     quantize: str | None = None  # weight-only quantization of the linear layers: int8, int4 or None (float)
     quantize_group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per scale and zero
+    suffix_cache_tokens: int = DEFAULT_CACHE_TOKENS  # `--speculator suffix`: output tokens the global trees hold
+    local_rank: int | None = None  # rank on this node, the GPU index (None: `rank`, one node)
+    grpc_host: str | None = None  # also serve TCP on this address, the one the router is given (other nodes)
 
     def __post_init__(self) -> None:
         Quantization.parse(self.quantize, self.quantize_group_size)  # a ValueError naming the flag
@@ -91,6 +95,8 @@ class ServerConfig:
             raise ValueError(f"ngram match must be 'latest' or 'earliest', got {self.ngram_match!r}")
         if self.draft_tree_width < 1:
             raise ValueError(f"draft tree width must be at least 1, got {self.draft_tree_width}")
+        if self.suffix_cache_tokens < 0:
+            raise ValueError(f"suffix cache tokens must not be negative, got {self.suffix_cache_tokens}")
         if self.max_active_adapters < 1:
             raise ValueError(f"max_active_adapters must be at least 1, got {self.max_active_adapters}")
 
@@ -100,7 +106,8 @@ class ServerConfig:
 
     @property
     def torch_device(self) -> torch.device:
-        return torch.device("cuda", self.rank) if self.device == "cuda" else torch.device("cpu")
+        local_rank = self.rank if self.local_rank is None else self.local_rank
+        return torch.device("cuda", local_rank) if self.device == "cuda" else torch.device("cpu")
 
     def uds_url(self, rank: int) -> str:
         return f"unix://{self.uds_path}-{rank}"
@@ -130,11 +137,14 @@ def load_generator(config: ServerConfig, group: ShardGroup) -> tuple[TextGenerat
                                local_roots=config.adapter_dirs, hub_cache=config.hub_cache)
     speculation = None
     if config.speculative_tokens > 0:
-        speculator = load_speculator(config, model_config, dtype, device, group=group, tokenizer=tokenizer,
-                                     eos_ids=eos_ids)
-        drafter = build_drafter(model, adapters, PromptLookupDrafter(config.ngram_min, config.ngram_max,
-                                                                     config.ngram_match),
-                                speculator, config.draft_tree_width)
+        lookup = PromptLookupDrafter(config.ngram_min, config.ngram_max, config.ngram_match)
+        if config.speculator == SUFFIX:  # a reserved name: a directory called `suffix` is `./suffix`
+            speculator, fallback = None, SuffixDrafter(lookup, cache_tokens=config.suffix_cache_tokens)
+        else:
+            speculator = load_speculator(config, model_config, dtype, device, group=group, tokenizer=tokenizer,
+                                         eos_ids=eos_ids)
+            fallback = lookup
+        drafter = build_drafter(model, adapters, fallback, speculator, config.draft_tree_width)
         speculation = SpeculationConfig(drafter, config.speculative_tokens, config.speculation_mode,
                                         draft_model=speculator if isinstance(speculator, DraftModelDrafter) else None)
     generator = TextGenerator(model, tokenizer, eos_ids, config.block_size, device, speculation, adapters,
@@ -176,9 +186,10 @@ def load_speculator(config: ServerConfig, model_config: ModelConfig, dtype: torc
     return load_medusa(path, model_config, dtype=dtype, device=device, adapter_id=config.speculator)
 
 
-def build_drafter(model, adapters: AdapterRegistry, fallback: PromptLookupDrafter,
+def build_drafter(model, adapters: AdapterRegistry, fallback: PromptLookupDrafter | SuffixDrafter,
                   speculator: MedusaHeads | MLPSpeculator | None, tree_width: int) -> MedusaDrafter:
-    """Per request: its adapter's Medusa heads, else the server's speculator, else prompt lookup."""
+    """Per request: its adapter's Medusa heads, else the server's speculator, else `fallback` (prompt lookup, or
+    suffix decoding with prompt lookup behind it)."""
     if isinstance(speculator, DraftModelDrafter):  # drafts for every request without Medusa heads of its own
         return MedusaDrafter(lambda request: adapters.medusa_heads(request.spec.adapter_id), model.compute_logits,
                              speculator, tree_width)
@@ -198,13 +209,16 @@ async def serve(config: ServerConfig) -> int:
     """Serves until SIGINT/SIGTERM (exit code 0) or an unrecoverable error (exit code 1)."""
     group = init_distributed(config.rank, config.world_size, config.master_addr, config.master_port,
                              config.torch_device)
+    tcp_port = free_tcp_port(config.grpc_host) if config.grpc_host else None
+    own_url = f"{config.grpc_host}:{tcp_port}" if tcp_port else config.uds_url(config.rank)
+    urls = group.all_gather_object(own_url)  # shards on other nodes are reached over TCP, the others by socket
     generator, sha = load_generator(config, group)
     info = WorkerInfo(
         model_id=config.model_id,
         model_sha=sha,
         device=config.torch_device,
         world_size=config.world_size,
-        uds_urls=tuple(config.uds_url(r) for r in range(config.world_size)),
+        uds_urls=tuple(urls),
         kv_cache_memory=config.kv_cache_memory,
         instance_id=config.instance_id,
         quantize=config.quantization.method if config.quantization else "",
@@ -227,6 +241,8 @@ async def serve(config: ServerConfig) -> int:
     if os.path.exists(socket_path):  # stale: its server was killed before it could remove it
         os.unlink(socket_path)
     server.add_insecure_port(config.uds_url(config.rank))
+    if tcp_port:
+        server.add_insecure_port(own_url)
     await server.start()
     logger.info("shard %d ready on %s", config.rank, socket_path)
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -236,6 +252,13 @@ async def serve(config: ServerConfig) -> int:
     if os.path.exists(socket_path):
         os.unlink(socket_path)
     return 1 if failures else 0
+
+
+def free_tcp_port(host: str) -> int:
+    """A port nothing listens on at `host` right now (the shard binds it a moment later, a race we accept)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
 
 
 def is_live_socket(path: str) -> bool:

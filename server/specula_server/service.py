@@ -20,10 +20,9 @@ import torch
 from specula_proto import generate_pb2 as pb
 from specula_proto import generate_pb2_grpc
 from specula_server.adapters.sources import AdapterError
-from specula_server.batch import Batch
-from specula_server.generator import BatchNotFoundError, InvalidRequestError, StepResult, TextGenerator
+from specula_server.generator import InvalidRequestError, StepResult, TextGenerator
 from specula_server.params import FinishReason, SamplingParams, StoppingParams
-from specula_server.request import RequestSpec, StepOutput, TokenInfo
+from specula_server.request import RequestSpec, RequestUpdate, StepOutput, StepPlan, TokenInfo
 from specula_server.warmup import warmup
 
 logger = logging.getLogger("specula.service")
@@ -52,9 +51,10 @@ class WorkerInfo:
 class ExceptionInterceptor(grpc.aio.ServerInterceptor):
     """Logs worker exceptions and maps them to gRPC status codes.
 
-    Request errors (bad ids, unknown batches) become INVALID_ARGUMENT / NOT_FOUND and the worker keeps serving.
+    A step the worker cannot run (out of order, before Warmup) becomes INVALID_ARGUMENT and the worker keeps
+    serving; a bad request inside a step fails alone in the step's answer.
     Anything else is INTERNAL. When `recoverable(error)` says the shard can go on (see `fault_policy`), it
-    does: the router fails the requests of the failed step and clears their batches. Otherwise `on_fatal`
+    does: the router fails the requests of the failed step and lists them as finished. Otherwise `on_fatal`
     ends the process.
     """
 
@@ -75,8 +75,6 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
                 return await inner(request, context)
             except InvalidRequestError as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except BatchNotFoundError as e:
-                await context.abort(grpc.StatusCode.NOT_FOUND, str(e.args[0] if e.args else e))
             except torch.cuda.OutOfMemoryError as e:
                 logger.exception("%s ran out of device memory", method)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"out of device memory: {e}")
@@ -97,7 +95,7 @@ class ExceptionInterceptor(grpc.aio.ServerInterceptor):
 
 def fault_policy(info: WorkerInfo) -> Callable[[BaseException], bool]:
     """Whether the shard may keep serving after an unexpected error in an RPC (a bug met by one batch, a
-    kernel refusing a shape): the failed step's requests fail, the router clears their batches, later
+    kernel refusing a shape): the failed step's requests fail, the router lists them as finished, later
     requests run as usual.
 
     Only a shard that runs alone may. With tensor-parallel peers, the others may be blocked in a collective
@@ -122,7 +120,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
     def __init__(self, generator: TextGenerator, info: WorkerInfo) -> None:
         self.generator = generator
         self.info = info
-        # One thread runs every step, in arrival order: a Decode queued behind the running one starts the
+        # One thread runs every step, in arrival order: a step queued behind the running one starts the
         # moment it ends, without a round trip through the event loop (which keeps answering Health).
         self._steps = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specula-step")
         # gRPC may dispatch two RPCs that arrive together in either order; sequenced steps wait their turn.
@@ -173,19 +171,6 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
     async def ServiceDiscovery(self, request, context):
         return pb.ServiceDiscoveryResponse(urls=list(self.info.uds_urls))
 
-    async def ClearCache(self, request, context):
-        await self._in_thread(self.generator.clear, request.id if request.HasField("id") else None)
-        if not request.HasField("id"):
-            async with self._turn:
-                self._next_sequence = 1
-                self._turn.notify_all()
-        return pb.ClearCacheResponse()
-
-    async def FilterBatch(self, request, context):
-        batch = await self._in_thread(self.generator.filter, request.batch_id, list(request.request_ids),
-                                      sequence=request.sequence)
-        return pb.FilterBatchResponse(batch=cached_batch_to_pb(batch))
-
     async def Warmup(self, request, context):
         if request.max_total_tokens < 1 or request.max_prefill_tokens < 1 or request.max_input_tokens < 1:
             raise InvalidRequestError("warmup limits must all be positive")
@@ -196,25 +181,33 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             request.max_total_tokens,
             self.info.kv_cache_memory,
         )
+        async with self._turn:  # a router starts afresh: its steps count from 1 again
+            self._next_sequence = 1
+            self._turn.notify_all()
         return pb.WarmupResponse(
             max_supported_total_tokens=num_blocks * self.generator.block_size, num_blocks=num_blocks
         )
 
-    async def Prefill(self, request, context):
+    async def Step(self, request, context):
         start = time.perf_counter_ns()
-        result = await self._in_thread(self._prefill, request.batch, sequence=request.sequence)
-        return pb.PrefillResponse(**step_result_to_pb(result, start))
+        result, num_requests = await self._in_thread(self._step, request, sequence=request.sequence)
+        tokens, nodes = self.generator.suffix_cache_size()
+        return pb.StepResponse(generations=[generation_to_pb(o) for o in result.outputs],
+                               timings=timings_to_pb(result, start), num_requests=num_requests,
+                               suffix_cache_tokens=tokens, suffix_cache_nodes=nodes)
 
-    def _prefill(self, batch: pb.Batch) -> StepResult:
-        # Converted on the step thread, so a request rejected here still takes its place in the step order.
-        specs = [request_from_pb(r, self.generator) for r in batch.requests]
-        return self.generator.prefill(batch.id, specs)
-
-    async def Decode(self, request, context):
-        start = time.perf_counter_ns()
-        result = await self._in_thread(self.generator.decode, [b.id for b in request.batches],
-                                       sequence=request.sequence)
-        return pb.DecodeResponse(**step_result_to_pb(result, start))
+    def _step(self, request: pb.StepRequest) -> tuple[StepResult, int]:
+        # Converted on the step thread, so a request refused here still answers in its step's order.
+        specs, refused = [], []
+        for r in request.new_requests:
+            try:
+                specs.append(request_from_pb(r, self.generator))
+            except InvalidRequestError as e:
+                refused.append(StepOutput(r.id, [], [], error=str(e)))
+        updates = [RequestUpdate(u.id, tuple(u.new_blocks), u.prefill_until) for u in request.updates]
+        result = self.generator.step(StepPlan(specs, updates, tuple(request.finished)))
+        result.outputs[:0] = refused
+        return result, len(self.generator.requests)
 
     async def LoadAdapter(self, request, context):
         # Off the step thread: a download or a large read must not hold up the running batches.
@@ -288,6 +281,7 @@ def request_from_pb(r: pb.Request, generator: TextGenerator) -> RequestSpec:
         adapter_id=r.adapter_id,
         cached_tokens=r.cached_tokens,
         prefill_until=r.prefill_until,
+        generated_ids=tuple(r.generated_ids),
     )
 
 
@@ -336,20 +330,6 @@ def generation_to_pb(out: StepOutput) -> pb.Generation:
     return gen
 
 
-def cached_batch_to_pb(batch: Batch) -> pb.CachedBatch:
-    return pb.CachedBatch(id=batch.id, request_ids=batch.request_ids, num_cached_tokens=batch.num_cached_tokens)
-
-
-def step_result_to_pb(result: StepResult, start_ns: int) -> dict:
-    fields = {
-        "generations": [generation_to_pb(o) for o in result.outputs],
-        "timings": pb.Timings(
-            forward_ns=result.timings.forward_ns,
-            decode_ns=result.timings.decode_ns,
-            total_ns=time.perf_counter_ns() - start_ns,
-        ),
-    }
-    if result.batch is not None:
-        fields["batch"] = cached_batch_to_pb(result.batch)
-    return fields
-
+def timings_to_pb(result: StepResult, start_ns: int) -> pb.Timings:
+    return pb.Timings(forward_ns=result.timings.forward_ns, decode_ns=result.timings.decode_ns,
+                      total_ns=time.perf_counter_ns() - start_ns)

@@ -14,7 +14,7 @@ import torch
 
 from specula_server.generator import InvalidRequestError, TextGenerator
 from specula_server.params import SamplingParams, StoppingParams
-from specula_server.request import RequestSpec
+from specula_server.request import RequestSpec, StepPlan
 
 logger = logging.getLogger("specula.warmup")
 
@@ -69,9 +69,8 @@ def calibrate_step_cost(generator: TextGenerator, sizes: Sequence[int] = (1, 4, 
         spec = RequestSpec(-2, (0,) * size, SamplingParams(), StoppingParams(1, (), True), blocks)
         for _ in range(repeats + 1):  # the first run of a size warms caches up; not counted
             start = time.perf_counter_ns()
-            generator.prefill(-2, [spec])
+            generator.step(StepPlan(new=[spec]))  # one token: it ends in this step
             seconds = generator.agreed_seconds(time.perf_counter_ns() - start)  # the same anchors on every rank
-            generator.clear(-2)
         generator.step_cost.anchor(size, seconds)
 
 def _warmup_prefill(generator: TextGenerator, max_input_tokens: int, max_prefill_tokens: int, blocks_per_request: int) -> None:
@@ -82,8 +81,7 @@ def _warmup_prefill(generator: TextGenerator, max_input_tokens: int, max_prefill
         specs.append(RequestSpec(len(specs), (0,) * length, SamplingParams(), StoppingParams(2, (), True), blocks))
         next_block += blocks_per_request
         remaining -= length
-    batch_id = -1
     # A big forward and a one-token-per-request forward: both ends of the step cost model get a measurement.
-    generator.prefill(batch_id, specs)
-    generator.decode([batch_id])
-    generator.clear(batch_id)
+    generator.step(StepPlan(new=specs))
+    generator.step(StepPlan())  # their second and last token
+    generator.reset()

@@ -25,7 +25,7 @@ from specula_server.speculation.verify import Verdict
 from specula_server.testing.adapters import build_medusa_adapter
 from specula_server.testing.models import build_tiny_model
 from specula_server.testing.worker import (
-    BlockPool, assert_same_greedy_output, generate_alone, load_test_generator, make_spec, token_ids,
+    BlockPool, assert_same_greedy_output, generate_alone, load_test_generator, make_spec, run_steps, step, token_ids,
 )
 
 from test_speculation import PROMPTS, chi_square_p_value, memory_bound_costs
@@ -86,17 +86,12 @@ def self_drafted(llama_dir):
     return with_draft(llama_dir, llama_dir)
 
 
-def run(generator, prompt, request_id=0, batch_id=0, **kwargs):
-    return generate_alone(generator, make_spec(request_id, prompt, BlockPool(256, 16), **kwargs), batch_id)
+def run(generator, prompt, request_id=0, **kwargs):
+    return generate_alone(generator, make_spec(request_id, prompt, BlockPool(256, 16), **kwargs))
 
 
-def run_together(generator, specs, batch_id=0):
-    result = generator.prefill(batch_id, specs)
-    outputs = list(result.outputs)
-    while result.batch is not None:
-        result = generator.decode([batch_id])
-        outputs += result.outputs
-    return outputs
+def run_together(generator, specs):
+    return run_steps(generator, specs)
 
 
 def by_request(outputs) -> dict[int, list[int]]:
@@ -241,7 +236,7 @@ def sample_prefixes(generator, n: int, length: int, params_for, per_batch: int =
         pool = BlockPool(512, 16)
         specs = [make_spec(i, DISTRIBUTION_PROMPT, pool, max_new_tokens=length + K, sampling=params_for(i))
                  for i in range(first, min(first + per_batch, n))]
-        for tokens in by_request(run_together(generator, specs, batch_id=first)).values():
+        for tokens in by_request(run_together(generator, specs)).values():
             counts[tuple(tokens[:length])] += 1
     return counts
 
@@ -312,49 +307,43 @@ def test_a_draft_model_with_another_vocab_size_is_refused(llama_dir, tmp_path):
         load_test_generator(llama_dir, speculative_tokens=2, speculator=str(padded))
 
 
-# --- (e) filtered, finished and cleared requests leave nothing behind ---------------------------------------------
+# --- (e) dropped, finished and reset requests leave nothing behind ---------------------------------------------
 
-def test_filter_and_clear_leave_no_draft_state(llama_dir, drafts, plain):
+def test_dropped_finished_and_reset_requests_leave_no_draft_state(llama_dir, drafts, plain):
     generator = with_draft(llama_dir, drafts["noisy"])
     drafter = generator.draft_model
     drafter_fields = set(vars(drafter))
     pool = BlockPool(64, 16)
     specs = [make_spec(i, p, pool, max_new_tokens=16) for i, p in enumerate(PROMPTS[:3])]
     got = {i: [] for i in range(3)}
-    result = generator.prefill(0, specs)
+
+    def record(outputs):
+        for out in outputs:
+            got.setdefault(out.request_id, []).extend(t.id for t in out.tokens)
+
+    record(step(generator, new=specs))
     for _ in range(2):
-        for out in result.outputs:
-            got[out.request_id] += [t.id for t in out.tokens]
-        result = generator.decode([0])
-    for out in result.outputs:
-        got[out.request_id] += [t.id for t in out.tokens]
-    dropped = weakref.ref(next(r for r in generator.batches[0].requests if r.id == 1))
+        record(step(generator))
+    dropped = weakref.ref(generator.requests[1])
     cached = dropped().draft_cached
     assert cached > 0
-    generator.filter(0, [0, 2])
+    # Request 1 leaves (the router lists it as finished); a new request reuses its blocks, whose draft KV is
+    # stale: it is never read.
     pool.give(specs[1].blocks)
-    gc.collect()
-    assert dropped() is None  # nothing holds the filtered request or its draft bookkeeping
-    # A new request reuses the filtered one's blocks, whose draft KV is stale: it is never read.
     newcomer = make_spec(3, PROMPTS[3], pool, max_new_tokens=16)
     assert set(newcomer.blocks) & set(specs[1].blocks)
-    joined = generator.prefill(1, [newcomer])
-    got[3] = [t.id for o in joined.outputs for t in o.tokens]
-    joined = None
-    batches, cleared = [0, 1], False
-    while True:
-        result = generator.decode(batches)
-        for out in result.outputs:
-            got[out.request_id] += [t.id for t in out.tokens]
-        if result.batch is None:
-            break
-        batches = [result.batch.id]
-        if len(got[0]) >= 10 and generator.batches:
-            survivors = [weakref.ref(r) for r in result.batch.requests]
-            result = None  # the step's result holds its batch, as the service does until it has replied
-            generator.clear()
+    record(step(generator, finished=[1], new=[newcomer]))
+    assert 1 not in generator.requests
+    gc.collect()
+    assert dropped() is None  # nothing holds the dropped request or its draft bookkeeping
+    cleared = False
+    while generator.requests:
+        record(step(generator))
+        if len(got[0]) >= 10 and generator.requests:
+            survivors = [weakref.ref(r) for r in generator.requests.values()]
+            generator.reset()
             gc.collect()
-            assert all(ref() is None for ref in survivors) and not generator.batches
+            assert all(ref() is None for ref in survivors) and not generator.requests
             cleared = True
             break
     assert cleared
@@ -362,9 +351,9 @@ def test_filter_and_clear_leave_no_draft_state(llama_dir, drafts, plain):
         expected = token_ids(run(plain, PROMPTS[i], max_new_tokens=16))
         assert got[i] == expected[: len(got[i])] and got[i]
     assert set(vars(drafter)) == drafter_fields  # the drafter keeps no per-request state
-    # After a clear the same blocks serve new requests exactly.
+    # After a reset the same blocks serve new requests exactly.
     fresh = BlockPool(64, 16)
-    assert token_ids(generate_alone(generator, make_spec(0, PROMPTS[1], fresh, max_new_tokens=16), 5)) == \
+    assert token_ids(generate_alone(generator, make_spec(0, PROMPTS[1], fresh, max_new_tokens=16))) == \
         token_ids(run(plain, PROMPTS[1], max_new_tokens=16))
 
 

@@ -92,8 +92,8 @@ def test_sampled_frequencies_follow_the_biased_distribution():
     logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0, 2.0, 0.2, -2.0]])  # [1, 8]
     bias = {0: -1.5, 4: 2.5, 7: 3.0}
     generator = torch.Generator().manual_seed(4321)
-    params = SamplingParams(do_sample=True, logit_bias=tuple(sorted(bias.items())))
-    rows = [SamplingRow(params, torch.tensor([], dtype=torch.long), generator)] * num_draws
+    rows = [SamplingRow(SamplingParams(do_sample=True, logit_bias=tuple(sorted(bias.items())), seed=4321 + i),
+                        torch.tensor([], dtype=torch.long), generator) for i in range(num_draws)]  # one seed each
     counts = torch.bincount(Sampler()(logits.expand(num_draws, -1), rows).token_ids, minlength=8).float()
     with_bias = torch.softmax(biased(logits[0], bias), dim=-1)
     without = torch.softmax(logits[0], dim=-1)
@@ -170,11 +170,12 @@ def test_greedy_output_with_a_bias_is_identical_with_speculation(plain, speculat
 def test_seeded_sampling_with_a_bias_is_independent_of_speculation(plain, speculative):
     prompt = PROMPTS[0]
     bias = tuple(sorted((t, -100.0) for t in most_common_tokens(plain, prompt)))
-    sampling = SamplingParams(do_sample=True, temperature=0.7, seed=99, logit_bias=bias)
+    # A low temperature, so prompt lookup's drafts are verified and some accepted.
+    sampling = SamplingParams(do_sample=True, temperature=0.05, seed=99, logit_bias=bias)
     expected = token_ids(run(plain, prompt, max_new_tokens=30, sampling=sampling))
     outputs = run(speculative, prompt, max_new_tokens=30, sampling=sampling)
+    assert sum(o.num_drafted for o in outputs) > 0 and sum(o.num_accepted for o in outputs) > 0
     assert token_ids(outputs) == expected and not {t for t, _ in bias} & set(expected)
-    assert sum(o.num_drafted for o in outputs) > 0
 
 
 def test_a_self_drafting_draft_model_sees_the_bias_so_every_greedy_draft_is_accepted(llama_dir, plain):

@@ -7,10 +7,11 @@ import torch
 import torch.multiprocessing as mp
 
 from specula_server.adapters.sources import AdapterError
-from specula_server.generator import InvalidRequestError
 from specula_server.params import SamplingParams
 from specula_server.testing.adapters import build_lora_adapter, load_peft_reference
-from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
+from specula_server.testing.worker import (
+    BlockPool, generate_alone, load_test_generator, make_spec, run_steps, step, token_ids,
+)
 
 from test_model_parity import reference_greedy
 from test_tensor_parallel import free_port
@@ -51,12 +52,10 @@ def test_each_adapter_alone_matches_peft(llama_dir, adapters, references):
     for name in ("small", "large"):  # the adapters really change the model's choices
         assert any(references[(name, i)][0] != references[("", i)][0] for i in range(len(PROMPTS))), name
     generator = loaded_generator(llama_dir, adapters)
-    batch_id = 0
     for name in ("small", "large", ""):
         for i, prompt in enumerate(PROMPTS):
             spec = make_spec(i, prompt, BlockPool(256, 16), max_new_tokens=NUM_NEW, adapter_id=name)
-            outputs = generate_alone(generator, spec, batch_id=batch_id)
-            batch_id += 1
+            outputs = generate_alone(generator, spec)
             expected_tokens, expected_logprobs = references[(name, i)]
             assert token_ids(outputs) == expected_tokens, (name, i)
             assert [t.logprob for o in outputs for t in o.tokens] == pytest.approx(expected_logprobs, abs=1e-4)
@@ -68,14 +67,10 @@ def run_mixed_batch(generator) -> dict[tuple[str, int], list[int]]:
     order = [(name, i) for i in range(len(PROMPTS)) for name in ("small", "", "large")]
     specs = [make_spec(k, PROMPTS[i], pool, max_new_tokens=NUM_NEW, adapter_id=name, lookahead=4)
              for k, (name, i) in enumerate(order)]
-    result = generator.prefill(0, specs)
     tokens: dict[int, list[int]] = {k: [] for k in range(len(order))}
-    while True:
-        for out in result.outputs:
-            tokens[out.request_id].extend(t.id for t in out.tokens)
-        if result.batch is None:
-            break
-        result = generator.decode([0])
+    for out in run_steps(generator, specs):
+        assert not out.error, out.error
+        tokens[out.request_id].extend(t.id for t in out.tokens)
     return {key: tokens[k] for k, key in enumerate(order)}
 
 
@@ -90,28 +85,29 @@ def test_mixed_batch_matches_peft(llama_dir, adapters, references, settings):
 def test_requests_need_a_loaded_adapter_and_offload_frees_the_slot(llama_dir, adapters):
     generator = load_test_generator(llama_dir, adapter_dirs=(adapters,), max_active_adapters=1)
     spec = make_spec(0, PROMPTS[0], BlockPool(256, 16), max_new_tokens=4, adapter_id="small")
-    with pytest.raises(InvalidRequestError, match="adapter `small` is not loaded"):
-        generator.prefill(0, [spec])
+    (failed,) = step(generator, new=[spec])  # the request fails alone, the step goes on
+    assert "adapter `small` is not loaded" in failed.error and failed.request_id == 0 and not failed.tokens
+    assert generator.requests == {}
     first = generator.adapters.load("small", "local")
     assert generator.adapters.load("small", "local") is first  # loading twice is a no-op
     with pytest.raises(AdapterError, match="slots are in use") as info:
         generator.adapters.load("large", "local")
     assert info.value.status == 424
-    before = token_ids(generate_alone(generator, spec, batch_id=1))
+    before = token_ids(generate_alone(generator, spec))
     assert generator.adapters.offload("small") and not generator.adapters.offload("small")
     generator.adapters.load("large", "local")  # reuses the slot, with wider stacks
     generator.adapters.offload("large")
     generator.adapters.load("small", "local")
     spec = make_spec(0, PROMPTS[0], BlockPool(256, 16), max_new_tokens=4, adapter_id="small")
-    assert token_ids(generate_alone(generator, spec, batch_id=2)) == before
+    assert token_ids(generate_alone(generator, spec)) == before
 
 
 def test_sampling_with_an_adapter_is_reproducible(llama_dir, adapters):
     generator = loaded_generator(llama_dir, adapters)
     sampling = SamplingParams(do_sample=True, temperature=0.9, seed=7)
     runs = [token_ids(generate_alone(generator, make_spec(0, PROMPTS[1], BlockPool(256, 16), max_new_tokens=12,
-                                                          sampling=sampling, adapter_id="large"), batch_id=b))
-            for b in range(2)]
+                                                          sampling=sampling, adapter_id="large")))
+            for _ in range(2)]
     assert runs[0] == runs[1]
 
 

@@ -10,7 +10,7 @@ from specula_server.speculation.drafters import Draft
 from specula_server.speculation.medusa import best_first_tree
 from specula_server.testing.adapters import build_medusa_adapter
 from specula_server.testing.worker import (
-    BlockPool, assert_same_greedy_output, generate_alone, load_test_generator, make_spec, token_ids,
+    BlockPool, assert_same_greedy_output, generate_alone, load_test_generator, make_spec, run_steps, token_ids,
 )
 
 from test_speculation import PROMPTS, memory_bound_costs
@@ -38,12 +38,7 @@ def run(generator, prompt, request_id=0, **kwargs):
 
 def run_together(generator, specs):
     """Runs the requests as one batch to completion; returns every step's outputs."""
-    result = generator.prefill(0, specs)
-    outputs = list(result.outputs)
-    while result.batch is not None:
-        result = generator.decode([0])
-        outputs += result.outputs
-    return outputs
+    return run_steps(generator, specs)
 
 
 def test_best_first_tree_takes_the_most_likely_nodes_parents_first():
@@ -102,7 +97,7 @@ def run_oracle(llama_dir, plain, drafter_class, max_new_tokens):
     tokens generated with the trees, and every step's outputs."""
     expected = {i: token_ids(run(plain, p, max_new_tokens=max_new_tokens)) for i, p in enumerate(PROMPTS)}
     generator = speculative(llama_dir)
-    generator.speculation = type(generator.speculation)(
+    generator.speculation = generator.speculator.config = type(generator.speculation)(
         drafter_class(expected, generator.model.config.vocab_size), max_tokens=8, mode="fixed")
     pool = BlockPool(256, 16)
     specs = [make_spec(i, p, pool, max_new_tokens=max_new_tokens, lookahead=8) for i, p in enumerate(PROMPTS)]

@@ -330,7 +330,7 @@ def tp_requests(model_dir, speculator, group=None) -> list[list[int]]:
     generator = load_test_generator(model_dir, group=group, speculator=str(speculator), **TP_SETTINGS)
     sampled = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=99)
     return [token_ids(generate_alone(generator, make_spec(j, PROMPTS[0], BlockPool(256, 16), max_new_tokens=12,
-                                                          lookahead=8, sampling=sampling), batch_id=j))
+                                                          lookahead=8, sampling=sampling)))
             for j, sampling in enumerate([SamplingParams(), sampled])]
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
+from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, step, token_ids
 
 PROMPTS = [
     [1, 50, 60, 70, 80, 90, 100],
@@ -39,7 +39,7 @@ def test_greedy_tokens_and_logprobs_match_transformers(model_dirs, kind):
     generator = load_test_generator(model_dir)
     for i, prompt in enumerate(PROMPTS):
         pool = BlockPool(256, 16)
-        outputs = generate_alone(generator, make_spec(i, prompt, pool, max_new_tokens=NUM_NEW), batch_id=i)
+        outputs = generate_alone(generator, make_spec(i, prompt, pool, max_new_tokens=NUM_NEW))
         expected_tokens, expected_logprobs = reference_greedy(reference, prompt, NUM_NEW)
         assert token_ids(outputs) == expected_tokens
         logprobs = [t.logprob for o in outputs for t in o.tokens]
@@ -51,7 +51,7 @@ def test_prefill_logprobs_match_transformers(llama_dir):
     generator = load_test_generator(llama_dir)
     prompt = PROMPTS[2]
     spec = make_spec(0, prompt, BlockPool(256, 16), max_new_tokens=1, prefill_logprobs=True)
-    (out,) = generator.prefill(0, [spec]).outputs
+    (out,) = step(generator, new=[spec])
     with torch.no_grad():
         logprobs = torch.log_softmax(reference(torch.tensor([prompt])).logits[0].float(), -1)
     expected = logprobs[:-1].gather(1, torch.tensor(prompt[1:]).unsqueeze(1)).squeeze(1).tolist()

@@ -24,7 +24,7 @@ from specula_server.request import StepOutput
 from specula_server.service import TextGenerationService, generation_to_pb
 from specula_server.speculation.drafters import PromptLookupDrafter
 from specula_server.testing.adapters import build_lora_adapter, medusa_tensors
-from specula_server.testing.worker import BlockPool, load_test_generator, make_spec
+from specula_server.testing.worker import BlockPool, load_test_generator, make_spec, step
 
 SHORT, MEDIUM, LONG = [1, 50, 60, 70, 80, 90, 100], [1, 7, 8, 7, 8, 7, 8, 7, 8, 7, 8], [1] + list(range(100, 140))
 NUM_NEW = 12
@@ -65,24 +65,24 @@ def specs_for(rows, pool: BlockPool, first_id: int = 0):
                       lookahead=4) for k, (adapter, prompt, sampling) in enumerate(rows)]
 
 
-def run_batch(generator, specs, batch_id: int) -> tuple[dict[int, list], dict[int, str]]:
-    """Runs one batch to its end: each request's tokens, and the error of each request that failed. Checks
-    that a failed request is reported once, with nothing but its error, and leaves the batch that step."""
-    result = generator.prefill(batch_id, specs)
+def run_batch(generator, specs) -> tuple[dict[int, list], dict[int, str]]:
+    """Runs requests started together to their end: each request's tokens, and the error of each request that
+    failed. Checks that a failed request is reported once, with nothing but its error, and leaves the worker
+    that step."""
+    outputs = step(generator, new=specs)
     tokens: dict[int, list] = {s.id: [] for s in specs}
     errors: dict[int, str] = {}
     while True:
-        for out in result.outputs:
+        for out in outputs:
             assert out.request_id not in errors, "a failed request was reported again"
             if out.error:
                 assert not out.tokens and not out.top_tokens and out.generated_text is None
                 errors[out.request_id] = out.error
             tokens[out.request_id].extend((t.id, t.logprob) for t in out.tokens)
-        if result.batch is None:
-            assert batch_id not in generator.batches
+        assert not set(generator.requests) & set(errors)
+        if not generator.requests:
             break
-        assert not set(result.batch.request_ids) & set(errors)
-        result = generator.decode([batch_id])
+        outputs = step(generator)
     return tokens, errors
 
 
@@ -100,7 +100,7 @@ def test_nonfinite_rows_fail_alone_and_leave_healthy_rows_exact(llama_dir, adapt
     emits exactly the tokens it emits without them, and so do requests of a later batch that reuse their
     KV blocks."""
     generator = generator_with_adapters(llama_dir, adapter_root, **settings)
-    expected, errors = run_batch(generator, specs_for(HEALTHY, BlockPool(generator.kv_cache.num_blocks, 16)), 0)
+    expected, errors = run_batch(generator, specs_for(HEALTHY, BlockPool(generator.kv_cache.num_blocks, 16)))
     assert not errors
     poison(generator, where)
 
@@ -111,14 +111,14 @@ def test_nonfinite_rows_fail_alone_and_leave_healthy_rows_exact(llama_dir, adapt
     assert first.blocks[0] == 0
     second = specs_for([("poison", MEDIUM, SAMPLED)], pool, first_id=101)[0]
     healthy = specs_for(HEALTHY, pool)
-    tokens, errors = run_batch(generator, [first] + healthy[:2] + [second] + healthy[2:], 1)
+    tokens, errors = run_batch(generator, [first] + healthy[:2] + [second] + healthy[2:])
     assert set(errors) == {100, 101}
     assert all("non-finite logits" in e and "adapter `poison`" in e for e in errors.values())
     for spec in healthy:
         assert_same_tokens(tokens[spec.id], expected[spec.id])
 
     # Later requests on the blocks the poisoned ones wrote (the first one's slots become their padding).
-    later, errors = run_batch(generator, specs_for(HEALTHY, BlockPool(generator.kv_cache.num_blocks, 16)), 2)
+    later, errors = run_batch(generator, specs_for(HEALTHY, BlockPool(generator.kv_cache.num_blocks, 16)))
     assert not errors
     for k in expected:
         assert_same_tokens(later[k], expected[k])
@@ -130,32 +130,32 @@ def test_a_request_turning_nonfinite_mid_generation_leaves_its_batch(llama_dir, 
     request; when it was the last, the batch ends."""
     generator = generator_with_adapters(llama_dir, adapter_root, **settings)
     base = specs_for([("", MEDIUM, None)], BlockPool(generator.kv_cache.num_blocks, 16))[0]
-    expected, _ = run_batch(generator, [base], 0)
+    expected, _ = run_batch(generator, [base])
 
     pool = BlockPool(generator.kv_cache.num_blocks, 16)
     good, bad = specs_for([("", MEDIUM, None), ("poison", MEDIUM, None)], pool)
-    result = generator.prefill(1, [good, bad])
-    assert result.batch.request_ids == [good.id, bad.id]
-    got = [(t.id, t.logprob) for o in result.outputs if o.request_id == good.id for t in o.tokens]
+    outputs = step(generator, new=[good, bad])
+    assert sorted(generator.requests) == [good.id, bad.id]
+    got = [(t.id, t.logprob) for o in outputs if o.request_id == good.id for t in o.tokens]
     lookup = PromptLookupDrafter()  # the server's default drafter: whether the next step will verify drafts
-    while settings and not any(len(lookup.lookup(r.history, 3)) for r in generator.batches[1].requests):
-        result = generator.decode([1])
-        got += [(t.id, t.logprob) for o in result.outputs if o.request_id == good.id for t in o.tokens]
+    while settings and not any(len(lookup.lookup(r.history, 3)) for r in generator.requests.values()):
+        outputs = step(generator)
+        got += [(t.id, t.logprob) for o in outputs if o.request_id == good.id for t in o.tokens]
     poison(generator, "logits")
-    result = generator.decode([1])
-    failed = [o for o in result.outputs if o.error]
-    assert [o.request_id for o in failed] == [bad.id] and result.batch.request_ids == [good.id]
+    outputs = step(generator)
+    failed = [o for o in outputs if o.error]
+    assert [o.request_id for o in failed] == [bad.id] and sorted(generator.requests) == [good.id]
     while True:
-        got += [(t.id, t.logprob) for o in result.outputs if o.request_id == good.id for t in o.tokens]
-        if result.batch is None:
+        got += [(t.id, t.logprob) for o in outputs if o.request_id == good.id for t in o.tokens]
+        if not generator.requests:
             break
-        result = generator.decode([1])
+        outputs = step(generator)
     assert_same_tokens(got, expected[base.id])
 
     alone = specs_for([("poison", SHORT, None)], BlockPool(generator.kv_cache.num_blocks, 16))
-    result = generator.prefill(2, alone)
-    assert result.batch is None and 2 not in generator.batches and [bool(o.error) for o in result.outputs] == [True]
-    assert generator.decode([2]).outputs == []  # an ended batch, as when every request finished
+    outputs = step(generator, new=alone)
+    assert generator.requests == {} and [bool(o.error) for o in outputs] == [True]
+    assert step(generator) == []  # nothing runs, as when every request finished
 
 
 def test_nonfinite_prompt_logprobs_fail_only_that_request(llama_dir):
@@ -173,12 +173,11 @@ def test_nonfinite_prompt_logprobs_fail_only_that_request(llama_dir):
         return logits
 
     generator.model.compute_logits = broken_for_the_long_prompt
-    result = generator.prefill(0, specs)
-    by_id = {o.request_id: o for o in result.outputs}
+    by_id = {o.request_id: o for o in step(generator, new=specs)}
     assert "non-finite prompt logits" in by_id[1].error and not by_id[1].tokens
     assert len(by_id[0].prefill_tokens) == len(SHORT) and all(math.isfinite(t.logprob)
                                                               for t in by_id[0].prefill_tokens[1:])
-    assert result.batch.request_ids == [0]
+    assert sorted(generator.requests) == [0]
 
 
 # --- the pieces -----------------------------------------------------------------------------------------------

@@ -7,12 +7,14 @@ greedy tokens, log-probabilities within 1e-4, base and LoRA, with and without sp
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from specula_server.generator import InvalidRequestError
+from specula_server.request import RequestUpdate
 from specula_server.params import SamplingParams
 from specula_server.testing.adapters import build_lora_adapter
-from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec
+from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, run_steps, step
 
 BLOCK = 16
 PREFIX = [1] + [(7 * i) % 200 + 20 for i in range(44)]  # 45 tokens: two whole blocks and a part of one
@@ -59,38 +61,33 @@ def test_a_cached_prefix_gives_the_output_of_a_full_prefill(generator, adapter, 
     pool = BlockPool(512, BLOCK)
     first = make_spec(0, PREFIX + [50], pool, max_new_tokens=NUM_NEW, lookahead=4, adapter_id=adapter,
                       sampling=sampling)
-    generate_alone(generator, first, batch_id=1)  # its blocks now hold the prefix's KV
+    generate_alone(generator, first)  # its blocks now hold the prefix's KV
     for k, tail in enumerate(TAILS):
         prompt = PREFIX + tail
         full = make_spec(10 + k, prompt, pool, max_new_tokens=NUM_NEW, lookahead=4, adapter_id=adapter,
                          sampling=sampling)
-        expected = outputs_of(generate_alone(generator, full, batch_id=2))
+        expected = outputs_of(generate_alone(generator, full))
         pool.give(full.blocks)
         reused = on_cached_prefix(20 + k, prompt, first.blocks, pool, len(PREFIX) // BLOCK, adapter_id=adapter,
                                   sampling=sampling)
-        assert_same(outputs_of(generate_alone(generator, reused, batch_id=3)), expected)
+        assert_same(outputs_of(generate_alone(generator, reused)), expected)
 
 
 def test_cached_and_uncached_prompts_prefill_together(generator):
     pool = BlockPool(512, BLOCK)
     first = make_spec(0, PREFIX + [50], pool, max_new_tokens=NUM_NEW, lookahead=4)
-    generate_alone(generator, first, batch_id=1)
+    generate_alone(generator, first)
     alone = []
     for k, tail in enumerate(TAILS):
         spec = make_spec(10 + k, PREFIX + tail, pool, max_new_tokens=NUM_NEW, lookahead=4)
-        alone.append(outputs_of(generate_alone(generator, spec, batch_id=2)))
+        alone.append(outputs_of(generate_alone(generator, spec)))
         pool.give(spec.blocks)
     specs = [on_cached_prefix(20, PREFIX + TAILS[0], first.blocks, pool, 2),
              make_spec(21, PREFIX + TAILS[1], pool, max_new_tokens=NUM_NEW, lookahead=4),  # no cache
              on_cached_prefix(22, PREFIX + TAILS[2], first.blocks, pool, 1)]  # a shorter reuse
-    result = generator.prefill(5, specs)
     got = {s.id: [] for s in specs}
-    while True:
-        for out in result.outputs:
-            got[out.request_id] += [(t.id, t.logprob) for t in out.tokens]
-        if result.batch is None:
-            break
-        result = generator.decode([5])
+    for out in run_steps(generator, specs):
+        got[out.request_id] += [(t.id, t.logprob) for t in out.tokens]
     for spec, expected in zip(specs, alone):
         assert_same(got[spec.id], expected)
 
@@ -99,15 +96,15 @@ def test_a_later_turn_reuses_the_earlier_turns_generated_tokens(generator):
     """A chat's next turn resends the conversation: the first turn's prompt and answer, then more."""
     pool = BlockPool(512, BLOCK)
     first = make_spec(0, PREFIX[:20], pool, max_new_tokens=40, lookahead=4)
-    answer = [t for t, _ in outputs_of(generate_alone(generator, first, batch_id=1))]
+    answer = [t for t, _ in outputs_of(generate_alone(generator, first))]
     written = PREFIX[:20] + answer[:-1]  # every position fed back to the model
     prompt = PREFIX[:20] + answer + [60, 61, 62]
     full = make_spec(1, prompt, pool, max_new_tokens=NUM_NEW, lookahead=4)
-    expected = outputs_of(generate_alone(generator, full, batch_id=2))
+    expected = outputs_of(generate_alone(generator, full))
     pool.give(full.blocks)
     reused = on_cached_prefix(2, prompt, first.blocks, pool, len(written) // BLOCK)
     assert reused.cached_tokens >= 48
-    assert_same(outputs_of(generate_alone(generator, reused, batch_id=3)), expected)
+    assert_same(outputs_of(generate_alone(generator, reused)), expected)
 
 
 @pytest.mark.parametrize("cached,logprobs", [(8, False), (len(PREFIX) + 3, False), (48, False), (16, True)])
@@ -115,8 +112,10 @@ def test_a_cached_prefix_must_be_whole_blocks_shorter_than_the_prompt(generator,
     pool = BlockPool(512, BLOCK)
     spec = make_spec(0, PREFIX + [1, 2, 3], pool, max_new_tokens=4, prefill_logprobs=logprobs)
     spec = type(spec)(**{**spec.__dict__, "cached_tokens": cached})
-    with pytest.raises(InvalidRequestError, match="cached_tokens"):
-        generator.prefill(9, [spec])
+    (failed,) = step(generator, new=[spec])  # the request fails alone, with its error
+    assert failed.request_id == 0 and not failed.tokens
+    assert re.search("cached_tokens|cached prefix", failed.error), failed.error
+    assert generator.requests == {}
 
 
 def test_cached_positions_are_read_not_computed(generator):
@@ -124,28 +123,37 @@ def test_cached_positions_are_read_not_computed(generator):
     takes the first `cached_tokens` positions from the blocks instead of prefilling them again."""
     pool = BlockPool(512, BLOCK)
     other = make_spec(0, [1] + [300 - t for t in PREFIX[1:]] + [50], pool, max_new_tokens=NUM_NEW, lookahead=4)
-    generate_alone(generator, other, batch_id=1)
+    generate_alone(generator, other)
     prompt = PREFIX + TAILS[0]
     full = make_spec(1, prompt, pool, max_new_tokens=NUM_NEW, lookahead=4)
-    expected = outputs_of(generate_alone(generator, full, batch_id=2))
+    expected = outputs_of(generate_alone(generator, full))
     pool.give(full.blocks)
     wrong = on_cached_prefix(2, prompt, other.blocks, pool, 2)
-    got = outputs_of(generate_alone(generator, wrong, batch_id=3))
+    got = outputs_of(generate_alone(generator, wrong))
     assert [lp for _, lp in got] != pytest.approx([lp for _, lp in expected], abs=1e-4)
 
 
 # --- chunked prefill: the same mechanism, the earlier positions written by the request's own chunks ---------
 
 
-def chunked(generator, spec, chunk: int, first_batch_id: int) -> list[tuple[int, float]]:
-    """Runs `spec` with its prompt prefilled `chunk` tokens at a time, as the router sends a long prompt."""
-    replace = lambda **fields: type(spec)(**{**spec.__dict__, **fields})  # noqa: E731
-    done, batch_id = 0, first_batch_id
-    while len(spec.input_ids) - done > chunk:
-        result = generator.prefill(batch_id, [replace(cached_tokens=done, prefill_until=done + chunk)])
-        assert result.outputs == [] and result.batch is None and batch_id not in generator.batches
-        done, batch_id = done + chunk, batch_id + 1
-    return outputs_of(generate_alone(generator, replace(cached_tokens=done), batch_id=batch_id))
+def chunked(generator, spec, chunk: int) -> list[tuple[int, float]]:
+    """Runs `spec` with its prompt prefilled `chunk` tokens at a time, as the router sends a long prompt: the
+    request joins with its first chunk and keeps its state in the worker; each later step names its next chunk
+    (`RequestUpdate.prefill_until`, 0 for the rest)."""
+    done = spec.cached_tokens + chunk  # a cached prefix is read, never computed: the chunks start after it
+    assert len(spec.input_ids) > done
+    outputs = step(generator, new=[type(spec)(**{**spec.__dict__, "prefill_until": done})])
+    while True:
+        assert outputs == [] and generator.requests[spec.id].prefilled == done  # no token before the last chunk
+        until = done + chunk if len(spec.input_ids) - done > chunk else 0
+        outputs = step(generator, updates=[RequestUpdate(spec.id, prefill_until=until)])
+        if not until:
+            break
+        done = until
+    assert [o.request_id for o in outputs] == [spec.id] and len(outputs[0].tokens) == 1  # the first token
+    while generator.requests:
+        outputs += step(generator)
+    return outputs_of(outputs)
 
 
 @pytest.mark.parametrize("adapter", ["", "lora"])
@@ -155,17 +163,56 @@ def test_a_prompt_prefilled_in_chunks_gives_the_output_of_one_prefill(generator,
     prompt = PREFIX + TAILS[2] + PREFIX[5:30]  # 83 tokens: several chunks and a last part
     sampling = SamplingParams(do_sample=True, temperature=0.7, seed=9)
     whole = make_spec(0, prompt, pool, max_new_tokens=NUM_NEW, lookahead=4, adapter_id=adapter, sampling=sampling)
-    expected = outputs_of(generate_alone(generator, whole, batch_id=1))
+    expected = outputs_of(generate_alone(generator, whole))
     pool.give(whole.blocks)
     spec = make_spec(1, prompt, pool, max_new_tokens=NUM_NEW, lookahead=4, adapter_id=adapter, sampling=sampling)
-    assert_same(chunked(generator, spec, chunk, first_batch_id=10), expected)
+    assert_same(chunked(generator, spec, chunk), expected)
 
 
-def test_chunks_and_whole_prompts_do_not_share_a_prefill(generator):
+def test_chunks_after_a_cached_prefix_give_the_output_of_one_prefill(generator):
     pool = BlockPool(512, BLOCK)
+    first = make_spec(0, PREFIX + [50], pool, max_new_tokens=NUM_NEW, lookahead=4)
+    generate_alone(generator, first)  # its blocks now hold the prefix's KV
+    prompt = PREFIX + TAILS[2] + PREFIX[5:30]
+    full = make_spec(1, prompt, pool, max_new_tokens=NUM_NEW, lookahead=4)
+    expected = outputs_of(generate_alone(generator, full))
+    pool.give(full.blocks)
+    reused = on_cached_prefix(2, prompt, first.blocks, pool, 2)
+    assert reused.cached_tokens == 32
+    assert_same(chunked(generator, reused, 16), expected)
+
+
+def test_a_chunk_and_whole_prompts_share_a_step_and_a_bad_chunk_fails_alone(generator):
+    """A chunk's request keeps its state, so a chunk and whole prompts run in one step, each exact; a
+    `prefill_until` outside the prompt fails its request alone (on joining or in a later chunk)."""
+    pool = BlockPool(512, BLOCK)
+    expected = {}
+    for k, prompt in enumerate([PREFIX, PREFIX[:5]]):
+        alone = make_spec(k, prompt, pool, max_new_tokens=4)
+        expected[k] = outputs_of(generate_alone(generator, alone))
+        pool.give(alone.blocks)
     long = make_spec(0, PREFIX, pool, max_new_tokens=4)
     chunk = type(long)(**{**long.__dict__, "prefill_until": 16})
-    with pytest.raises(InvalidRequestError, match="chunks"):
-        generator.prefill(30, [chunk, make_spec(1, PREFIX[:5], pool, max_new_tokens=4)])
-    with pytest.raises(InvalidRequestError, match="prefill_until"):
-        generator.prefill(31, [type(long)(**{**long.__dict__, "prefill_until": len(PREFIX) + 1})])
+    short = make_spec(1, PREFIX[:5], pool, max_new_tokens=4)
+    past_the_end = make_spec(2, PREFIX, pool, max_new_tokens=4, prefill_until=len(PREFIX) + 1)
+    outputs = step(generator, new=[chunk, short, past_the_end])
+    errors = {o.request_id: o.error for o in outputs if o.error}
+    assert list(errors) == [2] and "prefill_until" in errors[2]
+    assert [o.request_id for o in outputs if o.tokens] == [1]  # the whole prompt's first token; none for the chunk
+    assert sorted(generator.requests) == [0, 1]
+    outputs += step(generator, updates=[RequestUpdate(0, prefill_until=len(PREFIX) + 1)])  # past its end
+    errors = {o.request_id: o.error for o in outputs if o.error}
+    assert list(errors) == [2, 0] and "prefill_until" in errors[0] and sorted(generator.requests) == [1]
+    while generator.requests:
+        outputs += step(generator)
+    assert_same(outputs_of(o for o in outputs if o.request_id == 1), expected[1])
+
+    # The same chunk, then the rest while request 1 decodes: both exact.
+    chunk = make_spec(0, PREFIX, pool, max_new_tokens=4, prefill_until=16)
+    short = make_spec(1, PREFIX[:5], pool, max_new_tokens=4)
+    outputs = step(generator, new=[chunk, short])
+    outputs += step(generator, updates=[RequestUpdate(0)])
+    while generator.requests:
+        outputs += step(generator)
+    for k in (0, 1):
+        assert_same(outputs_of(o for o in outputs if o.request_id == k), expected[k])

@@ -101,7 +101,7 @@ def run_prompts(generator, **kwargs) -> list[list]:
     results = []
     for i, prompt in enumerate(PROMPTS):
         spec = make_spec(i, prompt, pool, max_new_tokens=NUM_NEW, **kwargs)
-        results.append(generate_alone(generator, spec, batch_id=i))
+        results.append(generate_alone(generator, spec))
         pool.give(spec.blocks)
     return results
 

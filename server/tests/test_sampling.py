@@ -207,26 +207,32 @@ def test_seeded_sampling_is_independent_of_the_rest_of_the_batch() -> None:
     own = dict(do_sample=True, top_k=20, temperature=1.5)
 
     def tokens_of_seed_42(others: list[dict], position: int, num_steps: int = 5) -> list[int]:
-        """Token ids chosen for the seed-42 request over `num_steps` steps, placed at `position`."""
-        rows = [row([1], seed=100 + i, **o) for i, o in enumerate(others)]
-        rows.insert(position, row([1], seed=42, **own))
+        """Token ids chosen for the seed-42 request over `num_steps` steps (positions 1, 2, ...), placed at
+        `position` in the batch."""
         batch_logits = torch.cat([logits, random_logits(len(others), seed=4)])  # [num_rows, vocab]
         batch_logits[[0, position]] = batch_logits[[position, 0]]
-        return [Sampler()(batch_logits, rows).token_ids[position].item() for _ in range(num_steps)]
+        chosen = []
+        for step in range(num_steps):
+            history = [1] * (step + 1)
+            rows = [row(history, seed=100 + i, **o) for i, o in enumerate(others)]
+            rows.insert(position, row(history, seed=42, **own))
+            chosen.append(Sampler()(batch_logits, rows).token_ids[position].item())
+        return chosen
 
     alone = tokens_of_seed_42([], 0)
     others = [dict(do_sample=True), dict(), dict(top_p=0.5), dict(repetition_penalty=1.4)]
     assert tokens_of_seed_42(others, 0) == alone
     assert tokens_of_seed_42(others, 2) == alone
     assert tokens_of_seed_42(others[::-1], 4) == alone
-    assert len(set(alone)) > 1  # the generator advances: a fixed token would make this test vacuous
+    assert len(set(alone)) > 1  # each position draws anew: a fixed token would make this test vacuous
 
 
 def test_same_seed_same_tokens_different_seeds_different_tokens() -> None:
     logits = random_logits(1, seed=5).expand(32, -1)  # [32, vocab]: flat enough that 32 draws vary
-    first, second = (Sampler()(logits, [row(seed=7, do_sample=True)] * 32).token_ids for _ in range(2))
+    positions = [row([1] * n, seed=7, do_sample=True) for n in range(32)]  # one request, 32 positions
+    first, second = (Sampler()(logits, positions).token_ids for _ in range(2))
     assert torch.equal(first, second)
-    assert len(set(first.tolist())) > 1  # the shared generator advances from row to row
+    assert len(set(first.tolist())) > 1  # each position draws anew
     varied = Sampler()(logits, [row(seed=s, do_sample=True) for s in range(32)]).token_ids
     assert len(set(varied.tolist())) > 1
 
@@ -241,7 +247,10 @@ def test_sample_frequencies_match_the_processed_distribution(settings: dict) -> 
     num_draws = 20_000
     logits = torch.tensor([[1.0, 0.5, 0.0, -0.5, -1.0, 2.0, 0.2, -2.0]])  # [1, 8]
     generator = torch.Generator().manual_seed(1234)
-    rows = [SamplingRow(SamplingParams(**settings), torch.tensor([], dtype=torch.long), generator)] * num_draws
+    # One seed per draw: a draw is a function of (seed, position), so these are independent draws (consecutive
+    # seeds, as the router draws them, must not give correlated ones).
+    rows = [SamplingRow(SamplingParams(**settings, seed=1234 + i), torch.tensor([], dtype=torch.long), generator)
+            for i in range(num_draws)]
     sampler = Sampler()
     probs = sampler.process(logits, rows[:1]).exp()[0]  # [8]
     result = sampler(logits.expand(num_draws, -1), rows)

@@ -70,6 +70,10 @@ async def serve_in_process(generator, info: WorkerInfo, fatal: list, body) -> No
         await server.stop(None)
 
 
+def step(new=(), finished=(), updates=(), sequence: int = 0) -> pb.StepRequest:
+    return pb.StepRequest(new_requests=list(new), finished=list(finished), updates=list(updates), sequence=sequence)
+
+
 def test_contract_round_trip(stub_factory):
     async def body(stub):
         info = await stub.Info(pb.InfoRequest())
@@ -80,18 +84,20 @@ def test_contract_round_trip(stub_factory):
         assert len(urls) == 1 and urls[0].startswith("unix://")
         warm = await stub.Warmup(pb.WarmupRequest(max_input_tokens=64, max_prefill_tokens=128, max_total_tokens=96))
         assert warm.num_blocks > 0 and warm.max_supported_total_tokens == warm.num_blocks * info.block_size
-        prefill = await stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=[
-            request(10, [1, 5, 6, 7], [0], max_new=3), request(11, [1, 9], [1], max_new=2, top_n_tokens=2)])))
-        assert [g.request_id for g in prefill.generations] == [10, 11]
-        assert len(prefill.generations[1].top_tokens[0].ids) == 2
-        assert prefill.batch.request_ids == [10, 11] and prefill.timings.forward_ns > 0
-        decode = await stub.Decode(pb.DecodeRequest(batches=[prefill.batch]))
-        finished = {g.request_id: g.HasField("generated_text") for g in decode.generations}
-        assert finished == {10: False, 11: True}
-        assert decode.batch.request_ids == [10]
-        filtered = await stub.FilterBatch(pb.FilterBatchRequest(batch_id=1, request_ids=[]))
-        assert list(filtered.batch.request_ids) == []
-        await stub.ClearCache(pb.ClearCacheRequest())
+        first = await stub.Step(step([request(10, [1, 5, 6, 7], [0], max_new=3),
+                                      request(11, [1, 9], [1], max_new=2, top_n_tokens=2)]))
+        assert [g.request_id for g in first.generations] == [10, 11]
+        assert len(first.generations[1].top_tokens[0].ids) == 2
+        assert first.num_requests == 2 and first.timings.forward_ns > 0
+        second = await stub.Step(step())
+        finished = {g.request_id: g.HasField("generated_text") for g in second.generations}
+        assert finished == {10: False, 11: True} and second.num_requests == 1
+        # A request joins while 10 runs, with blocks for its prompt only; 10 leaves as a cancelled request does;
+        # an id the worker no longer holds (11 finished) is ignored.
+        third = await stub.Step(step([request(12, [1, 3, 3, 3], [2], max_new=2)], finished=[10, 11]))
+        assert [g.request_id for g in third.generations] == [12] and third.num_requests == 1
+        fourth = await stub.Step(step(updates=[pb.RequestUpdate(id=12, new_blocks=[3])]))
+        assert fourth.generations[0].HasField("generated_text") and fourth.num_requests == 0
 
     stub_factory(body)
 
@@ -103,9 +109,10 @@ def test_malformed_requests_are_errors_not_crashes(stub_factory):
         assert err.value.code() == code and match in err.value.details()
 
     async def body(stub):
-        await expect(stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=[request(1, [1, 2], [0])]))),
-                     grpc.StatusCode.INVALID_ARGUMENT, "Warmup")
+        await expect(stub.Step(step([request(1, [1, 2], [0])])), grpc.StatusCode.INVALID_ARGUMENT, "Warmup")
         await stub.Warmup(pb.WarmupRequest(max_input_tokens=32, max_prefill_tokens=32, max_total_tokens=64))
+        running = await stub.Step(step([request(100, [1, 2, 3], [5], max_new=20)]))
+        assert not running.generations[0].error
         bad = [
             (request(1, [1, 10**6], [0]), "outside the vocabulary"),
             (request(1, [1] * 30, [0], max_new=8), "cannot hold"),
@@ -114,16 +121,18 @@ def test_malformed_requests_are_errors_not_crashes(stub_factory):
             (request(1, [1, 2], [0], max_new=0), "max_new_tokens"),
             (request(1, [1, 2], [0], temperature=-1.0), "temperature"),
             (request(1, [1, 2], [0], logit_bias={3: float("nan")}), "logit_bias"),
+            (request(100, [1, 2], [0]), "already running"),
         ]
-        for req, match in bad:
-            await expect(stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=[req]))),
-                         grpc.StatusCode.INVALID_ARGUMENT, match)
-        await expect(stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=42)])),
-                     grpc.StatusCode.NOT_FOUND, "unknown batch")
-        await expect(stub.FilterBatch(pb.FilterBatchRequest(batch_id=42)), grpc.StatusCode.NOT_FOUND, "42")
+        for req, match in bad:  # each fails alone, in the step's answer; request 100 keeps decoding
+            response = await stub.Step(step([req]))
+            errors = {g.request_id: g.error for g in response.generations if g.error}
+            assert list(errors) == [req.id] and match in errors[req.id], errors
+            assert [g.request_id for g in response.generations if not g.error] == [100]
+        grown = await stub.Step(step(updates=[pb.RequestUpdate(id=100, new_blocks=[10**6])]))
+        assert "KV block ids" in grown.generations[0].error and grown.num_requests == 0
         # The worker still serves after all of that.
-        ok = await stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=[request(1, [1, 2], [0])])))
-        assert len(ok.generations) == 1
+        ok = await stub.Step(step([request(1, [1, 2], [0])]))
+        assert len(ok.generations) == 1 and not ok.generations[0].error
 
     stub_factory(body)
 
@@ -182,14 +191,14 @@ def test_cli_help_lists_every_option():
 
 
 def broken_once(generator):
-    """Makes the generator's next decode fail as an unexpected fault would, and the ones after work."""
-    decode = generator.decode
+    """Makes the generator's next step fail as an unexpected fault would, and the ones after work."""
+    original = generator.step
 
-    def fail_then_restore(batch_ids):
-        generator.decode = decode
+    def fail_then_restore(plan):
+        generator.step = original
         raise RuntimeError("device fell over")
 
-    generator.decode = fail_then_restore
+    generator.step = fail_then_restore
 
 
 def test_a_fault_in_a_step_fails_that_step_and_a_lone_shard_keeps_serving(llama_dir, tmp_path):
@@ -197,24 +206,24 @@ def test_a_fault_in_a_step_fails_that_step_and_a_lone_shard_keeps_serving(llama_
     generator.allocate_kv_cache(64)
     fatal: list[BaseException] = []
 
-    async def generate(stub, batch_id: int, blocks: list[int]) -> list[int]:
-        batch = pb.Batch(id=batch_id, requests=[request(batch_id, [1, 5, 9, 13], blocks, max_new=3)])
-        tokens = [t for g in (await stub.Prefill(pb.PrefillRequest(batch=batch))).generations for t in g.tokens.ids]
-        while True:
-            response = await stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=batch_id)]))
+    async def generate(stub, request_id: int, blocks: list[int]) -> list[int]:
+        response = await stub.Step(step([request(request_id, [1, 5, 9, 13], blocks, max_new=3)]))
+        tokens = [t for g in response.generations for t in g.tokens.ids]
+        while response.num_requests:
+            response = await stub.Step(step())
             tokens += [t for g in response.generations for t in g.tokens.ids]
-            if not response.HasField("batch"):
-                return tokens
+        return tokens
 
     async def body(stub):
         expected = await generate(stub, 1, [0])
+        await stub.Step(step([request(2, [1, 5, 9, 13], [1])]))
         broken_once(generator)
-        await stub.Prefill(pb.PrefillRequest(batch=pb.Batch(id=2, requests=[request(2, [1, 5, 9, 13], [1])])))
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=2)]))
+            await stub.Step(step())
         assert err.value.code() == grpc.StatusCode.INTERNAL
         assert "device fell over" in err.value.details()
-        await stub.ClearCache(pb.ClearCacheRequest())  # what the router does after a failed step
+        # What the router does after a failed step: its requests are listed as finished in the next one.
+        assert (await stub.Step(step(finished=[2]))).num_requests == 0
         assert await generate(stub, 3, [2]) == expected
         await stub.Health(pb.HealthRequest())
 
@@ -230,7 +239,7 @@ def test_a_fault_in_a_step_stops_a_tensor_parallel_shard(llama_dir, tmp_path):
 
     async def body(stub):
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=1)]))
+            await stub.Step(step())
         assert err.value.code() == grpc.StatusCode.INTERNAL
         assert "device fell over" in err.value.details()
 
@@ -240,23 +249,23 @@ def test_a_fault_in_a_step_stops_a_tensor_parallel_shard(llama_dir, tmp_path):
 
 def test_sequenced_steps_run_in_order_whatever_order_they_arrive(stub_factory):
     async def body(stub):
-        await stub.ClearCache(pb.ClearCacheRequest())
         await stub.Warmup(pb.WarmupRequest(max_input_tokens=32, max_prefill_tokens=32, max_total_tokens=64))
-        await stub.ClearCache(pb.ClearCacheRequest())  # sequences restart at 1
-        first = pb.PrefillRequest(batch=pb.Batch(id=1, requests=[request(1, [1, 5, 6], [0, 1], max_new=8)]),
-                                  sequence=1)
+        await stub.Step(step([request(9, [1, 2], [3], max_new=8)], sequence=1))
+        await stub.Warmup(pb.WarmupRequest(max_input_tokens=32, max_prefill_tokens=32, max_total_tokens=64))
+        # Warmup drops every request and sequences restart at 1.
+        first = step([request(1, [1, 5, 6], [0, 1], max_new=8)], sequence=1)
         # Step 3 and 2 are sent before step 1; each must wait for its turn.
-        third = asyncio.ensure_future(stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=1)], sequence=3)))
-        second = asyncio.ensure_future(stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=1)], sequence=2)))
+        third = asyncio.ensure_future(stub.Step(step(sequence=3)))
+        second = asyncio.ensure_future(stub.Step(step(sequence=2)))
         await asyncio.sleep(0.2)
         assert not third.done() and not second.done()
-        prefill = await stub.Prefill(first)
+        r1 = await stub.Step(first)
         r2, r3 = await second, await third
-        tokens = [prefill.generations[0].tokens.ids[0], r2.generations[0].tokens.ids[0], r3.generations[0].tokens.ids[0]]
-        assert r2.timings.total_ns > 0 and len(tokens) == 3
+        assert [g.request_id for r in (r1, r2, r3) for g in r.generations] == [1, 1, 1]
+        assert r2.timings.total_ns > 0 and r3.num_requests == 1
         # A stale sequence number is refused, not run.
         with pytest.raises(grpc.aio.AioRpcError) as err:
-            await stub.Decode(pb.DecodeRequest(batches=[pb.CachedBatch(id=1)], sequence=2))
+            await stub.Step(step(sequence=2))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "arrived after" in err.value.details()
 
     stub_factory(body)

@@ -16,6 +16,7 @@ from specula_server.speculation.drafters import Draft, PromptLookupDrafter
 from specula_server.testing.worker import (
     BlockPool, generate_alone, load_test_generator, make_spec, stop_ending_inside_a_token, token_ids, token_texts,
 )
+from specula_server.testing.worker import step as one_step
 
 # Prompts with repetition, so prompt lookup finds drafts; the random model also tends to loop, which it copies.
 PROMPTS = [
@@ -47,9 +48,9 @@ def speculative(llama_dir, request):
     return generator
 
 
-def run(generator, prompt, request_id=0, batch_id=0, **kwargs):
+def run(generator, prompt, request_id=0, **kwargs):
     spec = make_spec(request_id, prompt, BlockPool(256, 16), **kwargs)
-    return generate_alone(generator, spec, batch_id=batch_id)
+    return generate_alone(generator, spec)
 
 
 def test_drafter_finds_the_longest_latest_match():
@@ -144,20 +145,12 @@ def test_mixed_batch_with_speculation_matches_alone(plain, speculative):
     pool = BlockPool(256, 16)
     specs = [make_spec(i, p, pool, max_new_tokens=24) for i, p in enumerate(PROMPTS)]
     got = {i: [] for i in range(len(PROMPTS))}
-    result = speculative.prefill(7, specs[:2])
-    for out in result.outputs:
+    outputs = one_step(speculative, new=specs[:2])
+    outputs += one_step(speculative, new=specs[2:])  # two join while the first two decode
+    while speculative.requests:
+        outputs += one_step(speculative)
+    for out in outputs:
         got[out.request_id] += [t.id for t in out.tokens]
-    joined = speculative.prefill(8, specs[2:])
-    for out in joined.outputs:
-        got[out.request_id] += [t.id for t in out.tokens]
-    batches = [7, 8]
-    while True:
-        result = speculative.decode(batches)
-        for out in result.outputs:
-            got[out.request_id] += [t.id for t in out.tokens]
-        if result.batch is None:
-            break
-        batches = [result.batch.id]
     assert got == expected
 
 
@@ -271,7 +264,7 @@ def sample_prefixes(generator, prompt, n: int, length: int, params_for) -> Count
     for seed in range(n):
         # Generate past `length`, so the draft cap (what may still be emitted) does not shorten the drafts.
         spec = make_spec(0, prompt, pool, max_new_tokens=length + 3, sampling=params_for(seed))
-        counts[tuple(token_ids(generate_alone(generator, spec, batch_id=seed))[:length])] += 1
+        counts[tuple(token_ids(generate_alone(generator, spec))[:length])] += 1
         pool.give(spec.blocks)
     return counts
 
@@ -307,8 +300,8 @@ def test_the_distribution_test_detects_inexact_acceptance(llama_dir, copy_prompt
         return verdicts, processed
 
     original = verify_module.verify
-    import specula_server.generator as generator_module
-    monkeypatch.setattr(generator_module, "verify", accept_all)
+    import specula_server.speculation.speculator as speculator_module  # the speculator runs the acceptance
+    monkeypatch.setattr(speculator_module, "verify", accept_all)
     plain = load_test_generator(llama_dir)
     spec = load_test_generator(llama_dir, speculative_tokens=3, speculation_mode="fixed")
     params = lambda offset: lambda seed: SamplingParams(do_sample=True, temperature=1.5, top_k=4,  # noqa: E731
@@ -489,16 +482,16 @@ def test_the_cost_of_a_verifying_step_includes_choosing_its_tokens(llama_dir, mo
     the end of the forward, a few milliseconds)."""
     import time
 
-    import specula_server.generator as generator_module
+    import specula_server.speculation.speculator as speculator_module  # the speculator runs the acceptance
 
     slow_by = 0.03
-    real_verify = generator_module.verify
+    real_verify = speculator_module.verify
 
     def slow_verify(*args, **kwargs):
         time.sleep(slow_by)
         return real_verify(*args, **kwargs)
 
-    monkeypatch.setattr(generator_module, "verify", slow_verify)
+    monkeypatch.setattr(speculator_module, "verify", slow_verify)
     spec = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="fixed")
     reported = []
     real_observe = spec.step_cost.observe_speculative

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from specula_server.adapters.medusa import load_medusa
 from specula_server.models.config import ModelConfig
-from specula_server.testing.worker import BlockPool, load_test_generator, make_spec
+from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
 from specula_server.training.cli import app
 from specula_server.training.data import HiddenStates, Sample, batches, generate_samples, read_prompts
 from specula_server.speculation.mlp_speculator import load_mlp_speculator
@@ -66,11 +66,7 @@ def test_samples_are_the_model_s_own_greedy_continuations(llama_dir):
         ids = generator.tokenizer.encode(prompt).ids
         assert sample.token_ids[: sample.prompt_len].tolist() == ids
         pool = BlockPool(64, 16)
-        result = generator.prefill(9, [make_spec(0, ids, pool, max_new_tokens=6)])
-        alone = [t.id for o in result.outputs for t in o.tokens]
-        while result.batch is not None:
-            result = generator.decode([9])
-            alone += [t.id for o in result.outputs for t in o.tokens]
+        alone = token_ids(generate_alone(generator, make_spec(0, ids, pool, max_new_tokens=6)))
         assert sample.token_ids[sample.prompt_len :].tolist() == alone
 
 
@@ -163,14 +159,11 @@ def test_specula_train_medusa_beats_untrained_heads(tmp_path, llama_dir):
         pool = BlockPool(256, 16)
         for i, prompt in enumerate(read_prompts(tmp_path / "prompts.jsonl")[:8]):
             ids = spec_gen.tokenizer.encode(prompt).ids
-            result = spec_gen.prefill(i, [make_spec(i, ids, pool, max_new_tokens=24, lookahead=4)])
-            while result.batch is not None:
-                result = spec_gen.decode([i])
-                for o in result.outputs:
-                    if o.draft_method == "medusa":
-                        drafted += o.num_drafted
-                        accepted += o.num_accepted
-            spec_gen.clear()
+            for o in generate_alone(spec_gen, make_spec(i, ids, pool, max_new_tokens=24, lookahead=4)):
+                if o.draft_method == "medusa":
+                    drafted += o.num_drafted
+                    accepted += o.num_accepted
+            spec_gen.reset()
             pool = BlockPool(256, 16)
         rates[name] = accepted / max(drafted, 1)
     assert rates["trained"] > rates["untrained"] + 0.1, rates

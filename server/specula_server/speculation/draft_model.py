@@ -45,7 +45,7 @@ from specula_server.kv_cache import KVCache
 from specula_server.models.config import ModelConfig
 from specula_server.models.llama import LlamaForCausalLM
 from specula_server.request import RequestState
-from specula_server.sampling import Sampler, SamplingRow
+from specula_server.sampling import DRAFT_STREAM, Sampler, SamplingRow
 from specula_server.speculation.drafters import Draft
 
 logger = logging.getLogger("specula.speculation")
@@ -238,8 +238,8 @@ class DraftModelDrafter:
         qs: list[list[torch.Tensor]] = [[] for _ in requests]
         active = list(range(len(requests)))  # requests whose next draft `logits` rows (in order) give
         for j in range(max(lengths)):
-            rows = [SamplingRow(requests[i].spec.sampling, requests[i].token_ids[: n0[i] + j], requests[i].generator)
-                    for i in active]
+            rows = [SamplingRow(requests[i].spec.sampling, requests[i].token_ids[: n0[i] + j], requests[i].generator,
+                                DRAFT_STREAM) for i in active]
             if all(row.params.is_plain_greedy for row in rows):
                 logprobs, chosen = None, logits.argmax(dim=-1)
             else:

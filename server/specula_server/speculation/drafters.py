@@ -94,7 +94,8 @@ class Drafter(Protocol):
     controller first picks how many tokens each request verifies, then exactly that many are drafted.
 
     `name` labels the speculation metrics; `method_for(request)` may name another method for some requests
-    (a composite drafter)."""
+    (a composite drafter). A drafter that keeps state per request also has `release(request)`, called when the
+    request leaves the worker."""
 
     name: str
 

@@ -80,6 +80,12 @@ class MedusaDrafter:
         # What /info reports: "medusa" when every request may draft with heads, else the fallback's name.
         self.name = name or (fallback.name if fallback is not None else "medusa")
 
+    def release(self, request: RequestState) -> None:
+        """The request left the worker: a fallback that keeps state per request (suffix decoding) lets it go."""
+        release = getattr(self.fallback, "release", None)
+        if release is not None:
+            release(request)
+
     def method_for(self, request: RequestState) -> str:
         if self.heads_for(request) is not None and request.last_hidden is not None:
             return "medusa"

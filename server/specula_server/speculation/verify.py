@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 
 from specula_server.request import RequestState
-from specula_server.sampling import Sampler, SamplingRow
+from specula_server.sampling import ACCEPT_STREAM, Sampler, SamplingRow, seed_for
 from specula_server.speculation.drafters import Draft
 
 
@@ -159,6 +159,7 @@ def _speculative_sampling(logprobs: torch.Tensor, r: RequestState, draft: Draft,
     q = draft.q.to(device=device, dtype=p.dtype)  # [k, vocab]
     generator = r.generator
     assert generator is not None, f"request {r.id} samples but has no generator"
+    generator.manual_seed(seed_for(r.spec.sampling.seed, r.num_tokens, ACCEPT_STREAM))
     uniform = torch.rand(k, generator=generator, device=generator.device).to(device)
     # u < p / q, written without the division (q(x) > 0: x was drawn from q).
     accepted = (uniform * q[index, tokens] < p[index, tokens]).tolist()

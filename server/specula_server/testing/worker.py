@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 from specula_server.distributed import ShardGroup
 from specula_server.generator import TextGenerator
 from specula_server.params import SamplingParams, StoppingParams
-from specula_server.request import RequestSpec, StepOutput
+from specula_server.request import RequestSpec, RequestUpdate, StepOutput, StepPlan
 from specula_server.server import ServerConfig, load_generator
 
 
@@ -64,14 +64,25 @@ def make_spec(
     )
 
 
-def generate_alone(generator: TextGenerator, spec: RequestSpec, batch_id: int = 0) -> list[StepOutput]:
-    """Runs one request to completion in a batch of its own; returns its output of every step."""
-    result = generator.prefill(batch_id, [spec])
-    outputs = list(result.outputs)
-    while result.batch is not None:
-        result = generator.decode([batch_id])
-        outputs.extend(result.outputs)
-    return outputs
+def generate_alone(generator: TextGenerator, spec: RequestSpec) -> list[StepOutput]:
+    """Runs one request to completion alone; returns its output of every step."""
+    return run_steps(generator, [spec])
+
+
+def run_steps(generator: TextGenerator, specs: Sequence[RequestSpec], max_steps: int = 10_000) -> list[StepOutput]:
+    """Starts `specs` together and runs steps until the generator holds no request; returns every output."""
+    outputs = list(generator.step(StepPlan(new=specs)).outputs)
+    for _ in range(max_steps):
+        if not generator.requests:
+            return outputs
+        outputs.extend(generator.step(StepPlan()).outputs)
+    raise AssertionError(f"requests still running after {max_steps} steps")
+
+
+def step(generator: TextGenerator, new: Sequence[RequestSpec] = (), finished: Sequence[int] = (),
+         updates: Sequence[RequestUpdate] = ()) -> list[StepOutput]:
+    """One step; returns its outputs."""
+    return generator.step(StepPlan(new, updates, finished)).outputs
 
 
 def token_ids(outputs: Sequence[StepOutput]) -> list[int]:

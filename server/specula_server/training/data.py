@@ -31,7 +31,7 @@ from specula_server.generator import TextGenerator
 from specula_server.kv_cache import KVCache
 from specula_server.models.llama import LlamaForCausalLM
 from specula_server.params import SamplingParams, StoppingParams
-from specula_server.request import RequestSpec
+from specula_server.request import RequestSpec, StepPlan
 
 logger = logging.getLogger("specula.training")
 
@@ -83,7 +83,7 @@ def generate_samples(
     progress: bool = True,
 ) -> list[Sample]:
     """The base model continues every prompt (kept to its last `max_input_tokens` tokens), `batch_size` at
-    a time, through the worker's own prefill and decode steps."""
+    a time, through the worker's own steps."""
     block_size = generator.block_size
     per_request = -(-(max_input_tokens + max_new_tokens) // block_size)
     generator.allocate_kv_cache(per_request * batch_size)
@@ -104,19 +104,21 @@ def generate_samples(
             for i, ids in enumerate(chunk)
         ]
         generated: dict[int, list[int]] = {s.id: [] for s in specs}
-        result = generator.prefill(0, specs)
-        while True:
-            for out in result.outputs:
+        plan = StepPlan(new=specs)
+        while True:  # the requests join in the first step and leave on their own when they finish
+            for out in generator.step(plan).outputs:
+                if out.error:
+                    raise RuntimeError(f"generating training data failed: {out.error}")
                 generated[out.request_id].extend(t.id for t in out.tokens)
-            if result.batch is None:
+            if not generator.requests:
                 break
-            result = generator.decode([0])
+            plan = StepPlan()
         for spec in specs:
             ids = list(spec.input_ids) + generated[spec.id]
             samples.append(Sample(torch.tensor(ids, dtype=torch.long), len(spec.input_ids)))
         bar.update(len(chunk))
     bar.close()
-    generator.clear()
+    generator.reset()
     return samples
 
 

@@ -1,0 +1,211 @@
+"""Building one Step: which requests leave the workers, the blocks the others get, the prompt chunk that runs,
+and the newcomers that join. The scheduler (scheduler.py) sends the plan and processes its result.
+
+A plan is built in the order the worker applies it:
+
+    1. finished   requests whose client went away or that failed on the router's side. Their blocks are freed
+                  at once: this step drops them before it runs, and every step before it (those on the wire,
+                  which may still write to them) runs first, so only later writers can get the blocks.
+    2. growth     every running request gets blocks (`RequestUpdate.new_blocks`) covering every position this
+                  step and the steps on the wire may write. A request with g tokens received, s steps on the
+                  wire plus this one, and 1 + lookahead tokens per step at most, writes fewer than
+                  min(prompt + g + s * (1 + lookahead), prompt + max_new_tokens + lookahead) positions.
+                  When the cache cannot provide them, the most recently admitted requests are preempted (vLLM's
+                  recompute preemption): listed in `finished`, their written full blocks cached for the resume,
+                  their blocks freed, and they go back to the head of the FIFO with their tokens so far.
+    3. chunk      the next chunk of the oldest prompt prefilled in chunks (at most one chunk per step).
+    4. newcomers  admitted by `Admission` (TGI's rule) within what the chunk left of `max_batch_prefill_tokens`,
+                  leaving free the blocks the running requests need for their next step. A long prompt joins
+                  with its first chunk, in a step without another chunk.
+
+Tokens of a preempted request from steps still on the wire are real: the scheduler delivers and keeps them, and
+the request resumes (as a new request with `generated_ids`) only once no step on the wire runs it any more.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specula_proto import generate_pb2 as pb
+
+from specula_router.admission import Admission, AdmissionConfig, Admitted
+from specula_router.block_allocator import BlockAllocator
+from specula_router.entries import Entry, EntryState, ErrorEvent
+from specula_router.metrics import Metrics
+
+logger = logging.getLogger("specula.router.scheduler")
+
+_UNENCODABLE = (ValueError, TypeError, OverflowError)
+
+
+@dataclass
+class StepPlan:
+    finished: list[int] = field(default_factory=list)
+    updates: dict[int, pb.RequestUpdate] = field(default_factory=dict)
+    new_requests: list[pb.Request] = field(default_factory=list)
+    chunks: list[tuple[Entry, int]] = field(default_factory=list)  # (request, context position its chunk ends)
+    preempted: list[Entry] = field(default_factory=list)
+    entries: list[Entry] = field(default_factory=list)  # every request the workers hold once it is applied
+
+    @property
+    def method(self) -> str:
+        """The metrics' label: "prefill" for a step that computes prompts, "decode" for one that only decodes."""
+        return "prefill" if self.new_requests or self.chunks else "decode"
+
+    def update(self, entry: Entry) -> pb.RequestUpdate:
+        if entry.id not in self.updates:
+            self.updates[entry.id] = pb.RequestUpdate(id=entry.id)
+        return self.updates[entry.id]
+
+    def __bool__(self) -> bool:
+        return bool(self.finished or self.new_requests or self.entries)
+
+
+class StepPlanner:
+    def __init__(self, allocator: BlockAllocator, admission: Admission, config: AdmissionConfig, metrics: Metrics,
+                 running: dict[int, Entry], finish: Callable[[Entry, ErrorEvent | None, bool], None]) -> None:
+        self.allocator = allocator
+        self.admission = admission
+        self.config = config
+        self.metrics = metrics
+        self.running = running  # requests the workers hold (prefilling or decoding), in admission order
+        self.chunking: deque[Entry] = deque()  # of those, prompts still prefilled in chunks, oldest first
+        self._finish = finish  # the scheduler's: ends a request (frees its blocks and its adapter)
+        self.waiting_steps = 1  # steps since newcomers last joined
+        # The `finished` of the next step, kept until it is sent (`sent`): a request whose blocks were freed must
+        # reach the workers even when building its step failed; those of a step that failed are listed again.
+        self.finish_again: list[int] = []
+
+    @property
+    def chunk_tokens(self) -> int:
+        """Prompt tokens per chunk: the prefill budget, in whole blocks (the next chunk starts on a block)."""
+        size = self.allocator.block_size
+        return max(size, self.config.max_batch_prefill_tokens // size * size)
+
+    def plan(self, steps_on_wire: int) -> StepPlan:
+        """The next step, to be sent after the `steps_on_wire` steps sent and not yet answered."""
+        plan = StepPlan(finished=self.finish_again)
+        self._drop_cancelled(plan)
+        self._grow(plan, steps_on_wire + 1)
+        self._admit(plan, steps_on_wire + 1, self._next_chunk(plan))
+        plan.entries = list(self.running.values())
+        return plan
+
+    def sent(self) -> None:
+        """The plan is on the wire."""
+        self.finish_again = []
+
+    def cache_written(self, entry: Entry) -> None:
+        """Marks the full blocks whose KV the answered steps wrote as reusable (automatic prefix caching)."""
+        written = entry.written_ids()
+        known = (entry.prompt_hashes or [])[: len(written) // self.allocator.block_size]
+        self.allocator.cache(entry.blocks, self.allocator.chain(written, entry.adapter, known=known))
+
+    # --- the four parts of a step -----------------------------------------------------------------------------
+
+    def _drop_cancelled(self, plan: StepPlan) -> None:
+        for entry in [e for e in self.running.values() if e.cancelled]:
+            plan.finished.append(entry.id)
+            self._finish(entry, entry.failure, False)  # a failure was sent when it happened
+
+    def _positions(self, entry: Entry, num_steps: int) -> int:
+        """Positions a decoding request may have written by the end of `num_steps` more steps (see above)."""
+        lookahead = self.config.lookahead
+        request = entry.request
+        return min(request.input_length + len(entry.token_ids) + num_steps * (1 + lookahead),
+                   request.max_total_tokens + lookahead)
+
+    def _missing(self, entry: Entry, num_steps: int) -> int:
+        """Blocks a request needs beyond its own for `num_steps` more steps (0 for a prompt still in chunks,
+        whose blocks cover its prompt and first step)."""
+        if entry.state is not EntryState.RUNNING:
+            return 0
+        return max(0, self.allocator.blocks_for(self._positions(entry, num_steps)) - len(entry.blocks))
+
+    def _grow(self, plan: StepPlan, num_steps: int) -> None:
+        """Gives every running request the blocks this step may write, oldest first; preempts the newest when
+        the cache is full (possibly the request itself, when it is the newest)."""
+        for entry in list(self.running.values()):
+            missing = self._missing(entry, num_steps) if entry.id in self.running else 0
+            while missing:
+                fresh = self.allocator.extend(missing)
+                if fresh is not None:
+                    entry.blocks += fresh
+                    plan.update(entry).new_blocks.extend(fresh)
+                    break
+                victim = next(reversed(self.running.values()))
+                self._preempt(victim, plan)
+                if victim is entry:
+                    break
+
+    def _preempt(self, entry: Entry, plan: StepPlan) -> None:
+        logger.info("preempting request %d (%d tokens generated) to free %d blocks", entry.id,
+                    len(entry.token_ids), len(entry.blocks))
+        self.cache_written(entry)  # its resume finds them, unless others need the space first
+        self.allocator.free(entry.blocks)
+        entry.blocks, entry.num_cached_tokens, entry.prefill_sent = [], 0, 0
+        entry.resumable = False  # until the steps on the wire that run it have answered
+        del self.running[entry.id]
+        if entry in self.chunking:
+            self.chunking.remove(entry)
+        plan.finished.append(entry.id)
+        plan.updates.pop(entry.id, None)
+        plan.preempted.append(entry)
+        self.admission.requeue(entry)
+        self.metrics.request_preemptions.inc()
+
+    def _next_chunk(self, plan: StepPlan) -> int:
+        """Schedules the next chunk of the oldest prompt prefilled in chunks, returning its tokens; the last one
+        yields its first token, and the request decodes from the next step on."""
+        if not self.chunking:
+            return 0
+        entry = self.chunking[0]
+        context_len = len(entry.context_ids)
+        if context_len - entry.prefill_sent <= self.config.max_batch_prefill_tokens:
+            self.chunking.popleft()
+            entry.state = EntryState.RUNNING
+            until = 0
+        else:
+            until = entry.prefill_sent + self.chunk_tokens
+        start, entry.prefill_sent = entry.prefill_sent, until or context_len
+        plan.update(entry).prefill_until = until
+        plan.chunks.append((entry, entry.prefill_sent))
+        return entry.prefill_sent - start
+
+    def _admit(self, plan: StepPlan, num_steps: int, chunk_tokens: int) -> None:
+        if not self.running:
+            admitted = self.admission.first()
+        else:
+            reserve = sum(self._missing(e, num_steps + 1) for e in self.running.values())
+            admitted = self.admission.more(len(self.running), self.waiting_steps, reserve, chunk_tokens)
+        if not admitted:
+            self.waiting_steps += 1
+            return
+        self.waiting_steps = 1
+        self._join(plan, admitted)
+
+    def _join(self, plan: StepPlan, admitted: Admitted) -> None:
+        """Admitted requests join the step: a batch of whole prompts, or a long prompt's first chunk.
+
+        A request the workers' message cannot encode (validation should have refused it) fails alone."""
+        starts = [(e, 0) for e in admitted.batch]
+        if admitted.long is not None:
+            starts.append((admitted.long, admitted.long.num_cached_tokens + self.chunk_tokens))
+        for entry, until in starts:
+            entry.state = EntryState.PREFILLING if until else EntryState.RUNNING
+            try:
+                request = entry.to_pb(prefill_until=until)
+            except _UNENCODABLE as e:
+                logger.error("request %d cannot be sent to the workers: %s", entry.id, e)
+                self._finish(entry, ErrorEvent(f"the request cannot be sent to the workers: {e}", "validation",
+                                               422), True)
+                continue
+            entry.prefill_sent = until or len(entry.context_ids)
+            self.running[entry.id] = entry
+            if until:
+                self.chunking.append(entry)
+                plan.chunks.append((entry, until))
+            plan.new_requests.append(request)

@@ -1,0 +1,202 @@
+"""The seam between the engine's decode step and speculative decoding.
+
+The engine (`TextGenerator`) asks the `Speculator` two things per decode step:
+
+    plan(requests)        before the forward: how many drafts each request verifies, and which tokens
+                          (drafters, the adaptive controller, a draft model's own forwards); None: a plain step
+    accept(...)           after the forward over `[last, d1..dk]` of each request: the exact acceptance rule,
+                          the step's cost and each request's acceptance recorded, tree paths moved into place
+
+Everything speculation keeps between steps lives here: the controller's cost model and acceptance priors and
+its back-off after declined steps. The draft model's KV lives in the same blocks and slots as the target's.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from specula_server.kv_cache import KVCache
+from specula_server.request import RequestState
+from specula_server.sampling import Sampler
+from specula_server.speculation.controller import (
+    AcceptancePriors,
+    StepCostModel,
+    choose_draft_lengths,
+    drafting_bar,
+    proposal_backoff,
+)
+from specula_server.speculation.draft_model import DraftModelDrafter
+from specula_server.speculation.drafters import Draft, Drafter
+from specula_server.speculation.verify import Verdict, verify
+
+logger = logging.getLogger("specula.speculation")
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """Speculative decoding of the worker: up to `max_tokens` drafts per request per step.
+
+    `draft_model`, when the server drafts with a draft model, is that drafter (also reachable through
+    `drafter`, which may be a composite): the generator sizes and allocates its KV cache beside the target's
+    and asks it for the tokens of the pending drafts it proposed."""
+
+    drafter: Drafter
+    max_tokens: int
+    mode: str = "adaptive"  # "adaptive" (draft lengths follow acceptance and load) or "fixed"
+    draft_model: DraftModelDrafter | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 0 or self.mode not in ("adaptive", "fixed"):
+            raise ValueError(f"invalid speculation settings: {self.max_tokens} tokens, mode {self.mode!r}")
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """The drafts a decode step verifies: one per request (maybe empty), and the drafter of each ("" if none)."""
+
+    drafts: list[Draft]
+    methods: list[str]
+
+    @property
+    def counts(self) -> list[int]:
+        """Rows each request feeds: its last token and its drafts."""
+        return [len(d) + 1 for d in self.drafts]
+
+
+class Speculator:
+    def __init__(self, config: SpeculationConfig, max_positions: int,
+                 agreed_seconds: Callable[[int], float]) -> None:
+        self.config = config
+        self.max_positions = max_positions
+        self.agreed_seconds = agreed_seconds  # a duration as every tensor-parallel rank records it
+        self.step_cost = StepCostModel()
+        self.acceptance_priors = AcceptancePriors()
+        self._declined_in_a_row = 0  # adaptive: steps whose drafts were all declined, since one verified
+        self._steps_without_proposals = 0  # adaptive: plain steps left before drafts are proposed again
+
+    @property
+    def adaptive(self) -> bool:
+        return self.config.mode == "adaptive"
+
+    def release(self, r: RequestState) -> None:
+        """`r` left the worker (finished, failed, cancelled or preempted): drafters that keep state per request
+        (suffix decoding) let it go, and learn from its output when it finished."""
+        release = getattr(self.config.drafter, "release", None)
+        if release is not None:
+            release(r)
+
+    def requests_joined(self) -> None:
+        """New requests may have drafts that pay: propose again at once."""
+        self._declined_in_a_row = self._steps_without_proposals = 0
+
+    def draft_cap(self, r: RequestState) -> int:
+        """Most drafts `r` may verify: its own cap, what it may still emit, and the positions it owns."""
+        cap = self.config.max_tokens
+        if r.spec.speculative_tokens is not None:
+            cap = min(cap, r.spec.speculative_tokens)
+        remaining = r.spec.stopping.max_new_tokens - r.num_generated - 1  # the target adds one token itself
+        room = min(r.capacity, self.max_positions) - r.num_tokens
+        return max(0, min(cap, remaining, room))
+
+    def plan(self, reqs: Sequence[RequestState]) -> DraftPlan | None:
+        """propose → choose lengths → draft pending tokens; None when this step verifies nothing (a plain
+        step, at a plain step's cost: each request's acceptance estimate then drifts back to the prior)."""
+        chosen = self._choose(reqs)
+        if chosen is None:
+            for r in reqs:
+                r.acceptance.observe(0, 0)
+        return chosen
+
+    def _choose(self, reqs: Sequence[RequestState]) -> DraftPlan | None:
+        if self.adaptive and self._steps_without_proposals > 0:
+            self._steps_without_proposals -= 1
+            self.step_cost.declined()
+            return None
+        drafter = self.config.drafter
+        methods = [drafter.method_for(r) for r in reqs]
+        acceptance = [r.acceptance.estimate(self.acceptance_priors.value(m)) for r, m in zip(reqs, methods)]
+        bar = drafting_bar(len(reqs), self.step_cost) if self.adaptive else -1.0
+        caps = [self.draft_cap(r) if a > bar else 0 for r, a in zip(reqs, acceptance)]
+        try:
+            proposals = drafter.propose(reqs, caps)
+        except Exception:  # drafts only ever save time: a drafter's failure must not fail the requests
+            logger.exception("drafting failed; this step verifies no drafts")
+            return None
+        lengths = choose_draft_lengths([p.available for p in proposals], acceptance, self.step_cost,
+                                       self.config.mode)
+        if not any(lengths):  # nothing worth verifying
+            if any(p.available for p in proposals):
+                self.step_cost.declined()
+                self._declined_in_a_row += 1
+                self._steps_without_proposals = proposal_backoff(self._declined_in_a_row)
+            return None
+        self._declined_in_a_row = 0
+        try:
+            drafts = self._draft_pending(reqs, [p.truncated(k) for p, k in zip(proposals, lengths)])
+        except Exception:
+            logger.exception("drafting failed; this step verifies no drafts")
+            return None
+        return DraftPlan(drafts, [m if len(d) else "" for m, d in zip(methods, drafts)])
+
+    def _draft_pending(self, reqs: Sequence[RequestState], drafts: list[Draft]) -> list[Draft]:
+        """Has the draft model draft the tokens of pending drafts, exactly as many as the controller granted."""
+        pending = [i for i, d in enumerate(drafts) if d.pending]
+        if not pending:
+            return drafts
+        draft_model = self.config.draft_model
+        assert draft_model is not None, "a drafter proposed pending drafts but the worker has no draft model"
+        drafted = draft_model.draft([reqs[i] for i in pending], [drafts[i].pending for i in pending])
+        for i, d in zip(pending, drafted):
+            drafts[i] = d
+        return drafts
+
+    def observe_plain(self, num_sequences: int, nanoseconds: int) -> None:
+        """A plain decode step over `num_sequences` took `nanoseconds` (up to its chosen tokens)."""
+        self.step_cost.observe(num_sequences, self.agreed_seconds(nanoseconds))
+
+    def accept(self, reqs: Sequence[RequestState], plan: DraftPlan, logits: torch.Tensor, row_starts: list[int],
+               sampler: Sampler, kv_cache: KVCache, start_ns: int, num_sequences: int
+               ) -> tuple[list[Verdict], torch.Tensor | None]:
+        """The exact acceptance rule over the verified rows; returns each request's verdict and, when sampling
+        processed the logits, the distributions the tokens were chosen from."""
+        verdicts, processed = verify(logits, reqs, plan.drafts, row_starts, sampler)
+        # Timed up to the accepted tokens, as plain steps are up to their sampled ones: drawing and checking a
+        # token at every verified position is part of what a draft costs (a sampling request's rows most of all).
+        num_drafted = sum(len(d) for d in plan.drafts)
+        self.step_cost.observe_speculative(num_sequences, self.agreed_seconds(time.perf_counter_ns() - start_ns), num_drafted)
+        compact_accepted_paths(kv_cache, reqs, plan.drafts, verdicts)
+        return verdicts, processed
+
+    def record(self, r: RequestState, verdict: Verdict, method: str) -> None:
+        """A request's verification, once its tokens are committed: acceptance statistics and draft KV."""
+        r.acceptance.observe(verdict.num_drafted, verdict.num_accepted)
+        self.acceptance_priors.observe(method, verdict.num_drafted, verdict.num_accepted)
+        # The draft model's KV is valid up to the last accepted draft it ran over; the target's own token
+        # (correction or bonus) is run over before the next draft.
+        r.draft_cached = min(r.draft_cached, r.num_tokens - 1)
+
+
+def compact_accepted_paths(kv_cache: KVCache, reqs: Sequence[RequestState], drafts: Sequence[Draft],
+                           verdicts: Sequence[Verdict]) -> None:
+    """Moves the KV of each tree's accepted nodes to the positions they now hold in the sequence.
+
+    Node i was written at buffer index `num_tokens + i`; the accepted node at depth d belongs at
+    `num_tokens + d - 1`. Chains, and tree paths along the first nodes, are already in place. Rejected
+    nodes' slots are past the sequence's end and are overwritten by later steps, never read.
+    """
+    src: list[torch.Tensor] = []
+    dst: list[torch.Tensor] = []
+    for r, d, v in zip(reqs, drafts, verdicts):
+        if d.is_chain:
+            continue
+        moves = [(r.num_tokens + node, r.num_tokens + depth) for depth, node in enumerate(v.path) if node != depth]
+        if moves:
+            src.append(r.slots[[m[0] for m in moves]])
+            dst.append(r.slots[[m[1] for m in moves]])
+    if src:
+        kv_cache.move(torch.cat(src), torch.cat(dst))

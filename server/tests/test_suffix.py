@@ -1,0 +1,155 @@
+"""Suffix trees and the suffix drafter, against brute force over the same token sequences."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from specula_server.speculation.suffix import GlobalSuffixCache, SuffixDrafter, SuffixTree, draft_from, follow
+
+
+def substring_counts(sequences, depth):
+    counts = Counter()
+    for seq in sequences:
+        for i in range(len(seq)):
+            for j in range(i + 1, min(len(seq), i + depth) + 1):
+                counts[tuple(seq[i:j])] += 1
+    return counts
+
+
+def tree_counts(tree: SuffixTree):
+    counts, stack = {}, [((), tree.root)]
+    while stack:
+        prefix, node = stack.pop()
+        for token, child in node.children.items():
+            counts[prefix + (token,)] = child.count
+            stack.append((prefix + (token,), child))
+    return counts
+
+
+def test_a_tree_counts_every_string_up_to_its_depth_and_forgets_what_is_removed():
+    rng = random.Random(0)
+    sequences = [[rng.randrange(5) for _ in range(rng.randrange(1, 40))] for _ in range(6)]
+    tree = SuffixTree(depth=6)
+    for seq in sequences:
+        tree.add(seq)
+    assert tree_counts(tree) == substring_counts(sequences, 6)
+    assert tree.num_nodes == len(substring_counts(sequences, 6))
+    for seq in sequences[:4]:
+        tree.remove(seq)
+    assert tree_counts(tree) == substring_counts(sequences[4:], 6)
+    assert tree.num_nodes == len(substring_counts(sequences[4:], 6))
+
+
+def test_cursors_follow_a_growing_sequence_and_match_finds_the_same_nodes():
+    rng = random.Random(1)
+    stored = [rng.randrange(4) for _ in range(200)]
+    tree = SuffixTree(depth=8)
+    tree.add(stored)
+    context = [rng.randrange(4) for _ in range(30)]
+    cursor = tree.match(context[:1])
+    for i in range(1, len(context)):
+        cursor = follow(cursor, context[i], tree.depth)
+        expected = tree.match(context[: i + 1])
+        assert [id(n) for n in cursor] == [id(n) for n in expected]
+        # the longest suffix that occurs, as brute force finds it
+        suffix = context[: i + 1]
+        longest = max(k for k in range(0, min(8, len(suffix)) + 1)
+                      if k == 0 or any(stored[j:j + k] == suffix[-k:] for j in range(len(stored))))
+        assert len(cursor) - 1 == longest
+
+
+def test_drafts_are_the_likeliest_continuations_best_first():
+    tree = SuffixTree(depth=8)
+    # "1 2 3" was followed by "4 5" twice and by "9" once
+    for seq in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 9]):
+        tree.add(seq)
+    cursor = tree.match([7, 1, 2, 3])
+    assert len(cursor) - 1 == 3
+    best = draft_from(cursor, max_tokens=8, factor=1.0, offset=0.0, min_prob=0.1)
+    assert best.draft.tokens.tolist() == [4, 5, 9]  # 4 (2/3), then 5 (2/3 * 1), then 9 (1/3)
+    assert best.draft.node_parents() == [-1, 0, -1]
+    assert abs(best.score - (2 / 3 + 2 / 3 + 1 / 3)) < 1e-9
+    # the length budget grows with the match: factor * match_len + offset
+    assert len(draft_from(cursor, 8, factor=0.5, offset=0.0, min_prob=0.1).draft) == 1
+    # unlikely branches are not drafted
+    assert draft_from(cursor, 8, 1.0, 0.0, min_prob=0.5).draft.tokens.tolist() == [4, 5]
+    # a chain stays a chain (no parents tensor)
+    assert draft_from(cursor, 8, 1.0, 0.0, min_prob=0.5).draft.is_chain
+
+
+def test_the_global_cache_stays_within_its_token_budget_oldest_out():
+    cache = GlobalSuffixCache(cache_tokens=50, depth=4)
+    rng = random.Random(2)
+    outputs = [[rng.randrange(50) for _ in range(20)] for _ in range(10)]
+    for output in outputs:
+        cache.add("", output)
+        assert cache.num_tokens <= 50
+    # the last two outputs (40 tokens) remain; older ones were evicted
+    assert tree_counts(cache.tree("")) == substring_counts(outputs[-2:], 4)
+
+
+@dataclass
+class FakeSpec:
+    adapter_id: str = ""
+
+
+@dataclass
+class FakeRequest:
+    """What the drafter reads of a request."""
+
+    id: int
+    tokens: list[int]
+    prompt_len: int
+    spec: FakeSpec = field(default_factory=FakeSpec)
+    is_finished: bool = False
+
+    @property
+    def history(self):
+        return torch.tensor(self.tokens)
+
+    @property
+    def token_ids(self):
+        return torch.tensor(self.tokens)
+
+    @property
+    def num_tokens(self):
+        return len(self.tokens)
+
+
+def test_outputs_of_one_adapter_never_draft_for_another():
+    drafter = SuffixDrafter(depth=8)
+    answer = [11, 12, 13, 14, 15, 16, 17, 18]
+    done = FakeRequest(0, [1, 2, 3] + answer, prompt_len=3, spec=FakeSpec("a"), is_finished=True)
+    drafter.propose([done], [0])
+    drafter.release(done)
+    same = FakeRequest(1, [5, 11, 12, 13], prompt_len=4, spec=FakeSpec("a"))
+    other = FakeRequest(2, [5, 11, 12, 13], prompt_len=4, spec=FakeSpec("b"))
+    base = FakeRequest(3, [5, 11, 12, 13], prompt_len=4)
+    drafts = drafter.propose([same, other, base], [4, 4, 4])
+    assert drafts[0].tokens.tolist() == [14, 15, 16]  # 3 tokens: the match is 3 long
+    assert len(drafts[1]) == 0 and len(drafts[2]) == 0
+
+
+def test_a_request_drafts_from_its_own_context_as_it_grows():
+    drafter = SuffixDrafter(depth=8)
+    r = FakeRequest(0, [1, 2, 3, 4, 1, 2], prompt_len=6)
+    assert drafter.propose([r], [4])[0].tokens.tolist() == [3, 4]
+    r.tokens += [3]  # accepted tokens arrive between steps
+    assert drafter.propose([r], [4])[0].tokens.tolist() == [4, 1, 2]
+    drafter.release(r)  # not finished: nothing enters the global cache
+    assert drafter.cache.num_tokens == 0 and not drafter._requests
+
+
+def test_a_long_run_of_distinct_requests_keeps_the_cache_bounded():
+    drafter = SuffixDrafter(cache_tokens=1_000, depth=8)
+    rng = random.Random(3)
+    for i in range(300):
+        r = FakeRequest(i, [rng.randrange(1000) for _ in range(40)], prompt_len=10, is_finished=True)
+        drafter.propose([r], [4])
+        drafter.release(r)
+    assert drafter.cache.num_tokens <= 1_000 and not drafter._requests
+    assert drafter.cache.num_nodes <= 1_000 * 8
