@@ -155,14 +155,14 @@ def run_continuous(generator, requests: list[dict], concurrency: int, seed: int,
 
 
 def side_by_side(generators: dict, requests: list[dict], concurrency: int, rounds: int,
-                 lookahead: int, continuous: bool = False) -> dict[str, list[tuple[float, float]]]:
+                 lookahead: int, continuous: bool = False, before=None) -> dict[str, list[tuple[float, float]]]:
     """Per setting and round: (generated tokens/s, tokens per request per decode step).
 
     The settings take turns batch by batch, in an order that rotates from one batch to the next, so a change
     in the machine's speed (these machines drift by tens of percent over minutes) hits them all alike; a
     round's figure sums its batches. Each batch sees the same prompts and sampling seeds in every setting.
     `continuous`: each turn runs 4 x `concurrency` requests with `concurrency` in flight (`run_continuous`)
-    instead of one batch run to completion.
+    instead of one batch run to completion. `before(generator)`, when given, runs before each turn (untimed).
     """
     names = list(generators)
     samples = {name: [] for name in names}
@@ -174,6 +174,8 @@ def side_by_side(generators: dict, requests: list[dict], concurrency: int, round
             chunk = requests[first : first + span]
             for j in range(len(names)):
                 name = names[(turn + r + j) % len(names)]
+                if before is not None:
+                    before(generators[name])
                 seconds, tokens, steps = run(generators[name], chunk, concurrency, 1000 * r + first, lookahead)
                 for k, value in enumerate((seconds, tokens, steps)):
                     totals[name][k] += value

@@ -23,7 +23,12 @@ logger = logging.getLogger("specula.router.client")
 
 
 class ShardError(Exception):
-    """A shard failed an RPC; the message is the shard's own error."""
+    """A shard failed an RPC; the message is the shard's own error. `unreachable`: the shard could not be reached
+    at all (its process is gone, e.g. on another node), not an error it answered."""
+
+    def __init__(self, message: str, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 class ForeignShardError(ValueError):
@@ -34,6 +39,8 @@ class ForeignShardError(ValueError):
 class StepResponse:
     generations: list[pb.Generation]
     timings: pb.Timings
+    suffix_cache_tokens: int = 0  # suffix decoding's global trees, on shard 0 (every shard holds the same)
+    suffix_cache_nodes: int = 0
 
 
 class ShardedClient:
@@ -101,7 +108,8 @@ class ShardedClient:
         except grpc.aio.AioRpcError as e:
             for call in calls:  # the others would otherwise run on unobserved
                 call.cancel()
-            raise ShardError(f"{method} failed: {e.details() or e.code().name}") from e
+            raise ShardError(f"{method} failed: {e.details() or e.code().name}",
+                             unreachable=e.code() == grpc.StatusCode.UNAVAILABLE) from e
 
     async def info(self) -> pb.InfoResponse:
         return (await self._call("Info", pb.InfoRequest()))[0]
@@ -128,7 +136,8 @@ class ShardedClient:
     @staticmethod
     async def _step_response(responses: Awaitable[list]) -> StepResponse:
         response = (await responses)[0]
-        return StepResponse(list(response.generations), response.timings)
+        return StepResponse(list(response.generations), response.timings, response.suffix_cache_tokens,
+                            response.suffix_cache_nodes)
 
     async def load_adapter(self, adapter_id: str, source: str, api_token: str = "") -> pb.LoadAdapterResponse:
         """Loads an adapter on every shard; the answer is loaded only when every shard loaded it.

@@ -60,7 +60,7 @@ class Metrics:
             "request_preemptions", "Running requests preempted for lack of KV blocks (resumed later)")
         self.queue_size = gauge("queue_size", "Requests waiting to be admitted")
         self.batch_current_size = gauge("batch_current_size", "Requests in the running batch")
-        self.batch_current_max_tokens = gauge("batch_current_max_tokens", "KV cache tokens reserved by the batch")
+        self.batch_current_max_tokens = gauge("batch_current_max_tokens", "KV cache tokens in blocks the running requests hold")
         self.request_duration = histogram("request_duration", "End-to-end request time (s)", _SECONDS, ["adapter"])
         self.request_validation_duration = histogram(
             "request_validation_duration", "Validation and tokenisation time (s)", _SECONDS)
@@ -116,6 +116,10 @@ class Metrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)")
         self.prefix_cache_blocks = gauge("prefix_cache_blocks", "KV blocks holding a reusable prefix")
+        self.suffix_cache_tokens = gauge("suffix_cache_tokens",
+                                         "Output tokens in the global suffix trees of suffix decoding, per shard")
+        self.suffix_cache_nodes = gauge("suffix_cache_nodes",
+                                        "Nodes of the global suffix trees of suffix decoding, per shard")
 
     def adapter_label(self, adapter_id: str | None) -> str:
         """The `adapter` label of a request or adapter: "" for the base model, the id once it has its own label

@@ -64,7 +64,8 @@ class SchedulerConfig(AdmissionConfig):
 
 
 class ShardUnresponsive(Exception):
-    """A shard did not answer a step within `step_timeout`: the router cannot go on and stops."""
+    """A shard did not answer a step within `step_timeout`, or cannot be reached at all (its process is gone, on
+    this node or another): the router cannot go on and stops, and its launcher with it."""
 
 
 @dataclass
@@ -235,14 +236,19 @@ class Scheduler:
         self._flush()
 
     async def _timed(self, what: str, pending: Awaitable[T]) -> T:
-        """Awaits a worker call, raising `ShardUnresponsive` when it takes longer than `step_timeout`."""
-        if self.config.step_timeout is None:
-            return await pending
+        """Awaits a worker call, raising `ShardUnresponsive` when it takes longer than `step_timeout` or a shard
+        cannot be reached (a shard of another node whose process died: no launcher here sees it die)."""
         try:
+            if self.config.step_timeout is None:
+                return await pending
             return await asyncio.wait_for(pending, self.config.step_timeout)
         except asyncio.TimeoutError:
             raise ShardUnresponsive(f"a shard did not answer {what} within --step-timeout "
                                     f"({self.config.step_timeout:g}s)") from None
+        except ShardError as e:
+            if e.unreachable:
+                raise ShardUnresponsive(f"a shard cannot be reached ({e}); its process is gone") from e
+            raise
 
     async def _process(self, sent: _SentStep) -> None:
         """Waits for a step's answer and delivers its tokens; a failed step fails every request it ran."""
@@ -276,6 +282,8 @@ class Scheduler:
         m.batch_current_size.set(len(self.running))
         m.batch_current_max_tokens.set(self.allocator.num_used_tokens)
         m.prefix_cache_blocks.set(self.allocator.num_cached_blocks)
+        m.suffix_cache_tokens.set(response.suffix_cache_tokens)
+        m.suffix_cache_nodes.set(response.suffix_cache_nodes)
 
     def _deliver_all(self, generations: list[pb.Generation], ran: dict[int, Entry]) -> None:
         for generation in generations:

@@ -11,6 +11,7 @@ import pytest
 from fake_worker import FakeClient
 
 from specula_router.block_allocator import BlockAllocator
+from specula_router.client import ShardError
 from specula_router.metrics import Metrics
 from specula_router.requests import SamplingParameters, StoppingParameters, ValidGenerateRequest
 from specula_router.scheduler import (
@@ -342,6 +343,25 @@ def test_a_shard_that_does_not_answer_fails_every_request_and_stops_the_loop():
         with pytest.raises(ShardUnresponsive):
             await asyncio.wait_for(loop, 5)
         assert scheduler.failure is not None
+        later = await drain(scheduler.submit(make_request()))
+        assert isinstance(later[-1], ErrorEvent) and later[-1].status == 503
+    run(body())
+
+
+def test_a_shard_that_cannot_be_reached_stops_the_loop():
+    """A shard whose process is gone (on another node, where no launcher of ours sees it die) answers nothing
+    ever again: the router fails everything and stops, as for a shard that hangs."""
+    async def body():
+        scheduler, client = make_scheduler(step_delay=0.001)
+        loop = asyncio.create_task(scheduler.run())
+        running = scheduler.submit(make_request(max_new=50))
+        await asyncio.sleep(0.01)
+        client.raise_next = ("decode", ShardError("Step failed: failed to connect to all addresses",
+                                                  unreachable=True))
+        events = await drain(running)
+        assert isinstance(events[-1], ErrorEvent) and "cannot be reached" in events[-1].message
+        with pytest.raises(ShardUnresponsive):
+            await asyncio.wait_for(loop, 5)
         later = await drain(scheduler.submit(make_request()))
         assert isinstance(later[-1], ErrorEvent) and later[-1].status == 503
     run(body())

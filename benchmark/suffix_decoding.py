@@ -1,0 +1,202 @@
+"""Suffix decoding vs prompt lookup vs both vs off, in the worker, side by side, on the demo model.
+
+Settings (adaptive draft lengths, `--speculative-tokens` drafts at most, as the server runs by default):
+
+    off      no speculation
+    ngram    prompt lookup (the default drafter)
+    suffix   `--speculator suffix` without prompt lookup behind it
+    both     `--speculator suffix` as served: suffix trees, prompt lookup where they have nothing
+
+Workloads:
+
+- `agentic`: a replay of an agent editing code: per session, a rename edit of a held-out block (as the demo
+  model was trained on), the same request again (a retry), then two follow-up edits of the model's own answer
+  (rename the new name again: the answer comes back with one identifier changed). The answers were recorded
+  with greedy decoding; every setting replays the same requests, c sessions at a time (continuous batching, c
+  requests in flight). The global suffix trees start empty at every measurement.
+- `copy` and `novel`: `benchmark/speculation.py`'s (an edit task alone; sampling new code at temperature 1).
+
+Reports generated tokens/s and tokens per decode step per setting and concurrency, the ratios, a second
+identical request's time against the first's (concurrency 1, greedy, suffix as served), and what suffix
+drafting costs per request per step.
+
+    python benchmark/suffix_decoding.py --json benchmark/results/suffix_decoding.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from speculation import (  # noqa: E402
+    DEMO_MODEL, add_run_arguments, paired_ratio, side_by_side, workload_requests,
+)
+
+import torch  # noqa: E402
+
+from specula_server.speculation.suffix import SuffixDrafter  # noqa: E402
+from specula_server.testing import code_corpus  # noqa: E402
+from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec  # noqa: E402
+from specula_server.warmup import calibrate_step_cost  # noqa: E402
+
+SETTINGS = ("off", "ngram", "suffix", "both")
+
+
+def suffix_drafter(generator) -> SuffixDrafter | None:
+    drafter = generator.speculation.drafter if generator.speculation is not None else None
+    inner = getattr(drafter, "fallback", None)
+    return inner if isinstance(inner, SuffixDrafter) else None
+
+
+def load(model_dir: Path, name: str, tokens: int, blocks: int, dtype: str, device: str):
+    extra = {} if name == "off" else {"speculative_tokens": tokens, "speculation_mode": "adaptive"}
+    if name in ("suffix", "both"):
+        extra["speculator"] = "suffix"
+    generator = load_test_generator(model_dir, num_blocks=blocks, dtype=dtype, device=device, **extra)
+    if name == "suffix":
+        suffix_drafter(generator).fallback = None  # suffix trees alone
+    if generator.speculation is not None:
+        calibrate_step_cost(generator)  # what the server's warmup does
+    return generator
+
+
+def forget(generator) -> None:
+    """Empties the global suffix trees: each measurement starts without outputs of earlier ones."""
+    drafter = suffix_drafter(generator)
+    if drafter is not None:
+        drafter.cache.__init__(drafter.cache.cache_tokens, drafter.cache.depth)
+
+
+def answer(generator, ids: list[int], max_new_tokens: int) -> list[int]:
+    spec = make_spec(0, ids, BlockPool(generator.kv_cache.num_blocks, generator.block_size),
+                     max_new_tokens=max_new_tokens, ignore_eos_token=False)
+    return [t.id for o in generate_alone(generator, spec) for t in o.tokens]
+
+
+def agentic_requests(plain, tokenizer, sessions: int, seed: int, concurrency: int) -> list[dict]:
+    """Sessions of 4 requests, grouped by `concurrency` sessions: the first requests of the group, then their
+    retries, then the two follow-ups, so each request follows the ones it replays."""
+    edits = code_corpus.held_out_edits(sessions * 2, seed=seed)[:sessions]
+    names = code_corpus.identifier_pool(code_corpus.read_sources(code_corpus.source_files(held_out=True)), seed=seed)
+    rounds: list[list[dict]] = [[], [], [], []]
+    for i, edit in enumerate(edits):
+        ids = tokenizer.encode(edit.prompt).ids
+        limit = len(tokenizer.encode(edit.answer, add_special_tokens=False).ids) + 16
+        first = answer(plain, ids, limit)
+        text = tokenizer.decode(first, skip_special_tokens=True)
+        new_name = edit.prompt.rsplit(" to ", 1)[1].strip()
+        followups = []
+        for k in (1, 2):
+            again = f"# before\n{text.strip()}\n# after: rename {new_name} to {names[(7 * i + k) % len(names)]}\n"
+            followups.append(tokenizer.encode(again).ids)
+        for r, prompt in enumerate([ids, ids, *followups]):
+            rounds[r].append({"ids": prompt, "greedy": True, "eos": True, "max_new_tokens": limit})
+    ordered = []
+    for group in range(0, sessions, concurrency):
+        for r in rounds:
+            ordered += r[group : group + concurrency]
+    return ordered
+
+
+def retry_speedup(generator, requests: list[dict], count: int) -> float:
+    """Median over sessions of (first request's seconds / its retry's seconds), alone, the cache empty."""
+    ratios = []
+    for i in range(count):
+        forget(generator)
+        first, retry = requests[4 * i], requests[4 * i + 1]  # concurrency-1 grouping: 4 per session
+        times = []
+        for request in (first, retry):
+            spec = make_spec(0, request["ids"], BlockPool(generator.kv_cache.num_blocks, generator.block_size),
+                             max_new_tokens=request["max_new_tokens"], ignore_eos_token=False)
+            start = time.perf_counter()
+            generate_alone(generator, spec)
+            times.append(time.perf_counter() - start)
+        ratios.append(times[0] / times[1])
+    return statistics.median(ratios)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", type=Path, default=DEMO_MODEL)
+    parser.add_argument("--workload", nargs="+", default=["agentic", "copy", "novel"],
+                        choices=["agentic", "copy", "novel"])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--speculative-tokens", type=int, default=6)
+    parser.add_argument("--min-sessions", type=int, default=4, help="agentic sessions per measurement at least")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (novel)")
+    add_run_arguments(parser)
+    args = parser.parse_args()
+    args.min_requests = 4 * args.min_sessions
+    torch.set_num_threads(args.threads)
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
+    blocks = max(args.concurrency) * 40 + 64
+    generators = {name: load(args.model_dir, name, args.speculative_tokens, blocks, dtype, args.device)
+                  for name in SETTINGS}
+    draft_ns = [0, 0]  # suffix drafting: nanoseconds, requests drafted for
+    original = SuffixDrafter.propose
+
+    def timed(self, requests, max_tokens):
+        start = time.perf_counter_ns()
+        out = original(self, requests, max_tokens)
+        draft_ns[0] += time.perf_counter_ns() - start
+        draft_ns[1] += len(requests)
+        return out
+
+    SuffixDrafter.propose = timed
+    results = []
+    with tempfile.TemporaryDirectory():
+        for workload in args.workload:
+            for c in args.concurrency:
+                sessions = max(c, args.min_sessions)
+                if workload == "agentic":
+                    requests = agentic_requests(generators["off"], tokenizer, sessions, args.seed, c)
+                else:
+                    requests = workload_requests(workload, args.model_dir, 4 * sessions, args)
+                samples = side_by_side(generators, requests, c, args.rounds, args.speculative_tokens + 1,
+                                       continuous=True, before=forget)
+                row = {"workload": workload, "concurrency": c, "requests": len(requests)}
+                for name, values in samples.items():
+                    row[f"{name}_tok_s"] = statistics.median(v[0] for v in values)
+                    row[f"{name}_tokens_per_step"] = statistics.median(v[1] for v in values)
+                for name in SETTINGS[1:]:
+                    row[f"{name}_vs_off"] = paired_ratio(samples[name], samples["off"])
+                row["suffix_vs_ngram"] = paired_ratio(samples["suffix"], samples["ngram"])
+                row["both_vs_ngram"] = paired_ratio(samples["both"], samples["ngram"])
+                results.append(row)
+                print(json.dumps(row), flush=True)
+        retry = {}
+        if "agentic" in args.workload:
+            requests = agentic_requests(generators["off"], tokenizer, args.min_sessions, args.seed, 1)
+            retry = {name: retry_speedup(generators[name], requests, args.min_sessions) for name in SETTINGS}
+            print(json.dumps({"retry_speedup": retry}), flush=True)
+    cost_us = draft_ns[0] / max(draft_ns[1], 1) / 1e3
+    print("\n| workload | c | off tok/s | ngram | suffix | both | suffix/ngram | both/ngram | tokens/step "
+          "(ngram / suffix / both) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['workload']} | {r['concurrency']} | {r['off_tok_s']:.0f} | {r['ngram_vs_off']:.2f}x | "
+              f"{r['suffix_vs_off']:.2f}x | {r['both_vs_off']:.2f}x | {r['suffix_vs_ngram']:.2f}x | "
+              f"{r['both_vs_ngram']:.2f}x | {r['ngram_tokens_per_step']:.2f} / {r['suffix_tokens_per_step']:.2f} / "
+              f"{r['both_tokens_per_step']:.2f} |")
+    if retry:
+        print("\nsecond identical request vs the first, alone (time ratio): "
+              + ", ".join(f"{k} {v:.2f}x" for k, v in retry.items()))
+    print(f"suffix drafting: {cost_us:.0f} us per request per drafting step")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
+                                         "results": results, "retry_speedup": retry,
+                                         "suffix_draft_us_per_request": cost_us}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
