@@ -72,6 +72,7 @@ async def burst(url: str, texts: list[str], stops: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline-tree", type=Path, required=True, help="checkout that reserves whole budgets")
+    parser.add_argument("--tree", type=Path, default=REPO, help="checkout whose blocks grow (default: this one)")
     parser.add_argument("--model-dir", type=Path, help="model to serve (default: a ~125M random Llama)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=32)
@@ -83,7 +84,7 @@ def main() -> None:
 
     flags = ["--max-total-tokens", str(args.max_total_tokens), "--kv-cache-memory", args.kv_cache_memory,
              "--max-concurrent-requests", str(max(128, args.concurrency))]
-    trees = {"grow": REPO, "whole_budget": args.baseline_tree.resolve()}
+    trees = {"grow": args.tree.resolve(), "whole_budget": args.baseline_tree.resolve()}
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -93,7 +94,7 @@ def main() -> None:
 
             model_dir = build_tiny_model(tmp / "model", "llama", **BENCHMARK_125M)
         texts = prompts(args.concurrency)
-        with served(model_dir, tmp, flags) as url:
+        with served(model_dir, tmp, flags, trees["grow"]) as url:
             stops = stop_sequences(url, texts, args.answer_tokens)
         for _ in range(args.rounds):  # alternating, so both see the same machine
             for name, tree in trees.items():

@@ -9,11 +9,11 @@ Settings (adaptive draft lengths, `--speculative-tokens` drafts at most, as the 
 
 Workloads:
 
-- `agentic`: a replay of an agent editing code: per session, a rename edit of a held-out block (as the demo
-  model was trained on), the same request again (a retry), then two follow-up edits of the model's own answer
-  (rename the new name again: the answer comes back with one identifier changed). The answers were recorded
-  with greedy decoding; every setting replays the same requests, c sessions at a time (continuous batching, c
-  requests in flight). The global suffix trees start empty at every measurement.
+- `agentic`: a replay of an agent writing code (`agentic_requests`): per session it writes a continuation of a
+  held-out block, retries the same request, rewrites the file it wrote (a rename edit, as the demo model was
+  trained on) and writes the first one again after a line of feedback. The answers were recorded with greedy
+  decoding; every setting replays the same requests, c sessions at a time (continuous batching, c requests in
+  flight). The global suffix trees start empty at every measurement.
 - `copy` and `novel`: `benchmark/speculation.py`'s (an edit task alone; sampling new code at temperature 1).
 
 Reports generated tokens/s and tokens per decode step per setting and concurrency, the ratios, a second
@@ -79,23 +79,33 @@ def answer(generator, ids: list[int], max_new_tokens: int) -> list[int]:
     return [t.id for o in generate_alone(generator, spec) for t in o.tokens]
 
 
-def agentic_requests(plain, tokenizer, sessions: int, seed: int, concurrency: int) -> list[dict]:
-    """Sessions of 4 requests, grouped by `concurrency` sessions: the first requests of the group, then their
-    retries, then the two follow-ups, so each request follows the ones it replays."""
-    edits = code_corpus.held_out_edits(sessions * 2, seed=seed)[:sessions]
+def agentic_requests(plain, tokenizer, sessions: int, seed: int, concurrency: int, new_tokens: int) -> list[dict]:
+    """Sessions of an agent writing code, 4 requests each, replayed from greedy answers recorded with `plain`:
+
+        1. write: continue a held-out code block (new text: little to copy from the prompt)
+        2. retry: the same request again (a tool call that timed out, a failed parse)
+        3. rewrite: a rename edit of the file it wrote (prompt and answer = its own output, one name changed)
+        4. regenerate: the first request again after a line of feedback (the answer mostly repeats the first)
+
+    Grouped by `concurrency` sessions: the group's first requests, then their retries, and so on, so each request
+    follows the ones it repeats."""
+    import random
+
+    starts = code_corpus.held_out_code(sessions, num_chars=300, seed=seed)
     names = code_corpus.identifier_pool(code_corpus.read_sources(code_corpus.source_files(held_out=True)), seed=seed)
+    rng = random.Random(seed)
     rounds: list[list[dict]] = [[], [], [], []]
-    for i, edit in enumerate(edits):
-        ids = tokenizer.encode(edit.prompt).ids
-        limit = len(tokenizer.encode(edit.answer, add_special_tokens=False).ids) + 16
-        first = answer(plain, ids, limit)
-        text = tokenizer.decode(first, skip_special_tokens=True)
-        new_name = edit.prompt.rsplit(" to ", 1)[1].strip()
-        followups = []
-        for k in (1, 2):
-            again = f"# before\n{text.strip()}\n# after: rename {new_name} to {names[(7 * i + k) % len(names)]}\n"
-            followups.append(tokenizer.encode(again).ids)
-        for r, prompt in enumerate([ids, ids, *followups]):
+    for start in starts:
+        ids = tokenizer.encode(start).ids
+        written = tokenizer.decode(answer(plain, ids, new_tokens), skip_special_tokens=True)
+        edit = None
+        for _ in range(20):
+            edit = edit or code_corpus.rename_edit(start + written, rng, names)
+        edit_ids = tokenizer.encode(edit.prompt).ids if edit else ids
+        edit_tokens = len(tokenizer.encode(edit.answer, add_special_tokens=False).ids) + 16 if edit else new_tokens
+        feedback = tokenizer.encode("# the previous version failed its tests; write it again\n" + start).ids
+        for r, (prompt, limit) in enumerate([(ids, new_tokens), (ids, new_tokens), (edit_ids, edit_tokens),
+                                             (feedback, new_tokens)]):
             rounds[r].append({"ids": prompt, "greedy": True, "eos": True, "max_new_tokens": limit})
     ordered = []
     for group in range(0, sessions, concurrency):
@@ -129,7 +139,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--speculative-tokens", type=int, default=6)
     parser.add_argument("--min-sessions", type=int, default=4, help="agentic sessions per measurement at least")
-    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (novel)")
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (novel, agentic writes)")
     add_run_arguments(parser)
     args = parser.parse_args()
     args.min_requests = 4 * args.min_sessions
@@ -158,7 +168,7 @@ def main() -> None:
             for c in args.concurrency:
                 sessions = max(c, args.min_sessions)
                 if workload == "agentic":
-                    requests = agentic_requests(generators["off"], tokenizer, sessions, args.seed, c)
+                    requests = agentic_requests(generators["off"], tokenizer, sessions, args.seed, c, args.new_tokens)
                 else:
                     requests = workload_requests(workload, args.model_dir, 4 * sessions, args)
                 samples = side_by_side(generators, requests, c, args.rounds, args.speculative_tokens + 1,
@@ -175,7 +185,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
         retry = {}
         if "agentic" in args.workload:
-            requests = agentic_requests(generators["off"], tokenizer, args.min_sessions, args.seed, 1)
+            requests = agentic_requests(generators["off"], tokenizer, args.min_sessions, args.seed, 1, args.new_tokens)
             retry = {name: retry_speedup(generators[name], requests, args.min_sessions) for name in SETTINGS}
             print(json.dumps({"retry_speedup": retry}), flush=True)
     cost_us = draft_ns[0] / max(draft_ns[1], 1) / 1e3

@@ -69,16 +69,22 @@ def test_drafts_are_the_likeliest_continuations_best_first():
         tree.add(seq)
     cursor = tree.match([7, 1, 2, 3])
     assert len(cursor) - 1 == 3
-    best = draft_from(cursor, max_tokens=8, factor=1.0, offset=0.0, min_prob=0.1)
+    best = draft_from(cursor, max_tokens=5, factor=1.0, offset=0.0, min_prob=0.1, depth=8)
     assert best.draft.tokens.tolist() == [4, 5, 9]  # 4 (2/3), then 5 (2/3 * 1), then 9 (1/3)
     assert best.draft.node_parents() == [-1, 0, -1]
     assert abs(best.score - (2 / 3 + 2 / 3 + 1 / 3)) < 1e-9
     # the length budget grows with the match: factor * match_len + offset
-    assert len(draft_from(cursor, 8, factor=0.5, offset=0.0, min_prob=0.1).draft) == 1
+    # a match too deep to leave room for the draft is passed over for a shorter one
+    deep = SuffixTree(depth=4)
+    deep.add([1, 2, 3, 4, 9, 1, 2, 3, 4])
+    cursor4 = deep.match([1, 2, 3, 4])
+    assert len(cursor4) - 1 == 4 and not cursor4[4].children  # the full match cannot be followed
+    assert draft_from(cursor4, 2, 1.0, 0.0, 0.1, depth=4).draft.tokens.tolist() == [9, 1]
+    assert len(draft_from(cursor, 5, factor=0.5, offset=0.0, min_prob=0.1, depth=8).draft) == 1
     # unlikely branches are not drafted
-    assert draft_from(cursor, 8, 1.0, 0.0, min_prob=0.5).draft.tokens.tolist() == [4, 5]
+    assert draft_from(cursor, 5, 1.0, 0.0, min_prob=0.5, depth=8).draft.tokens.tolist() == [4, 5]
     # a chain stays a chain (no parents tensor)
-    assert draft_from(cursor, 8, 1.0, 0.0, min_prob=0.5).draft.is_chain
+    assert draft_from(cursor, 5, 1.0, 0.0, min_prob=0.5, depth=8).draft.is_chain
 
 
 def test_the_global_cache_stays_within_its_token_budget_oldest_out():

@@ -35,6 +35,10 @@ class Draft:
     # Tokens the drafter will produce on demand once the controller has chosen how many (a draft model,
     # for which drafting is a forward per token): `tokens` is empty until `DraftModelDrafter.draft` fills it.
     pending: int = 0
+    # The drafter's own estimate of the chance that each draft token is accepted given the ones before it were
+    # (suffix decoding's, from how often its continuations followed); None: the drafter has none. The adaptive
+    # controller trusts it where the request's measured acceptance is lower.
+    confidence: float | None = None
 
     def __post_init__(self) -> None:
         if self.q is not None and self.parents is not None:
@@ -59,7 +63,7 @@ class Draft:
         if k >= len(self):
             return self
         return Draft(self.tokens[:k], None if self.parents is None else self.parents[:k],
-                     None if self.q is None else self.q[:k])
+                     None if self.q is None else self.q[:k], confidence=self.confidence)
 
     def node_parents(self) -> list[int]:
         """Every node's parent index (-1: the root), for chains too."""
@@ -95,7 +99,8 @@ class Drafter(Protocol):
 
     `name` labels the speculation metrics; `method_for(request)` may name another method for some requests
     (a composite drafter). A drafter that keeps state per request also has `release(request)`, called when the
-    request leaves the worker."""
+    request leaves the worker. A drafter whose drafts carry a `confidence` sets `confident = True`: the
+    controller then asks it for drafts even for requests whose measured acceptance is low."""
 
     name: str
 

@@ -79,6 +79,7 @@ class MedusaDrafter:
         self.tree_width = tree_width
         # What /info reports: "medusa" when every request may draft with heads, else the fallback's name.
         self.name = name or (fallback.name if fallback is not None else "medusa")
+        self.confident = getattr(fallback, "confident", False)
 
     def release(self, request: RequestState) -> None:
         """The request left the worker: a fallback that keeps state per request (suffix decoding) lets it go."""

@@ -121,12 +121,14 @@ class Speculator:
         methods = [drafter.method_for(r) for r in reqs]
         acceptance = [r.acceptance.estimate(self.acceptance_priors.value(m)) for r, m in zip(reqs, methods)]
         bar = drafting_bar(len(reqs), self.step_cost) if self.adaptive else -1.0
-        caps = [self.draft_cap(r) if a > bar else 0 for r, a in zip(reqs, acceptance)]
+        confident = getattr(drafter, "confident", False)  # its drafts say how likely they are: always ask
+        caps = [self.draft_cap(r) if a > bar or confident else 0 for r, a in zip(reqs, acceptance)]
         try:
             proposals = drafter.propose(reqs, caps)
         except Exception:  # drafts only ever save time: a drafter's failure must not fail the requests
             logger.exception("drafting failed; this step verifies no drafts")
             return None
+        acceptance = [a if p.confidence is None else max(a, p.confidence) for a, p in zip(acceptance, proposals)]
         lengths = choose_draft_lengths([p.available for p in proposals], acceptance, self.step_cost,
                                        self.config.mode)
         if not any(lengths):  # nothing worth verifying

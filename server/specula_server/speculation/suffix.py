@@ -135,12 +135,16 @@ class SuffixDraft:
     score: float  # expected accepted tokens: the sum of the nodes' path probabilities
 
 
-def draft_from(cursor: list[_Node], max_tokens: int, factor: float, offset: float, min_prob: float) -> SuffixDraft:
-    """The best-first tree of continuations of the longest suffix in `cursor` that has any.
+def draft_from(cursor: list[_Node], max_tokens: int, factor: float, offset: float, min_prob: float,
+               depth: int) -> SuffixDraft:
+    """The best-first tree of continuations of the longest suffix in `cursor` that has any and leaves room for
+    `max_tokens` below it (the tree holds strings of `depth` tokens at most: a match of m tokens can be followed
+    `depth - m` deep).
 
     A node's children are what followed its string's earlier occurrences; in a request's own tree the latest
     occurrence (the context's end) has no continuation yet, so probabilities are over the children's counts."""
-    for match_len in range(len(cursor) - 1, 0, -1):
+    longest = min(len(cursor) - 1, max(depth - max_tokens, 1))
+    for match_len in range(longest, 0, -1):
         if cursor[match_len].children:
             break
     else:
@@ -162,8 +166,13 @@ def draft_from(cursor: list[_Node], max_tokens: int, factor: float, offset: floa
                 order += 1
 
     push_children(cursor[match_len], 1.0, -1)
+    confidences: list[float] = []  # along the likeliest path: count / (the parent's children's counts + 1)
+    path_end, path_node = -1, cursor[match_len]  # the likeliest path's last node so far (-1: the match)
     while frontier and len(tokens) < budget:
         negative, _, parent, node, token = heapq.heappop(frontier)
+        if parent == path_end:  # the likeliest path goes on
+            confidences.append(node.count / (sum(c.count for c in path_node.children.values()) + 1))
+            path_end, path_node = len(tokens), node
         tokens.append(token)
         parents.append(parent)
         score -= negative
@@ -171,8 +180,11 @@ def draft_from(cursor: list[_Node], max_tokens: int, factor: float, offset: floa
     if not tokens:
         return SuffixDraft(Draft(torch.empty(0, dtype=torch.long)), 0.0)
     chain = all(p == i - 1 for i, p in enumerate(parents))
+    # What the controller is told: how often each step of the likeliest path was taken, shrunk by one unseen
+    # alternative (one observation says 1/2, not certainty).
     draft = Draft(torch.tensor(tokens, dtype=torch.long),
-                  None if chain else torch.tensor(parents, dtype=torch.long))
+                  None if chain else torch.tensor(parents, dtype=torch.long),
+                  confidence=sum(confidences) / len(confidences))
     return SuffixDraft(draft, score)
 
 
@@ -227,6 +239,7 @@ class SuffixDrafter:
     (see the module docstring); a request with neither gets prompt lookup's draft (`fallback`), if any."""
 
     name = SUFFIX
+    confident = True  # drafts carry a confidence (see `draft_from`)
 
     def __init__(self, fallback=None, cache_tokens: int = DEFAULT_CACHE_TOKENS, depth: int = DEFAULT_DEPTH,
                  factor: float = 1.0, offset: float = 0.0, min_token_prob: float = 0.1) -> None:
@@ -246,8 +259,8 @@ class SuffixDrafter:
             if k <= 0:
                 drafts.append(Draft(torch.empty(0, dtype=torch.long)))
                 continue
-            local = draft_from(state.local_cursor, k, self.factor, self.offset, self.min_token_prob)
-            remote = draft_from(state.global_cursor, k, self.factor, self.offset, self.min_token_prob)
+            local = draft_from(state.local_cursor, k, self.factor, self.offset, self.min_token_prob, self.depth)
+            remote = draft_from(state.global_cursor, k, self.factor, self.offset, self.min_token_prob, self.depth)
             best = max(local, remote, key=lambda d: d.score)
             if not len(best.draft) and self.fallback is not None:
                 drafts.append(self.fallback.propose([r], [k])[0])
