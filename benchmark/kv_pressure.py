@@ -40,15 +40,17 @@ def prompts(count: int) -> list[str]:
 
 
 def stop_sequences(url: str, texts: list[str], answer_tokens: int) -> list[str]:
-    """For each prompt, the text of its greedy answer's tokens just before `answer_tokens`: a stop sequence that
-    ends it there (or earlier, where the same text occurs first)."""
+    """For each prompt, the last characters of its greedy answer's first `answer_tokens` tokens: a stop sequence
+    that ends it there (or earlier, where the same text occurs first)."""
     stops = []
     for text in texts:
         r = httpx.post(f"{url}/generate", timeout=600, json={"inputs": text, "parameters": {
             "max_new_tokens": answer_tokens, "ignore_eos_token": True, "details": True}})
         r.raise_for_status()
-        tokens = r.json()["details"]["tokens"]
-        stops.append("".join(t["text"] for t in tokens[answer_tokens - 3 : answer_tokens]))
+        text = "".join(t["text"] for t in r.json()["details"]["tokens"])
+        if not text.strip():
+            raise SystemExit(f"the answer to {text!r} has no text to stop at")
+        stops.append(text[-8:])  # its first occurrence ends the answer here, or earlier
     return stops
 
 

@@ -101,3 +101,19 @@ def test_requests_with_large_budgets_that_stop_early_run_together(base_url, tigh
     # The most requests between their first token and their end at one moment (each holds blocks then).
     most = max(sum(start <= t <= end for start, end in spans.values()) for t, _ in spans.values())
     assert most > 3, spans
+
+
+def test_default_limits_are_lowered_to_the_kv_cache(model_dir, tmp_path):
+    """No token limit given and a cache smaller than the model's 2048 positions: the server starts with the
+    limits lowered to the cache (TGI 3's defaults), instead of failing at warmup."""
+    from conftest import _start, _stop
+
+    launcher = _start(model_dir, tmp_path, ["--kv-cache-memory", str(KV_BYTES)], "small-cache")
+    try:
+        info = httpx.get(f"{launcher.url}/info", timeout=10).json()
+        assert info["max_total_tokens"] == KV_BLOCKS * 16 and info["max_input_tokens"] == KV_BLOCKS * 16 - 1
+        assert "max_total_tokens 2048 -> 640" in launcher.output()
+        assert generate(launcher.url, PROMPTS[0], max_new_tokens=8).status_code == 200
+    finally:
+        _stop(launcher)
+        launcher.close()

@@ -105,11 +105,13 @@ def main(
         help="Longest prompt in tokens. Default: --max-total-tokens - 1."),
     max_total_tokens: Optional[int] = typer.Option(
         None, envvar="MAX_TOTAL_TOKENS",
-        help="Longest prompt + generation. Default: min(max_position_embeddings, 4096) for a local model."),
+        help="Longest prompt + generation. Default: the model's max_position_embeddings (less the speculative "
+             "lookahead), lowered to what the KV cache holds."),
     waiting_served_ratio: float = typer.Option(
         1.2, envvar="WAITING_SERVED_RATIO", help="Waiting/running ratio above which new requests join early."),
     max_batch_prefill_tokens: Optional[int] = typer.Option(
-        None, envvar="MAX_BATCH_PREFILL_TOKENS", help="Prompt tokens per prefill. Default: --max-input-tokens + 50."),
+        None, envvar="MAX_BATCH_PREFILL_TOKENS", help="Prompt tokens per step. Default: --max-input-tokens + 50, at most 4096; a longer prompt is "
+             "prefilled in chunks."),
     max_batch_total_tokens: Optional[int] = typer.Option(
         None, envvar="MAX_BATCH_TOTAL_TOKENS", help="KV tokens across the batch. Default: measured at warmup."),
     max_waiting_tokens: int = typer.Option(

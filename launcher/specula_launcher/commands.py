@@ -31,7 +31,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from specula_launcher.config import LauncherConfig
+from specula_launcher.config import TOKEN_LIMITS, LauncherConfig
 from specula_launcher.processes import ChildSpec
 
 # The router's (and TGI's) variable for --api-key.
@@ -94,6 +94,8 @@ def router_command(config: LauncherConfig) -> list[str]:
         "--hostname", config.hostname, "--port", str(config.port), *_flag("instance_id", config.instance_id),
     ]
     for name in ROUTER_FLAGS:
+        if name in TOKEN_LIMITS and name not in config.given_limits:
+            continue  # a default: the router derives it again, and fits it to the KV cache
         argv += _flag(name, getattr(config, name))
     if not config.prefix_caching:  # on by default: only its negation is ever passed
         argv.append("--no-prefix-caching")

@@ -5,15 +5,18 @@ and the token limits read from the model's `config.json`); `LauncherConfig.__pos
 and every relation between values, so a config that exists is a valid one. Errors are `ValueError`s that name
 the command-line flag, e.g. "--max-input-tokens (4096) must be less than --max-total-tokens (4096)".
 
-Token limits follow TGI, except that speculation's lookahead is reserved inside the model's positions (a
+Token limits follow TGI 3, except that speculation's lookahead is reserved inside the model's positions (a
 request may hold `max_total_tokens + speculative_tokens` positions while drafts are verified; LoRAX #474). For
 a local model with `max_position_embeddings = 2048`, `--speculative-tokens 3` and no limit given:
 
-    max_total_tokens         = min(2048 - 3, 4096)    = 2045
-    max_input_tokens         = max_total_tokens - 1    = 2044
-    max_batch_prefill_tokens = max_input_tokens + 50   = 2094
+    max_total_tokens         = 2048 - 3                          = 2045
+    max_input_tokens         = max_total_tokens - 1              = 2044
+    max_batch_prefill_tokens = min(max_input_tokens + 50, 4096)  = 2094
 
-For a Hub id the launcher does not download anything: limits not given stay None and the router derives them.
+These defaults are checked here and shown, but only limits the user set reach the router: it derives the same
+defaults and lowers them to what the KV cache holds once the workers have measured it (TGI 3 does the same), so
+a model of 128k positions on a small cache starts rather than failing. For a Hub id the launcher does not
+download anything: limits not given stay None.
 """
 
 from __future__ import annotations
@@ -38,11 +41,12 @@ DEVICES = ("cpu", "cuda")
 ADAPTER_SOURCES = ("hub", "local")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
-# Like TGI: without explicit limits, sequences are capped at 4096 tokens even when the model allows more, so
-# that the default KV budget stays modest.
-DEFAULT_MAX_TOTAL_TOKENS_CAP = 4096
-# TGI's default prefill budget: one full prompt plus a little room for a second, short one.
+# TGI's default prefill budget: one full prompt plus a little room for a second, short one; at most 4096 tokens
+# a step (a longer prompt is prefilled in chunks).
 PREFILL_TOKENS_HEADROOM = 50
+DEFAULT_PREFILL_CAP = 4096
+# The token limits the router derives itself when the user sets none (see the module docstring).
+TOKEN_LIMITS = ("max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens")
 # config.json keys that hold the position limit, in order of preference (Llama-family first).
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 # sockaddr_un.sun_path holds 108 bytes including the terminating NUL.
@@ -117,6 +121,9 @@ class LauncherConfig:
     # Not a flag: the id of this launcher run, generated at launch and passed to every child; the router refuses
     # a shard reporting another one. None until then.
     instance_id: str | None = None
+    # Not a flag: the token limits the user set (names from TOKEN_LIMITS); the others are defaults, which the
+    # router derives again and fits to the KV cache.
+    given_limits: tuple[str, ...] = TOKEN_LIMITS
 
     def __post_init__(self) -> None:
         _check_choices(self)
@@ -287,6 +294,8 @@ def build_config(
     if dtype is None:
         dtype = "bfloat16" if device == "cuda" else "float32"
     max_positions = read_max_positions(model_dir) if model_dir is not None else None
+    given = dict(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
+                 max_batch_prefill_tokens=max_batch_prefill_tokens)
     max_input_tokens, max_total_tokens, max_batch_prefill_tokens = derive_token_limits(
         max_positions, max_input_tokens, max_total_tokens, max_batch_prefill_tokens, max_batch_total_tokens,
         speculative_tokens)
@@ -297,6 +306,7 @@ def build_config(
         cors_allow_origin=tuple(cors_allow_origin or ()), log_level=log_level.upper(),
         adapter_dir=adapter_dirs, adapter_source=adapter_source, speculator=speculator,
         preloaded_adapter_ids=tuple(dict.fromkeys(split_list(preloaded_adapter_ids))),  # in order, once each
+        given_limits=tuple(name for name, value in given.items() if value is not None),
         **settings,  # type: ignore[arg-type]
     )
 
@@ -367,18 +377,20 @@ def derive_token_limits(
 ) -> tuple[int | None, int | None, int | None]:
     """Fills (max_input_tokens, max_total_tokens, max_batch_prefill_tokens) that were not given.
 
-    With a known position limit P both sequence limits are always set: total defaults to
-    min(P - speculative_tokens, 4096), raised to one more than an explicit input limit; input defaults to
-    total - 1; and total + speculative_tokens must fit in P. The prefill budget defaults to input + 50, capped
-    by an explicit batch budget. Example, P = 2048, only `--max-input-tokens 3000`: total becomes 3001, and the
-    error names the model's limit rather than a flag the user never set.
+    With a known position limit P both sequence limits are always set: total defaults to P - speculative_tokens,
+    raised to one more than an explicit input limit; input defaults to total - 1; and total + speculative_tokens
+    must fit in P. The prefill budget defaults to min(input + 50, 4096), capped by an explicit batch budget.
+    Example, P = 2048, only `--max-input-tokens 3000`: total becomes 3001, and the error names the model's limit
+    rather than a flag the user never set.
     """
     if max_positions is not None:
         if speculative_tokens >= max_positions - 1:
             raise ValueError(f"--speculative-tokens ({speculative_tokens}) leaves no room for a request in the "
                              f"model's {max_positions} positions")
         if max_total_tokens is None:
-            max_total_tokens = min(max_positions - speculative_tokens, DEFAULT_MAX_TOTAL_TOKENS_CAP)
+            max_total_tokens = max_positions - speculative_tokens
+            if max_batch_total_tokens is not None:  # the batch's KV budget, which the router fits to
+                max_total_tokens = min(max_total_tokens, max_batch_total_tokens - speculative_tokens)
             if max_input_tokens is not None:
                 max_total_tokens = max(max_total_tokens, max_input_tokens + 1)
         if max_input_tokens is None:
@@ -388,7 +400,7 @@ def derive_token_limits(
                              f"exceeds the model's max_position_embeddings ({max_positions}); lower "
                              f"--max-total-tokens or --max-input-tokens")
     if max_batch_prefill_tokens is None and max_input_tokens is not None:
-        max_batch_prefill_tokens = max_input_tokens + PREFILL_TOKENS_HEADROOM
+        max_batch_prefill_tokens = min(max_input_tokens + PREFILL_TOKENS_HEADROOM, DEFAULT_PREFILL_CAP)
         if max_batch_total_tokens is not None:
             max_batch_prefill_tokens = min(max_batch_prefill_tokens, max_batch_total_tokens)
     return max_input_tokens, max_total_tokens, max_batch_prefill_tokens

@@ -125,14 +125,20 @@ def test_device_and_dtype_follow_the_gpu() -> None:
 
 def test_token_limits_come_from_the_model_config(tmp_path: Path) -> None:
     model = str(make_model_dir(tmp_path, max_positions=8192))
-    c = build_config(model_id=model, **NO_GPU)
-    assert (c.max_input_tokens, c.max_total_tokens, c.max_batch_prefill_tokens) == (4095, 4096, 4145)
+    c = build_config(model_id=model, **NO_GPU)  # every position; prefill steps of 4096 at most
+    assert (c.max_input_tokens, c.max_total_tokens, c.max_batch_prefill_tokens) == (8191, 8192, 4096)
+    assert c.given_limits == ()  # defaults: the router derives them again and fits them to the KV cache
+    assert not {"--max-input-tokens", "--max-total-tokens", "--max-batch-prefill-tokens"} & set(
+        router_command(claimed(c)))
     c = build_config(model_id=model, max_total_tokens=1000, **NO_GPU)
     assert (c.max_input_tokens, c.max_total_tokens, c.max_batch_prefill_tokens) == (999, 1000, 1049)
-    c = build_config(model_id=model, max_input_tokens=5000, **NO_GPU)  # total rises above the 4096 cap
-    assert (c.max_input_tokens, c.max_total_tokens) == (5000, 5001)
-    c = build_config(model_id=model, max_batch_total_tokens=4100, **NO_GPU)  # prefill capped by the batch
-    assert c.max_batch_prefill_tokens == 4100
+    assert c.given_limits == ("max_total_tokens",)
+    argv = router_command(claimed(c))
+    assert argv[argv.index("--max-total-tokens") + 1] == "1000" and "--max-input-tokens" not in argv
+    c = build_config(model_id=model, max_input_tokens=5000, **NO_GPU)
+    assert (c.max_input_tokens, c.max_total_tokens) == (5000, 8192)
+    c = build_config(model_id=model, max_batch_total_tokens=3000, **NO_GPU)  # a request fits the batch
+    assert (c.max_total_tokens, c.max_batch_prefill_tokens) == (3000, 3000)
 
 
 def test_speculative_lookahead_is_reserved_in_the_positions() -> None:
@@ -298,8 +304,8 @@ def test_router_command_with_defaults(tmp_path: Path) -> None:
         "--instance-id", c.instance_id,
         "--speculative-tokens", "0", "--adapter-source", "local", "--max-active-adapters", "8",
         "--max-concurrent-requests", "128",
-        "--max-best-of", "2", "--max-stop-sequences", "4", "--max-top-n-tokens", "5", "--max-input-tokens", "2047",
-        "--max-total-tokens", "2048", "--waiting-served-ratio", "1.2", "--max-batch-prefill-tokens", "2097",
+        "--max-best-of", "2", "--max-stop-sequences", "4", "--max-top-n-tokens", "5",
+        "--waiting-served-ratio", "1.2",
         "--max-waiting-tokens", "20", "--payload-limit", "2000000", "--num-shard", "1", "--shutdown-timeout", "30",
         "--step-timeout", "600.0", "--log-level", "INFO",
         "--validation-workers", "2", "--max-adapter-labels", "32", "--metrics-prefix", "specula",

@@ -103,12 +103,17 @@ class Limits:
     max_batch_prefill_tokens: int
 
 
+DEFAULT_PREFILL_CAP = 4096  # the default prompt tokens per step: a longer prompt is prefilled in chunks
+
+
 def derive_limits(config: RouterConfig, max_position_embeddings: int, lookahead: int) -> Limits:
-    """TGI's defaults from the model's position limit, then the checks that keep every request servable.
-    `lookahead`: the draft tokens a decode step may verify (the workers' `max_speculative_tokens`)."""
-    max_total = config.max_total_tokens or min(max_position_embeddings - lookahead, 4096)
+    """The limits the flags give, and defaults from the model's positions for the others (TGI 3's: a request
+    may use every position but the lookahead's; `fit_to_kv` then lowers what the KV cache cannot hold), then
+    the checks that keep every request servable. `lookahead`: the draft tokens a step may verify (the workers'
+    `max_speculative_tokens`)."""
+    max_total = config.max_total_tokens or max_position_embeddings - lookahead
     max_input = config.max_input_tokens or max_total - 1
-    prefill = config.max_batch_prefill_tokens or max_input + 50
+    prefill = config.max_batch_prefill_tokens or min(max_input + 50, DEFAULT_PREFILL_CAP)
     if max_input >= max_total:
         raise ValueError(f"--max-input-tokens ({max_input}) must be < --max-total-tokens ({max_total})")
     if max_total + lookahead > max_position_embeddings:
@@ -117,6 +122,31 @@ def derive_limits(config: RouterConfig, max_position_embeddings: int, lookahead:
             f"{max_position_embeddings} positions"
         )
     return Limits(max_input, max_total, prefill)  # a prompt longer than `prefill` is prefilled in chunks
+
+
+def fit_to_kv(limits: Limits, config: RouterConfig, kv_tokens: int, lookahead: int) -> Limits:
+    """The limits lowered to what the KV cache holds: one request of `max_total_tokens + lookahead` must fit
+    alone (or preempting every other request could not let it finish). Limits the flags set are kept, and
+    refused when they do not fit; defaults are lowered, as TGI 3 derives them from the memory it finds."""
+    if kv_tokens >= limits.max_total_tokens + lookahead:
+        return limits
+    if config.max_total_tokens:
+        raise ValueError(f"the KV cache holds {kv_tokens} tokens, fewer than one request's "
+                         f"{limits.max_total_tokens + lookahead} (--max-total-tokens + speculative lookahead); lower "
+                         f"--max-total-tokens or give the cache more memory (--kv-cache-memory)")
+    max_total = kv_tokens - lookahead
+    if config.max_input_tokens and config.max_input_tokens >= max_total:
+        raise ValueError(f"the KV cache holds {kv_tokens} tokens: one request may have {max_total} with the "
+                         f"speculative lookahead, not more than --max-input-tokens ({config.max_input_tokens}); lower "
+                         f"it or give the cache more memory (--kv-cache-memory)")
+    if max_total < 2:
+        raise ValueError(f"the KV cache holds {kv_tokens} tokens, too few for any request; give it more memory "
+                         f"(--kv-cache-memory)")
+    max_input = config.max_input_tokens or max_total - 1
+    prefill = config.max_batch_prefill_tokens or min(limits.max_batch_prefill_tokens, max_input + 50)
+    logger.info("the KV cache holds %d tokens: max_total_tokens %d -> %d, max_input_tokens %d", kv_tokens,
+                limits.max_total_tokens, max_total, max_input)
+    return Limits(max_input, max_total, prefill)
 
 
 async def run(config: RouterConfig) -> int:
@@ -204,10 +234,8 @@ async def _warm_up(client, config: RouterConfig, info) -> tuple[Limits, int]:
     if config.max_batch_total_tokens:
         num_blocks = min(num_blocks, config.max_batch_total_tokens // info.block_size)
     # Blocks grow with the sequences (a request is admitted with its prompt's and first step's), but the longest
-    # request must still fit alone, or preempting every other request could not let it finish.
-    if num_blocks * info.block_size < limits.max_total_tokens + lookahead:
-        raise ValueError(f"the KV cache holds {num_blocks * info.block_size} tokens, fewer than one request's "
-                         f"{limits.max_total_tokens + lookahead}; lower --max-total-tokens or give it more memory")
+    # request must still fit alone: limits are lowered to the cache, or refused when a flag set them.
+    limits = fit_to_kv(limits, config, num_blocks * info.block_size, lookahead)
     logger.info("KV cache: %d blocks x %d tokens = %d tokens", num_blocks, info.block_size,
                 num_blocks * info.block_size)
     return limits, num_blocks

@@ -21,7 +21,6 @@ class SamplingParameters:
     frequency_penalty: float
     presence_penalty: float
     seed: int  # chosen by the router when the client gave none, so every shard samples alike
-    watermark: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) sorted by id, zero biases dropped; (): none
 
 

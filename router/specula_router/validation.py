@@ -270,7 +270,6 @@ class Validator:
             frequency_penalty=frequency_penalty,
             presence_penalty=presence_penalty,
             seed=seed if seed is not None else self.rng.getrandbits(64),
-            watermark=False,
             logit_bias=self._logit_bias(params.logit_bias),
         )
 

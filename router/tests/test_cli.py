@@ -161,3 +161,20 @@ def test_the_router_takes_the_lookahead_and_block_size_from_the_workers(startup,
     assert served[0].info["speculation"]["reserved_lookahead_tokens"] == 3
     assert served[0].validator.limits.max_speculative_tokens == 3
     assert client.steps == []  # nothing but Info and Warmup before serving (no ClearCache: Warmup resets)
+
+
+def test_default_limits_are_lowered_to_the_kv_cache_and_flags_are_refused_when_they_do_not_fit():
+    """TGI 3's defaults: every position of the model, then lowered to what the cache holds once warmup measured
+    it (a 128k-position model on a small CPU cache starts). A limit a flag set is never lowered."""
+    config = cli.RouterConfig(model_id="m", master_shard_uds_path="/tmp/s-0")
+    limits = cli.derive_limits(config, 131072, lookahead=3)
+    assert limits == cli.Limits(131068, 131069, 4096)  # no 4096 cap on sequences; prefill steps of 4096
+    fitted = cli.fit_to_kv(limits, config, kv_tokens=4000, lookahead=3)
+    assert fitted == cli.Limits(3996, 3997, 4046)  # one request of max_total + lookahead fits the cache
+    assert cli.fit_to_kv(limits, config, kv_tokens=200_000, lookahead=3) == limits
+    explicit = cli.RouterConfig(model_id="m", master_shard_uds_path="/tmp/s-0", max_total_tokens=8000)
+    with pytest.raises(ValueError, match=r"holds 4000 tokens, fewer than one request's 8003 .*--max-total-tokens"):
+        cli.fit_to_kv(cli.derive_limits(explicit, 131072, 3), explicit, kv_tokens=4000, lookahead=3)
+    long_input = cli.RouterConfig(model_id="m", master_shard_uds_path="/tmp/s-0", max_input_tokens=5000)
+    with pytest.raises(ValueError, match=r"--max-input-tokens \(5000\)"):
+        cli.fit_to_kv(cli.derive_limits(long_input, 131072, 3), long_input, kv_tokens=4000, lookahead=3)

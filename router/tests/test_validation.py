@@ -63,7 +63,6 @@ def test_defaults(validator, tokenizer):
         False, 1.0, 0, 1.0, 1.0,
     )
     assert (sampling.repetition_penalty, sampling.frequency_penalty, sampling.presence_penalty) == (1.0, 0.0, 0.0)
-    assert sampling.watermark is False
     # LoRAX default: everything max_total_tokens leaves after the prompt.
     assert request.stopping.max_new_tokens == LIMITS.max_total_tokens - len(ids)
     assert request.max_total_tokens == LIMITS.max_total_tokens

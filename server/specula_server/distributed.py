@@ -38,6 +38,13 @@ class ShardGroup:
         dist.all_gather(parts, tensor.contiguous())
         return torch.cat(parts, dim=dim)
 
+    def agreed_max(self, value: float, device: torch.device) -> float:
+        """The largest of every rank's `value`, on every rank (`value` itself on one rank)."""
+        if self.world_size == 1:
+            return value
+        agreed = torch.tensor([value], dtype=torch.float64, device=device)
+        return float(self.all_reduce(agreed, op="max"))
+
     def all_gather_object(self, value: object) -> list:
         """Every rank's `value` (picklable), in rank order."""
         if self.world_size == 1:

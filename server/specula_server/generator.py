@@ -32,30 +32,16 @@ from specula_server.kv_cache import KVCache, slots_for_blocks
 from specula_server.models.llama import LlamaForCausalLM
 from specula_server.nonfinite import failure, kept_rows, nonfinite_requests
 from specula_server.request import (
-    RequestSpec,
-    RequestState,
-    RequestUpdate,
-    StepOutput,
-    StepPlan,
-    TokenInfo,
+    InvalidRequestError, RequestSpec, RequestState, RequestUpdate, StepOutput, StepPlan, TokenInfo, check_spec,
 )
 from specula_server.sampling import Sampler, SampleResult, SamplingRow
 from specula_server.speculation.controller import AcceptancePriors, StepCostModel
 from specula_server.speculation.draft_model import DraftModelDrafter
-from specula_server.speculation.speculator import (
-    DraftPlan,
-    SpeculationConfig,
-    Speculator,
-)
+from specula_server.speculation.speculator import DraftPlan, SpeculationConfig, Speculator
 
 __all__ = ["InvalidRequestError", "SpeculationConfig", "StepPlan", "StepResult", "StepTimings", "TextGenerator"]
 
 logger = logging.getLogger("specula.generator")
-
-
-class InvalidRequestError(ValueError):
-    """A step or request the worker cannot run: a whole step is reported as INVALID_ARGUMENT, a request fails
-    alone (`StepOutput.error`)."""
 
 
 @dataclass
@@ -172,37 +158,10 @@ class TextGenerator:
         return slots_for_blocks(torch.tensor(blocks, dtype=torch.long, device=self.device), self.block_size)
 
     def _admit(self, spec: RequestSpec) -> RequestState:
-        """Checks a new request against the model and the cache, then builds its state."""
+        """Checks a new request against the model and the cache (`check_spec`), then builds its state."""
         if spec.id in self.requests:
             raise InvalidRequestError(f"request {spec.id} is already running")
-        if not spec.input_ids:
-            raise InvalidRequestError(f"request {spec.id}: empty prompt")
-        vocab = self.model.config.vocab_size
-        bad = [t for t in spec.input_ids + spec.generated_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"request {spec.id}: token ids {bad[:5]} outside the vocabulary [0, {vocab})")
-        if spec.stopping.max_new_tokens <= len(spec.generated_ids):
-            raise InvalidRequestError(f"request {spec.id}: max_new_tokens ({spec.stopping.max_new_tokens}) must "
-                                      f"exceed the tokens already generated ({len(spec.generated_ids)})")
-        total = len(spec.input_ids) + spec.stopping.max_new_tokens
-        if total > self.model.config.max_position_embeddings:
-            raise InvalidRequestError(
-                f"request {spec.id}: {len(spec.input_ids)} prompt + {spec.stopping.max_new_tokens} new tokens "
-                f"exceed the model's {self.model.config.max_position_embeddings} positions"
-            )
-        context, until = spec.context_len, spec.prefill_until or spec.context_len
-        if spec.cached_tokens and (spec.cached_tokens >= context or spec.cached_tokens % self.block_size):
-            raise InvalidRequestError(f"request {spec.id}: cached_tokens ({spec.cached_tokens}) must be whole blocks "
-                                      f"of {self.block_size} shorter than its context ({context} tokens)")
-        if not spec.cached_tokens < until <= context:
-            raise InvalidRequestError(f"request {spec.id}: prefill_until ({spec.prefill_until}) must lie past "
-                                      f"cached_tokens ({spec.cached_tokens}) and within its context ({context})")
-        if spec.prefill_logprobs and (spec.cached_tokens or until < context or spec.generated_ids):
-            raise InvalidRequestError(f"request {spec.id}: prefill_logprobs needs the whole prompt computed in one "
-                                      f"step (no cached prefix, no chunks, not resumed)")
-        if len(spec.blocks) * self.block_size < until:
-            raise InvalidRequestError(f"request {spec.id}: {len(spec.blocks)} KV blocks of {self.block_size} tokens "
-                                      f"cannot hold the {until} positions of its first step")
+        check_spec(spec, self.model.config.vocab_size, self.model.config.max_position_embeddings, self.block_size)
         if spec.adapter_id:
             if self.adapters is None:
                 raise InvalidRequestError(f"request {spec.id}: this worker serves no adapters")
@@ -355,28 +314,18 @@ class TextGenerator:
         outputs = []
         for i, r in enumerate(reqs):
             r.last_hidden = last_hidden[i]
-            token = r.append(token_ids[i], logprobs[i])
             top = self._top_tokens(sample, i, r.spec.top_n_tokens)
-            out = StepOutput(r.id, [token], [top] if r.spec.top_n_tokens else [], prompts[i] if prompts else None)
-            if r.is_finished:
-                out.generated_text = r.generated_text()
+            out = r.commit([token_ids[i]], [logprobs[i]], [top] if r.spec.top_n_tokens else [])
+            out.prefill_tokens = prompts[i] if prompts else None
             outputs.append(out)
         return outputs
 
     # --- speculative decoding -------------------------------------------------------------------------------
 
     def agreed_seconds(self, nanoseconds: int) -> float:
-        """A step's duration as every tensor-parallel rank records it: the slowest rank's.
-
-        The adaptive controller decides draft lengths from measured step costs; ranks that measured different
-        times would decide differently and run forwards of different shapes. With one value on every rank
-        (and the same acceptance, which verification already makes identical) every rank decides the same.
-        """
-        seconds = nanoseconds / 1e9
-        if self.group.world_size == 1:
-            return seconds
-        agreed = torch.tensor([seconds], dtype=torch.float64, device=self.device)
-        return float(self.group.all_reduce(agreed, op="max"))
+        """A step's duration as every tensor-parallel rank records it (the slowest rank's): ranks that measured
+        different times would choose different draft lengths and run forwards of different shapes."""
+        return self.group.agreed_max(nanoseconds / 1e9, self.device)
 
     def _verify(self, reqs: list[RequestState], plan: DraftPlan, start: int, timings: StepTimings
                 ) -> list[StepOutput]:
@@ -404,18 +353,11 @@ class TextGenerator:
         scores = processed if processed is not None else logits
         for r, v, method in zip(reqs, verdicts, plan.methods):
             r.last_hidden = hidden[v.rows[-1]]
-            tokens = []
-            for token_id, logprob in zip(v.token_ids, v.logprobs):
-                tokens.append(r.append(token_id, logprob))
-                if r.is_finished:
-                    break  # nothing after a stop is emitted or counted
+            tops = self._row_top_tokens(scores, v.rows, r.spec.top_n_tokens, normalized=processed is not None)
+            out = r.commit(v.token_ids, v.logprobs, tops)  # up to a stop: nothing after it is emitted
             self.speculator.record(r, v, method)
-            tops = self._row_top_tokens(scores, v.rows[: len(tokens)], r.spec.top_n_tokens,
-                                        normalized=processed is not None)
-            out = StepOutput(r.id, tokens, tops, num_drafted=v.num_drafted,
-                             num_accepted=min(v.num_accepted, len(tokens)), draft_method=method)
-            if r.is_finished:
-                out.generated_text = r.generated_text()
+            out.num_drafted, out.num_accepted, out.draft_method = v.num_drafted, min(v.num_accepted,
+                                                                                     len(out.tokens)), method
             outputs.append(out)
         return outputs
 

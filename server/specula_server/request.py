@@ -54,6 +54,11 @@ class StepOutput:
     error: str = ""
 
 
+class InvalidRequestError(ValueError):
+    """A step or request the worker cannot run: a whole step is reported as INVALID_ARGUMENT, a request fails
+    alone (`StepOutput.error`)."""
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     """A request as the router sends it (after protobuf decoding and validation)."""
@@ -75,6 +80,37 @@ class RequestSpec:
     def context_len(self) -> int:
         """Positions its prefill computes: the prompt's, and those of tokens generated before a preemption."""
         return len(self.input_ids) + len(self.generated_ids)
+
+
+def check_spec(spec: RequestSpec, vocab_size: int, max_positions: int, block_size: int) -> None:
+    """Raises InvalidRequestError unless a new request fits the model and its blocks hold its first step."""
+    def refuse(reason: str) -> None:
+        raise InvalidRequestError(f"request {spec.id}: {reason}")
+
+    if not spec.input_ids:
+        refuse("empty prompt")
+    bad = [t for t in spec.input_ids + spec.generated_ids if not 0 <= t < vocab_size]
+    if bad:
+        refuse(f"token ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+    if spec.stopping.max_new_tokens <= len(spec.generated_ids):
+        refuse(f"max_new_tokens ({spec.stopping.max_new_tokens}) must exceed the tokens already generated "
+               f"({len(spec.generated_ids)})")
+    if len(spec.input_ids) + spec.stopping.max_new_tokens > max_positions:
+        refuse(f"{len(spec.input_ids)} prompt + {spec.stopping.max_new_tokens} new tokens exceed the model's "
+               f"{max_positions} positions")
+    context, until = spec.context_len, spec.prefill_until or spec.context_len
+    if spec.cached_tokens and (spec.cached_tokens >= context or spec.cached_tokens % block_size):
+        refuse(f"cached_tokens ({spec.cached_tokens}) must be whole blocks of {block_size} shorter than its "
+               f"context ({context} tokens)")
+    if not spec.cached_tokens < until <= context:
+        refuse(f"prefill_until ({spec.prefill_until}) must lie past cached_tokens ({spec.cached_tokens}) and "
+               f"within its context ({context})")
+    if spec.prefill_logprobs and (spec.cached_tokens or until < context or spec.generated_ids):
+        refuse("prefill_logprobs needs the whole prompt computed in one step (no cached prefix, no chunks, "
+               "not resumed)")
+    if len(spec.blocks) * block_size < until:
+        refuse(f"{len(spec.blocks)} KV blocks of {block_size} tokens cannot hold the {until} positions of its "
+               f"first step")
 
 
 @dataclass(frozen=True)
@@ -203,6 +239,20 @@ class RequestState:
             text_start = len(self.detokenizer.text) - len(text)
             text = text[: self.text_end - text_start]
         return TokenInfo(token_id, logprob, text, self.detokenizer.is_special(token_id))
+
+    def commit(self, token_ids: Sequence[int], logprobs: Sequence[float],
+               top_tokens: Sequence[list[TokenInfo]]) -> StepOutput:
+        """Appends a step's tokens up to the end of the request (nothing after a stop is emitted or counted) and
+        reports them, with the alternatives of each (`top_tokens`, cut alike)."""
+        tokens = []
+        for token_id, logprob in zip(token_ids, logprobs):
+            tokens.append(self.append(token_id, logprob))
+            if self.is_finished:
+                break
+        out = StepOutput(self.id, tokens, list(top_tokens[: len(tokens)]))
+        if self.is_finished:
+            out.generated_text = self.generated_text()
+        return out
 
     @property
     def text_end(self) -> int:

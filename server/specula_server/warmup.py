@@ -26,18 +26,17 @@ def warmup(
     max_total_tokens: int,
     kv_cache_memory: int | None,
 ) -> int:
-    """Runs the largest prefill the router may send, then sizes the KV cache; returns its block count.
+    """Runs the largest prefill step the router may send, then sizes the KV cache; returns its block count.
 
     On CPU the cache gets `kv_cache_memory` bytes. On CUDA, when no budget is given, it gets 90% of the
     device memory left free after the warmup forward pass.
     """
-    # Warmup requests prefill up to max_input_tokens and decode once (2 new tokens), within the total limit.
-    max_input_tokens = max(1, min(max_input_tokens, max_total_tokens - 2))
+    # Warmup requests prefill what one step may (a longer prompt is prefilled in chunks of max_prefill_tokens) and
+    # decode once (2 new tokens), within the total limit.
+    max_input_tokens = max(1, min(max_input_tokens, max_prefill_tokens, max_total_tokens - 2))
     per_request = -(-(max_input_tokens + 2) // generator.block_size)
     num_requests = -(-max_prefill_tokens // max_input_tokens)
-    min_blocks = -(-max_total_tokens // generator.block_size)
-    warmup_blocks = max(per_request * num_requests, min_blocks)
-    generator.allocate_kv_cache(warmup_blocks)
+    generator.allocate_kv_cache(per_request * num_requests)
     _warmup_prefill(generator, max_input_tokens, max_prefill_tokens, per_request)
     if kv_cache_memory is None:
         if generator.device.type != "cuda":
@@ -47,12 +46,11 @@ def warmup(
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(generator.device)
         kv_cache_memory = int(free * 0.9)
+    # The router lowers its limits to what the cache holds (or refuses limits a flag set too high).
     num_blocks = kv_cache_memory // generator.bytes_per_block()
-    if num_blocks < min_blocks:
-        raise InvalidRequestError(
-            f"the KV cache budget of {kv_cache_memory} bytes holds {num_blocks * generator.block_size} tokens, "
-            f"fewer than max_total_tokens={max_total_tokens}; raise the budget or lower the limits"
-        )
+    if num_blocks < 1:
+        raise InvalidRequestError(f"the KV cache budget of {kv_cache_memory} bytes holds no block of "
+                                  f"{generator.block_size} tokens ({generator.bytes_per_block()} bytes)")
     generator.allocate_kv_cache(num_blocks)
     if generator.speculation is not None and num_blocks * generator.block_size > 64:
         calibrate_step_cost(generator)
