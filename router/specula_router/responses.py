@@ -71,16 +71,22 @@ class DisconnectWatch:
         return await self._is_disconnected()
 
 
-async def next_event(entry: Entry, watch: DisconnectWatch):
-    """The entry's next event; raises ClientGone when the client disconnects, even while tokens flow."""
+async def next_event(entry: Entry, watch: DisconnectWatch, idle_s: float | None = None):
+    """The entry's next event; raises ClientGone when the client disconnects, even while tokens flow. With
+    `idle_s`, None when no event came for that long (a stream then sends a keep-alive)."""
     get = asyncio.ensure_future(entry.events.get())
+    deadline = None if idle_s is None else asyncio.get_running_loop().time() + idle_s
     try:
         while True:
-            done, _ = await asyncio.wait({get}, timeout=watch.every_s)
+            timeout = watch.every_s if deadline is None else min(watch.every_s, max(
+                deadline - asyncio.get_running_loop().time(), 0.0))
+            done, _ = await asyncio.wait({get}, timeout=timeout)
             if await watch.gone():
                 raise ClientGone
             if done:
                 return get.result()
+            if deadline is not None and asyncio.get_running_loop().time() >= deadline:
+                return None  # `get` is not done: cancelling it below takes nothing from the queue
     finally:
         if not get.done():
             get.cancel()  # a cancelled Queue.get takes nothing from the queue

@@ -99,7 +99,8 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
                   openapi_url="/api-doc/openapi.json",
                   description="LLM inference server with exact speculative decoding (TGI/LoRAX compatible).")
     app.state.router = state
-    if api_key is not None:  # added first, so innermost: CORS (outside it) answers preflights and labels its 401s
+    app.add_middleware(InvocationsMiddleware)  # innermost: the key and the payload limit apply to /invocations
+    if api_key is not None:  # added early, so inner: CORS (outside it) answers preflights and labels its 401s
         app.add_middleware(ApiKeyMiddleware, api_key=api_key)
     if cors_origins:
         from fastapi.middleware.cors import CORSMiddleware
@@ -169,6 +170,10 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
             return error(503, "unhealthy", "healthcheck")
         return Response(status_code=200)
 
+    # TGI answers GET / as /health.
+    app.add_api_route("/", health, methods=["GET"], tags=["Text Generation Inference"], response_class=Response,
+                      responses={200: {"description": "Healthy (empty body)", "content": {}},
+                                 503: {"model": ErrorResponse}}, summary="Health (TGI's GET /)")
     # TGI's alias of /health (the probe some hosting platforms call); open like it under --api-key.
     app.add_api_route("/ping", health, methods=["GET"], tags=["Text Generation Inference"], response_class=Response,
                       responses={200: {"description": "Healthy (empty body)", "content": {}},
@@ -321,6 +326,47 @@ async def _generate_stream(state: RouterState, inputs: str, parameters, request:
                              headers=headers)
 
 
+# Seconds without an event after which a stream sends an SSE comment, so proxies that cut idle connections keep a
+# stream that waits in the queue (TGI's keep-alive, 15 s as axum's default).
+KEEPALIVE_S = 15.0
+
+
+class InvocationsMiddleware:
+    """SageMaker's `POST /invocations`, as TGI serves it: one route for every request shape, dispatched by the
+    body: `messages` goes to /v1/chat/completions, `prompt` to /v1/completions, anything else to `/` (TGI's
+    compat route: `inputs`, `parameters`, `stream`)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] != "/invocations" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:  # the payload limit (an outer middleware) has bounded it already
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        try:
+            fields = json.loads(body) if body else {}
+        except ValueError:
+            fields = {}
+        shape = fields if isinstance(fields, dict) else {}
+        path = "/v1/chat/completions" if "messages" in shape else "/v1/completions" if "prompt" in shape else "/"
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app({**scope, "path": path, "raw_path": path.encode()}, replay, send)
+
+
 def _sse(payload: dict) -> str:
     # allow_nan=False: NaN and Infinity are not JSON; `responses.py` already wrote non-finite floats as null.
     return f"data:{json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
@@ -340,7 +386,10 @@ async def _events(state: RouterState, valid: ValidGenerateRequest, entry: Entry,
             if first is not None:
                 event, first = first, None
             else:
-                event = await next_event(entry, watch)
+                event = await next_event(entry, watch, idle_s=KEEPALIVE_S)
+            if event is None:  # waiting (in the queue, preempted): a comment, which SSE clients skip
+                yield ": keep-alive\n\n"
+                continue
             if isinstance(event, ErrorEvent):
                 yield _sse({"error": event.message, "error_type": event.error_type})
                 return

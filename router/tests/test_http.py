@@ -356,3 +356,35 @@ def test_stream_events_carry_tgi_index_and_input_length(tokenizer):
         assert details["input_length"] == details["prompt_tokens"] == prompt_tokens
         assert all(e["details"] is None for e in events[:-1])
     assert ping.status_code == 200 and ping.text == ""  # TGI's alias of /health
+
+
+def test_get_root_is_health_and_invocations_dispatches_by_body(tokenizer):
+    """TGI's GET / (health) and SageMaker's /invocations: a TGI body goes to the compat route, a completions body
+    (`prompt`) to /v1/completions."""
+    async def fn(client):
+        assert (await client.get("/")).status_code == 200
+        r = await client.post("/invocations", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}})
+        assert r.status_code == 200 and r.json()[0]["generated_text"] == "t0 t1 "
+        r = await client.post("/invocations", json={"prompt": "hi", "max_tokens": 2, "model": "fake"})
+        assert r.status_code == 200 and r.json()["object"] == "text_completion"
+        assert r.json()["choices"][0]["text"] == "t0 t1 "
+        r = await client.post("/invocations", json={"inputs": "", "parameters": {"max_new_tokens": 2}})
+        assert r.status_code == 422  # refused as the route it went to refuses it
+
+    call(make_state(tokenizer), fn)
+
+
+def test_a_waiting_stream_sends_keep_alive_comments(tokenizer, monkeypatch):
+    """A stream whose next token is slow to come sends SSE comments meanwhile (proxies cut idle connections);
+    clients skip them, so the events are unchanged."""
+    from specula_router import server as server_module
+
+    monkeypatch.setattr(server_module, "KEEPALIVE_S", 0.01)
+
+    async def fn(client):
+        r = await client.post("/generate_stream", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}})
+        assert r.status_code == 200
+        assert ": keep-alive\n\n" in r.text
+        assert [e["token"]["text"] for e in sse_events(r)] == ["t0 ", "t1 "]
+
+    call(make_state(tokenizer, step_delay=0.05), fn)

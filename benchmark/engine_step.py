@@ -1,0 +1,56 @@
+"""The worker's plain decode step time, for comparing source trees (e.g. before and after an engine change).
+
+Loads the model in-process from the source tree given (its `server`, `kernels`, `proto`), starts `--concurrency`
+greedy requests of 32 prompt tokens, and times `--steps` decode steps after 10 warm-up steps; prints the median
+step time. It drives either engine API: requests by id (`TextGenerator.step`) or the older cached batches
+(`prefill` / `decode`). Run it once per tree, alternating, on an otherwise idle machine:
+
+    for tree in /tmp/specula-before .; do python benchmark/engine_step.py --tree $tree --model-dir MODEL; done
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tree", type=Path, default=Path(__file__).resolve().parents[1])
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    sys.path[:0] = [str(args.tree.resolve() / p) for p in ("server", "kernels", "proto")]
+    import torch
+
+    from specula_server.testing.worker import BlockPool, load_test_generator, make_spec
+
+    torch.set_num_threads(args.threads)
+    num_blocks = args.concurrency * 8 + 16
+    generator = load_test_generator(args.model_dir, num_blocks=num_blocks)
+    pool = BlockPool(num_blocks, 16)
+    specs = [make_spec(i, [1] + [(i * 7 + j) % 1000 + 3 for j in range(31)], pool, max_new_tokens=args.steps + 20)
+             for i in range(args.concurrency)]
+    if hasattr(generator, "step"):
+        from specula_server.request import StepPlan
+
+        generator.step(StepPlan(new=specs))
+        step = lambda: generator.step(StepPlan())  # noqa: E731
+    else:
+        generator.prefill(0, specs)
+        step = lambda: generator.decode([0])  # noqa: E731
+    times = []
+    for _ in range(args.steps + 10):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    print(f"{args.tree}: {args.concurrency} sequences, median decode step {statistics.median(times[10:]) * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
