@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from specula_router.metrics import Metrics
 
@@ -49,12 +50,25 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
         error_type = _HTTP_ERROR_TYPES.get(exc.status_code, "validation" if exc.status_code < 500 else "internal")
         message = f"{exc.detail}: {request.method} {request.url.path}" if exc.status_code in (404, 405) \
             else str(exc.detail)
-        return error(exc.status_code, message, error_type, exc.headers)
+        headers = exc.headers
+        if exc.status_code == 405:  # Starlette lists the first matching route's methods; a path may have several
+            headers = {**(headers or {}), "Allow": ", ".join(_allowed_methods(request))}
+        return error(exc.status_code, message, error_type, headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         logger.exception("unhandled error in %s %s", request.method, request.url.path)
         return error(500, "internal error", "internal")
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at the request's path."""
+    methods: set[str] = set()
+    for route in request.app.routes:
+        match, _ = route.matches(request.scope)
+        if match is not Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 def body_parse_error(cause: BaseException) -> str:
