@@ -72,6 +72,7 @@ def run_two_ranks(model_dir: Path, settings: dict) -> dict[int, object]:
     ("qwen2", {}),
     ("llama", {"speculative_tokens": 3, "speculation_mode": "fixed"}),  # ranks accept the same drafts
     ("llama", {"speculative_tokens": 3, "speculation_mode": "adaptive", "skew_clock": True}),  # and agree on lengths
+    ("llama", {"speculative_tokens": 3, "speculation_mode": "fixed", "speculator": "suffix"}),  # same suffix trees
 ])
 def test_two_ranks_match_one_rank(model_dirs, kind, settings):
     expected = run_requests(model_dirs[kind], **{k: v for k, v in settings.items() if k != "skew_clock"})
