@@ -18,8 +18,8 @@ oldest request's output leaves first.
 
 Cost. Appending a token to a sequence extends the `depth` suffixes that end at it: O(depth) per token, whatever
 the sequence's length. Each request keeps a cursor per tree (the nodes of its current suffixes), so matching
-is O(depth) per step too; a global tree that changed since a cursor was built (an output added or evicted)
-rebuilds that cursor, O(depth^2) once. Nodes are Python objects (about 200 bytes each with their dict): a
+is O(depth) per step too; a global tree that lost an output since a cursor was built (evicted) rebuilds that
+cursor, O(depth^2) once (an output added leaves cursors valid: they find the longer matches as they follow). Nodes are Python objects (about 200 bytes each with their dict): a
 2,000-token prompt at depth 24 makes up to 48,000 nodes in its own tree, freed when it ends.
 
 Everything is deterministic in the order of the steps, so tensor-parallel ranks draft the same trees without
@@ -40,6 +40,7 @@ from specula_server.speculation.drafters import Draft
 
 SUFFIX = "suffix"  # the --speculator value that selects this drafter
 DEFAULT_DEPTH = 24
+MIN_MATCH = 2  # shortest suffix drafted from
 DEFAULT_CACHE_TOKENS = 100_000
 
 
@@ -58,7 +59,9 @@ class SuffixTree:
         self.depth = depth
         self.root = _Node()
         self.num_nodes = 0
-        self.version = 0  # changes whenever sequences are added or removed: cursors built before are stale
+        # Changes when sequences are removed: a cursor built before may hold nodes that left the tree. (Added
+        # sequences only add nodes and counts: a cursor stays valid, and finds longer matches as it follows.)
+        self.version = 0
 
     def extend(self, cursor: list[_Node], token: int) -> list[_Node]:
         """Appends `token` to the sequence whose current suffixes are `cursor` (cursor[k]: the node of its last k
@@ -78,7 +81,6 @@ class SuffixTree:
         cursor = [self.root]
         for token in tokens:
             cursor = self.extend(cursor, token)
-        self.version += 1
 
     def remove(self, tokens: Sequence[int]) -> None:
         """Undoes `add(tokens)`: counts go down, nodes whose count reaches 0 go."""
@@ -144,10 +146,10 @@ def draft_from(cursor: list[_Node], max_tokens: int, factor: float, offset: floa
     A node's children are what followed its string's earlier occurrences; in a request's own tree the latest
     occurrence (the context's end) has no continuation yet, so probabilities are over the children's counts."""
     longest = min(len(cursor) - 1, max(depth - max_tokens, 1))
-    for match_len in range(longest, 0, -1):
+    for match_len in range(longest, MIN_MATCH - 1, -1):
         if cursor[match_len].children:
             break
-    else:
+    else:  # a single token's continuations are too many to scan and too weak to draft
         return SuffixDraft(Draft(torch.empty(0, dtype=torch.long)), 0.0)
     budget = min(max_tokens, int(factor * match_len + offset))
     tokens: list[int] = []
@@ -195,6 +197,7 @@ class _RequestState:
     adapter: str
     num_seen: int = 0  # tokens of the request added to its own tree (and followed in the global one)
     global_cursor: list[_Node] = field(default_factory=list)
+    global_tree: SuffixTree | None = None  # the tree `global_cursor` is in
     global_version: int = -1
 
 
@@ -282,10 +285,10 @@ class SuffixDrafter:
         state.num_seen = history.numel()
         tree = self.cache.trees.get(state.adapter)
         if tree is None:
-            state.global_cursor, state.global_version = [], -1
-        elif tree.version != state.global_version or not state.global_cursor:
+            state.global_cursor, state.global_tree = [], None
+        elif tree is not state.global_tree or tree.version != state.global_version:  # new, or nodes removed
             state.global_cursor = tree.match(history[-self.depth :].tolist())
-            state.global_version = tree.version
+            state.global_tree, state.global_version = tree, tree.version
         else:
             for token in new:
                 state.global_cursor = follow(state.global_cursor, token, self.depth)
