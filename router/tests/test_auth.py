@@ -34,6 +34,8 @@ PROTECTED = [
     ("POST", "/generate", GENERATE),
     ("POST", "/generate_stream", GENERATE),
     ("POST", "/", GENERATE),
+    ("GET", "/", None),  # TGI's health alias: it needs the key, as every route but the probes below
+    ("POST", "/invocations", GENERATE),  # SageMaker's, dispatched by a middleware (no route of its own)
     ("POST", "/tokenize", {"inputs": "hello"}),
     ("GET", "/info", None),
     ("GET", "/docs", None),
