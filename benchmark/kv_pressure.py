@@ -14,7 +14,7 @@ about `--answer-tokens` tokens (taken from its greedy answer, so both servers st
 KV cache of `--kv-cache-memory`. Reports generated tokens/s over the whole burst (median over rounds) and the
 ratio. Both servers must answer the same text.
 
-    python benchmark/kv_pressure.py --baseline-tree /tmp/specula-before --json benchmark/results/kv_pressure.json
+    python benchmark/kv_pressure.py --baseline-tree /tmp/specula-before --rounds 3 --json benchmark/results/kv_pressure.json
 """
 
 from __future__ import annotations
@@ -75,12 +75,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline-tree", type=Path, required=True, help="checkout that reserves whole budgets")
     parser.add_argument("--tree", type=Path, default=REPO, help="checkout whose blocks grow (default: this one)")
-    parser.add_argument("--model-dir", type=Path, help="model to serve (default: a ~125M random Llama)")
+    # A trained model: a random one's tokens (the ~125M benchmark Llama's) often decode to no text to stop at.
+    parser.add_argument("--model-dir", type=Path, default=REPO / "launcher" / "specula_launcher" / "demo_model")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--answer-tokens", type=int, default=20)
     parser.add_argument("--max-total-tokens", type=int, default=2048)
-    parser.add_argument("--kv-cache-memory", default="200MiB", help="about 1.3 whole budgets of the 125M model")
+    parser.add_argument("--kv-cache-memory", default="12MiB", help="1.5 whole budgets of the demo model (2048 tokens)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -91,10 +92,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         model_dir = args.model_dir
-        if model_dir is None:
-            from specula_server.testing.models import BENCHMARK_125M, build_tiny_model
-
-            model_dir = build_tiny_model(tmp / "model", "llama", **BENCHMARK_125M)
         texts = prompts(args.concurrency)
         with served(model_dir, tmp, flags, trees["grow"]) as url:
             stops = stop_sequences(url, texts, args.answer_tokens)

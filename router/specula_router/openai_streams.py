@@ -32,7 +32,7 @@ from specula_router.openai_responses import (
     error_event,
     finish_reason,
 )
-from specula_router.responses import ClientGone, DisconnectWatch, next_event
+from specula_router.responses import KEEPALIVE_COMMENT, ClientGone, DisconnectWatch, next_event
 from specula_router.tool_calls import could_be_tool_call, parse_tool_calls
 
 
@@ -129,12 +129,14 @@ class _EventSource:
             if isinstance(event, (ErrorEvent, FinalEvent)) or (isinstance(event, TokensEvent) and event.final):
                 return
 
-    async def next(self) -> tuple[int, object]:
+    async def next(self) -> tuple[int, object] | None:
+        """The next (choice, event); None when none came for a while (the stream sends a keep-alive)."""
         if self.pending:
             return self.pending.pop(0)
         if not self.pumps:
-            return 0, await next_event(self.entries[0], self.watch)
-        return await next_event(self, self.watch)  # next_event reads only `.events`: here, the merged queue
+            event = await next_event(self.entries[0], self.watch, keepalive=True)
+            return None if event is None else (0, event)
+        return await next_event(self, self.watch, keepalive=True)  # reads only `.events`: the merged queue
 
     def close(self) -> None:
         for pump in self.pumps:
@@ -172,7 +174,11 @@ async def _events(state, jobs, choices: list, source: _EventSource, writer: Chun
     num_done, completion_tokens = 0, 0
     try:
         while num_done < len(source.entries):
-            k, event = await source.next()
+            got = await source.next()
+            if got is None:  # waiting (in the queue, preempted): a comment, which SSE clients skip
+                yield KEEPALIVE_COMMENT
+                continue
+            k, event = got
             if isinstance(event, ErrorEvent):
                 yield error_event(error_body(event.status, event.message, None, event.error_type))
                 yield DONE

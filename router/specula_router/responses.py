@@ -71,11 +71,17 @@ class DisconnectWatch:
         return await self._is_disconnected()
 
 
-async def next_event(entry: Entry, watch: DisconnectWatch, idle_s: float | None = None):
+# Seconds without an event after which a stream sends an SSE comment (`KEEPALIVE_COMMENT`, which clients skip), so
+# proxies that cut idle connections keep a stream that waits in the queue (TGI's keep-alive: axum's 15 s).
+KEEPALIVE_S = 15.0
+KEEPALIVE_COMMENT = ": keep-alive\n\n"
+
+
+async def next_event(entry: Entry, watch: DisconnectWatch, keepalive: bool = False):
     """The entry's next event; raises ClientGone when the client disconnects, even while tokens flow. With
-    `idle_s`, None when no event came for that long (a stream then sends a keep-alive)."""
+    `keepalive`, None when no event came for `KEEPALIVE_S` (a stream then sends `KEEPALIVE_COMMENT`)."""
     get = asyncio.ensure_future(entry.events.get())
-    deadline = None if idle_s is None else asyncio.get_running_loop().time() + idle_s
+    deadline = asyncio.get_running_loop().time() + KEEPALIVE_S if keepalive else None
     try:
         while True:
             timeout = watch.every_s if deadline is None else min(watch.every_s, max(

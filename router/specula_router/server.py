@@ -35,7 +35,7 @@ from specula_router.metrics import Metrics
 from specula_router.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIChunk
 from specula_router.requests import ValidGenerateRequest
 from specula_router.responses import (
-    ClientGone, DisconnectWatch, Generation, GenerationError, collect, generate_body, next_event, token_body,
+    KEEPALIVE_COMMENT, ClientGone, DisconnectWatch, Generation, GenerationError, collect, generate_body, next_event, token_body,
     top_tokens_body,
 )
 from specula_router.scheduler import Entry, EntryState, ErrorEvent, Scheduler, TokensEvent
@@ -326,11 +326,6 @@ async def _generate_stream(state: RouterState, inputs: str, parameters, request:
                              headers=headers)
 
 
-# Seconds without an event after which a stream sends an SSE comment, so proxies that cut idle connections keep a
-# stream that waits in the queue (TGI's keep-alive, 15 s as axum's default).
-KEEPALIVE_S = 15.0
-
-
 class InvocationsMiddleware:
     """SageMaker's `POST /invocations`, as TGI serves it: one route for every request shape, dispatched by the
     body: `messages` goes to /v1/chat/completions, `prompt` to /v1/completions, anything else to `/` (TGI's
@@ -386,9 +381,9 @@ async def _events(state: RouterState, valid: ValidGenerateRequest, entry: Entry,
             if first is not None:
                 event, first = first, None
             else:
-                event = await next_event(entry, watch, idle_s=KEEPALIVE_S)
+                event = await next_event(entry, watch, keepalive=True)
             if event is None:  # waiting (in the queue, preempted): a comment, which SSE clients skip
-                yield ": keep-alive\n\n"
+                yield KEEPALIVE_COMMENT
                 continue
             if isinstance(event, ErrorEvent):
                 yield _sse({"error": event.message, "error_type": event.error_type})

@@ -377,9 +377,9 @@ def test_get_root_is_health_and_invocations_dispatches_by_body(tokenizer):
 def test_a_waiting_stream_sends_keep_alive_comments(tokenizer, monkeypatch):
     """A stream whose next token is slow to come sends SSE comments meanwhile (proxies cut idle connections);
     clients skip them, so the events are unchanged."""
-    from specula_router import server as server_module
+    from specula_router import responses
 
-    monkeypatch.setattr(server_module, "KEEPALIVE_S", 0.01)
+    monkeypatch.setattr(responses, "KEEPALIVE_S", 0.01)
 
     async def fn(client):
         r = await client.post("/generate_stream", json={"inputs": "hi", "parameters": {"max_new_tokens": 2}})

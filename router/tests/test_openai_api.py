@@ -471,3 +471,23 @@ def test_openapi_document_lists_the_openai_routes(tokenizer):
         assert "ChatCompletionRequest" in spec["components"]["schemas"]
 
     call(make_state(tokenizer), fn)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_waiting_chat_stream_sends_keep_alive_comments(tokenizer, monkeypatch, n):
+    """As /generate_stream: SSE comments while no token comes (one choice, or several merged), skipped by clients,
+    so the chunks are unchanged."""
+    from specula_router import responses
+
+    monkeypatch.setattr(responses, "KEEPALIVE_S", 0.01)
+
+    async def fn(client):
+        r = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "n": n,
+                                                             "stream": True})
+        assert r.status_code == 200 and ": keep-alive\n\n" in r.text
+        events = chunks(httpx.Response(200, headers=r.headers, text=r.text.replace(": keep-alive\n\n", "")))
+        content = ["".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                           if e["choices"][0]["index"] == i) for i in range(n)]
+        assert content == ["t0 t1 "] * n
+
+    call(make_state(tokenizer, step_delay=0.05), fn)

@@ -218,12 +218,13 @@ class TextGenerator:
         if plan.new and self.speculator is not None:
             self.speculator.requests_joined()
         timings = StepTimings()
-        decoding = [r for r in self.requests.values() if not r.is_prefilling]
-        short = [r for r in decoding if r.capacity < r.num_tokens]
-        for r in short:  # the router grows blocks before a step needs them: a request without one fails alone
-            outputs.append(self._drop(r.id, f"request {r.id}: its {r.capacity} KV positions do not cover position "
-                                            f"{r.num_tokens - 1} of this step"))
-        decoding = [r for r in decoding if r.capacity >= r.num_tokens]
+        decoding = []
+        for r in [r for r in self.requests.values() if not r.is_prefilling]:
+            if r.capacity >= r.num_tokens:
+                decoding.append(r)
+            else:  # the router grows blocks before a step needs them: a request without one fails alone
+                outputs.append(self._drop(r.id, f"request {r.id}: its {r.capacity} KV positions do not cover "
+                                                f"position {r.num_tokens - 1} of this step"))
         if decoding:
             outputs += self._decode(decoding, timings)
         if chunks:

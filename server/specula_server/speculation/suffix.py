@@ -267,10 +267,10 @@ class SuffixDrafter:
     def propose(self, requests: Sequence[RequestState], max_tokens: Sequence[int]) -> list[Draft]:
         drafts = []
         for r, k in zip(requests, max_tokens):
-            state = self._sync(r)
-            if k <= 0:
+            if k <= 0:  # not drafting this step: its trees catch up on the tokens when it next does
                 drafts.append(Draft(torch.empty(0, dtype=torch.long)))
                 continue
+            state = self._sync(r)
             local = draft_from(state.local_cursor, k, self.factor, self.offset, self.min_token_prob, self.depth)
             remote = draft_from(state.global_cursor, k, self.factor, self.offset, self.min_token_prob, self.depth)
             best = max(local, remote, key=lambda d: d.score)
