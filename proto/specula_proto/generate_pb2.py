@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecula_proto/generate.proto\x12\nspecula.v1\"\r\n\x0bInfoRequest\"O\n\x0fSpeculationInfo\x12\x1e\n\x16max_speculative_tokens\x18\x01 \x01(\r\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\"\xa4\x02\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\tmodel_sha\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x12\n\nworld_size\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x30\n\x0bspeculation\x18\n \x01(\x0b\x32\x1b.specula.v1.SpeculationInfo\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\x12\x10\n\x08quantize\x18\x0c \x01(\t\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x19\n\x17ServiceDiscoveryRequest\"(\n\x18ServiceDiscoveryResponse\x12\x0c\n\x04urls\x18\x01 \x03(\t\"\xd1\x02\n\x1aNextTokenChooserParameters\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\ttypical_p\x18\x05 \x01(\x02\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12I\n\nlogit_bias\x18\n \x03(\x0b\x32\x35.specula.v1.NextTokenChooserParameters.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"f\n\x1aStoppingCriteriaParameters\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_sequences\x18\x02 \x03(\t\x12\x18\n\x10ignore_eos_token\x18\x03 \x01(\x08\"\x9c\x03\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06inputs\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12\x10\n\x08truncate\x18\x04 \x01(\r\x12:\n\nparameters\x18\x05 \x01(\x0b\x32&.specula.v1.NextTokenChooserParameters\x12\x43\n\x13stopping_parameters\x18\x06 \x01(\x0b\x32&.specula.v1.StoppingCriteriaParameters\x12\x18\n\x10prefill_logprobs\x18\x07 \x01(\x08\x12\x14\n\x0ctop_n_tokens\x18\x08 \x01(\r\x12\x0e\n\x06\x62locks\x18\t \x03(\r\x12\x12\n\nadapter_id\x18\n \x01(\t\x12\x1f\n\x12speculative_tokens\x18\x0b \x01(\rH\x00\x88\x01\x01\x12\x15\n\rcached_tokens\x18\x0c \x01(\r\x12\x15\n\rprefill_until\x18\r \x01(\r\x12\x15\n\rgenerated_ids\x18\x0e \x03(\rB\x15\n\x13_speculative_tokens\"J\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05texts\x18\x03 \x03(\t\x12\x12\n\nis_special\x18\x04 \x03(\x08\"\x84\x01\n\rGeneratedText\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specula.v1.FinishReason\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xa1\x02\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12*\n\x0eprefill_tokens\x18\x02 \x01(\x0b\x32\x12.specula.v1.Tokens\x12\"\n\x06tokens\x18\x03 \x01(\x0b\x32\x12.specula.v1.Tokens\x12\x31\n\x0egenerated_text\x18\x04 \x01(\x0b\x32\x19.specula.v1.GeneratedText\x12&\n\ntop_tokens\x18\x05 \x03(\x0b\x32\x12.specula.v1.Tokens\x12\x16\n\x0e\x64rafted_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x01(\r\x12\x14\n\x0c\x64raft_method\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\"_\n\rWarmupRequest\x12\x18\n\x10max_input_tokens\x18\x01 \x01(\r\x12\x1a\n\x12max_prefill_tokens\x18\x02 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x03 \x01(\r\"H\n\x0eWarmupResponse\x12\"\n\x1amax_supported_total_tokens\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"B\n\x07Timings\x12\x12\n\nforward_ns\x18\x01 \x01(\x04\x12\x11\n\tdecode_ns\x18\x02 \x01(\x04\x12\x10\n\x08total_ns\x18\x03 \x01(\x04\"S\n\x12LoadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x64\x61pter_source\x18\x02 \x01(\t\x12\x11\n\tapi_token\x18\x03 \x01(\t\"n\n\x13LoadAdapterResponse\x12\x0e\n\x06loaded\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x14\n\x0c\x65rror_status\x18\x03 \x01(\r\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x14\n\x0cload_seconds\x18\x05 \x01(\x01\"+\n\x15OffloadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\"+\n\x16OffloadAdapterResponse\x12\x11\n\toffloaded\x18\x01 \x01(\x08\"F\n\rRequestUpdate\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x12\n\nnew_blocks\x18\x02 \x03(\r\x12\x15\n\rprefill_until\x18\x03 \x01(\r\"\x88\x01\n\x0bStepRequest\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x10\n\x08\x66inished\x18\x02 \x03(\x04\x12*\n\x07updates\x18\x03 \x03(\x0b\x32\x19.specula.v1.RequestUpdate\x12)\n\x0cnew_requests\x18\x04 \x03(\x0b\x32\x13.specula.v1.Request\"\xb0\x01\n\x0cStepResponse\x12+\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x16.specula.v1.Generation\x12$\n\x07timings\x18\x02 \x01(\x0b\x32\x13.specula.v1.Timings\x12\x14\n\x0cnum_requests\x18\x03 \x01(\r\x12\x1b\n\x13suffix_cache_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12suffix_cache_nodes\x18\x05 \x01(\x04*f\n\x0c\x46inishReason\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x00\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x01\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x02\x32\x97\x04\n\x15TextGenerationService\x12\x39\n\x04Info\x12\x17.specula.v1.InfoRequest\x1a\x18.specula.v1.InfoResponse\x12?\n\x06Health\x12\x19.specula.v1.HealthRequest\x1a\x1a.specula.v1.HealthResponse\x12]\n\x10ServiceDiscovery\x12#.specula.v1.ServiceDiscoveryRequest\x1a$.specula.v1.ServiceDiscoveryResponse\x12?\n\x06Warmup\x12\x19.specula.v1.WarmupRequest\x1a\x1a.specula.v1.WarmupResponse\x12\x39\n\x04Step\x12\x17.specula.v1.StepRequest\x1a\x18.specula.v1.StepResponse\x12N\n\x0bLoadAdapter\x12\x1e.specula.v1.LoadAdapterRequest\x1a\x1f.specula.v1.LoadAdapterResponse\x12W\n\x0eOffloadAdapter\x12!.specula.v1.OffloadAdapterRequest\x1a\".specula.v1.OffloadAdapterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cspecula_proto/generate.proto\x12\nspecula.v1\"\r\n\x0bInfoRequest\"O\n\x0fSpeculationInfo\x12\x1e\n\x16max_speculative_tokens\x18\x01 \x01(\r\x12\x0e\n\x06method\x18\x02 \x01(\t\x12\x0c\n\x04mode\x18\x03 \x01(\t\"\xa4\x02\n\x0cInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\tmodel_sha\x18\x02 \x01(\t\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65vice_type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x1f\n\x17max_position_embeddings\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x12\n\nworld_size\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\r\x12\x30\n\x0bspeculation\x18\n \x01(\x0b\x32\x1b.specula.v1.SpeculationInfo\x12\x13\n\x0binstance_id\x18\x0b \x01(\t\x12\x10\n\x08quantize\x18\x0c \x01(\t\"\x0f\n\rHealthRequest\"\x10\n\x0eHealthResponse\"\x19\n\x17ServiceDiscoveryRequest\"(\n\x18ServiceDiscoveryResponse\x12\x0c\n\x04urls\x18\x01 \x03(\t\"\xd1\x02\n\x1aNextTokenChooserParameters\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\ttypical_p\x18\x05 \x01(\x02\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12I\n\nlogit_bias\x18\n \x03(\x0b\x32\x35.specula.v1.NextTokenChooserParameters.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"f\n\x1aStoppingCriteriaParameters\x12\x16\n\x0emax_new_tokens\x18\x01 \x01(\r\x12\x16\n\x0estop_sequences\x18\x02 \x03(\t\x12\x18\n\x10ignore_eos_token\x18\x03 \x01(\x08\"\xad\x03\n\x07Request\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x0e\n\x06inputs\x18\x02 \x01(\t\x12\x11\n\tinput_ids\x18\x03 \x03(\r\x12\x10\n\x08truncate\x18\x04 \x01(\r\x12:\n\nparameters\x18\x05 \x01(\x0b\x32&.specula.v1.NextTokenChooserParameters\x12\x43\n\x13stopping_parameters\x18\x06 \x01(\x0b\x32&.specula.v1.StoppingCriteriaParameters\x12\x18\n\x10prefill_logprobs\x18\x07 \x01(\x08\x12\x14\n\x0ctop_n_tokens\x18\x08 \x01(\r\x12\x0e\n\x06\x62locks\x18\t \x03(\r\x12\x12\n\nadapter_id\x18\n \x01(\t\x12\x1f\n\x12speculative_tokens\x18\x0b \x01(\rH\x00\x88\x01\x01\x12\x15\n\rcached_tokens\x18\x0c \x01(\r\x12\x15\n\rprefill_until\x18\r \x01(\r\x12\x15\n\rgenerated_ids\x18\x0e \x03(\r\x12\x0f\n\x07grammar\x18\x0f \x01(\tB\x15\n\x13_speculative_tokens\"J\n\x06Tokens\x12\x0b\n\x03ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05texts\x18\x03 \x03(\t\x12\x12\n\nis_special\x18\x04 \x03(\x08\"\x84\x01\n\rGeneratedText\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.specula.v1.FinishReason\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xa1\x02\n\nGeneration\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12*\n\x0eprefill_tokens\x18\x02 \x01(\x0b\x32\x12.specula.v1.Tokens\x12\"\n\x06tokens\x18\x03 \x01(\x0b\x32\x12.specula.v1.Tokens\x12\x31\n\x0egenerated_text\x18\x04 \x01(\x0b\x32\x19.specula.v1.GeneratedText\x12&\n\ntop_tokens\x18\x05 \x03(\x0b\x32\x12.specula.v1.Tokens\x12\x16\n\x0e\x64rafted_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x01(\r\x12\x14\n\x0c\x64raft_method\x18\x08 \x01(\t\x12\r\n\x05\x65rror\x18\t \x01(\t\"_\n\rWarmupRequest\x12\x18\n\x10max_input_tokens\x18\x01 \x01(\r\x12\x1a\n\x12max_prefill_tokens\x18\x02 \x01(\r\x12\x18\n\x10max_total_tokens\x18\x03 \x01(\r\"H\n\x0eWarmupResponse\x12\"\n\x1amax_supported_total_tokens\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\"B\n\x07Timings\x12\x12\n\nforward_ns\x18\x01 \x01(\x04\x12\x11\n\tdecode_ns\x18\x02 \x01(\x04\x12\x10\n\x08total_ns\x18\x03 \x01(\x04\"S\n\x12LoadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x64\x61pter_source\x18\x02 \x01(\t\x12\x11\n\tapi_token\x18\x03 \x01(\t\"n\n\x13LoadAdapterResponse\x12\x0e\n\x06loaded\x18\x01 \x01(\x08\x12\r\n\x05\x65rror\x18\x02 \x01(\t\x12\x14\n\x0c\x65rror_status\x18\x03 \x01(\r\x12\x0c\n\x04kind\x18\x04 \x01(\t\x12\x14\n\x0cload_seconds\x18\x05 \x01(\x01\"+\n\x15OffloadAdapterRequest\x12\x12\n\nadapter_id\x18\x01 \x01(\t\"+\n\x16OffloadAdapterResponse\x12\x11\n\toffloaded\x18\x01 \x01(\x08\"F\n\rRequestUpdate\x12\n\n\x02id\x18\x01 \x01(\x04\x12\x12\n\nnew_blocks\x18\x02 \x03(\r\x12\x15\n\rprefill_until\x18\x03 \x01(\r\"\x88\x01\n\x0bStepRequest\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x10\n\x08\x66inished\x18\x02 \x03(\x04\x12*\n\x07updates\x18\x03 \x03(\x0b\x32\x19.specula.v1.RequestUpdate\x12)\n\x0cnew_requests\x18\x04 \x03(\x0b\x32\x13.specula.v1.Request\"\xb0\x01\n\x0cStepResponse\x12+\n\x0bgenerations\x18\x01 \x03(\x0b\x32\x16.specula.v1.Generation\x12$\n\x07timings\x18\x02 \x01(\x0b\x32\x13.specula.v1.Timings\x12\x14\n\x0cnum_requests\x18\x03 \x01(\r\x12\x1b\n\x13suffix_cache_tokens\x18\x04 \x01(\x04\x12\x1a\n\x12suffix_cache_nodes\x18\x05 \x01(\x04*f\n\x0c\x46inishReason\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x00\x12\x1b\n\x17\x46INISH_REASON_EOS_TOKEN\x10\x01\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x02\x32\x97\x04\n\x15TextGenerationService\x12\x39\n\x04Info\x12\x17.specula.v1.InfoRequest\x1a\x18.specula.v1.InfoResponse\x12?\n\x06Health\x12\x19.specula.v1.HealthRequest\x1a\x1a.specula.v1.HealthResponse\x12]\n\x10ServiceDiscovery\x12#.specula.v1.ServiceDiscoveryRequest\x1a$.specula.v1.ServiceDiscoveryResponse\x12?\n\x06Warmup\x12\x19.specula.v1.WarmupRequest\x1a\x1a.specula.v1.WarmupResponse\x12\x39\n\x04Step\x12\x17.specula.v1.StepRequest\x1a\x18.specula.v1.StepResponse\x12N\n\x0bLoadAdapter\x12\x1e.specula.v1.LoadAdapterRequest\x1a\x1f.specula.v1.LoadAdapterResponse\x12W\n\x0eOffloadAdapter\x12!.specula.v1.OffloadAdapterRequest\x1a\".specula.v1.OffloadAdapterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_NEXTTOKENCHOOSERPARAMETERS_LOGITBIASENTRY']._loaded_options = None
   _globals['_NEXTTOKENCHOOSERPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2817
-  _globals['_FINISHREASON']._serialized_end=2919
+  _globals['_FINISHREASON']._serialized_start=2834
+  _globals['_FINISHREASON']._serialized_end=2936
   _globals['_INFOREQUEST']._serialized_start=44
   _globals['_INFOREQUEST']._serialized_end=57
   _globals['_SPECULATIONINFO']._serialized_start=59
@@ -56,33 +56,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPINGCRITERIAPARAMETERS']._serialized_start=879
   _globals['_STOPPINGCRITERIAPARAMETERS']._serialized_end=981
   _globals['_REQUEST']._serialized_start=984
-  _globals['_REQUEST']._serialized_end=1396
-  _globals['_TOKENS']._serialized_start=1398
-  _globals['_TOKENS']._serialized_end=1472
-  _globals['_GENERATEDTEXT']._serialized_start=1475
-  _globals['_GENERATEDTEXT']._serialized_end=1607
-  _globals['_GENERATION']._serialized_start=1610
-  _globals['_GENERATION']._serialized_end=1899
-  _globals['_WARMUPREQUEST']._serialized_start=1901
-  _globals['_WARMUPREQUEST']._serialized_end=1996
-  _globals['_WARMUPRESPONSE']._serialized_start=1998
-  _globals['_WARMUPRESPONSE']._serialized_end=2070
-  _globals['_TIMINGS']._serialized_start=2072
-  _globals['_TIMINGS']._serialized_end=2138
-  _globals['_LOADADAPTERREQUEST']._serialized_start=2140
-  _globals['_LOADADAPTERREQUEST']._serialized_end=2223
-  _globals['_LOADADAPTERRESPONSE']._serialized_start=2225
-  _globals['_LOADADAPTERRESPONSE']._serialized_end=2335
-  _globals['_OFFLOADADAPTERREQUEST']._serialized_start=2337
-  _globals['_OFFLOADADAPTERREQUEST']._serialized_end=2380
-  _globals['_OFFLOADADAPTERRESPONSE']._serialized_start=2382
-  _globals['_OFFLOADADAPTERRESPONSE']._serialized_end=2425
-  _globals['_REQUESTUPDATE']._serialized_start=2427
-  _globals['_REQUESTUPDATE']._serialized_end=2497
-  _globals['_STEPREQUEST']._serialized_start=2500
-  _globals['_STEPREQUEST']._serialized_end=2636
-  _globals['_STEPRESPONSE']._serialized_start=2639
-  _globals['_STEPRESPONSE']._serialized_end=2815
-  _globals['_TEXTGENERATIONSERVICE']._serialized_start=2922
-  _globals['_TEXTGENERATIONSERVICE']._serialized_end=3457
+  _globals['_REQUEST']._serialized_end=1413
+  _globals['_TOKENS']._serialized_start=1415
+  _globals['_TOKENS']._serialized_end=1489
+  _globals['_GENERATEDTEXT']._serialized_start=1492
+  _globals['_GENERATEDTEXT']._serialized_end=1624
+  _globals['_GENERATION']._serialized_start=1627
+  _globals['_GENERATION']._serialized_end=1916
+  _globals['_WARMUPREQUEST']._serialized_start=1918
+  _globals['_WARMUPREQUEST']._serialized_end=2013
+  _globals['_WARMUPRESPONSE']._serialized_start=2015
+  _globals['_WARMUPRESPONSE']._serialized_end=2087
+  _globals['_TIMINGS']._serialized_start=2089
+  _globals['_TIMINGS']._serialized_end=2155
+  _globals['_LOADADAPTERREQUEST']._serialized_start=2157
+  _globals['_LOADADAPTERREQUEST']._serialized_end=2240
+  _globals['_LOADADAPTERRESPONSE']._serialized_start=2242
+  _globals['_LOADADAPTERRESPONSE']._serialized_end=2352
+  _globals['_OFFLOADADAPTERREQUEST']._serialized_start=2354
+  _globals['_OFFLOADADAPTERREQUEST']._serialized_end=2397
+  _globals['_OFFLOADADAPTERRESPONSE']._serialized_start=2399
+  _globals['_OFFLOADADAPTERRESPONSE']._serialized_end=2442
+  _globals['_REQUESTUPDATE']._serialized_start=2444
+  _globals['_REQUESTUPDATE']._serialized_end=2514
+  _globals['_STEPREQUEST']._serialized_start=2517
+  _globals['_STEPREQUEST']._serialized_end=2653
+  _globals['_STEPRESPONSE']._serialized_start=2656
+  _globals['_STEPRESPONSE']._serialized_end=2832
+  _globals['_TEXTGENERATIONSERVICE']._serialized_start=2939
+  _globals['_TEXTGENERATIONSERVICE']._serialized_end=3474
 # @@protoc_insertion_point(module_scope)

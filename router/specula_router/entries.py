@@ -139,4 +139,5 @@ class Entry:
             cached_tokens=self.num_cached_tokens,
             prefill_until=prefill_until,
             generated_ids=self.token_ids[: self.num_resumed],
+            grammar=r.grammar,
         )

@@ -47,6 +47,7 @@ class ValidGenerateRequest:
     adapter_source: str | None = None  # "hub" or "local" when adapter_id is set (the server's default if not given)
     api_token: str | None = field(default=None, repr=False)  # for LoadAdapter only: never logged nor echoed
     speculative_tokens: int | None = None  # per-request override of the speculation length
+    grammar: str = ""  # llguidance grammar (JSON text) the output must follow, checked against the tokenizer; "": none
 
     @property
     def input_length(self) -> int:
