@@ -28,6 +28,7 @@ from specula_server.adapters.registry import AdapterRegistry, LoraBatch
 from specula_server.adapters.sources import AdapterError
 from specula_server.batch import StepInputs, build_step
 from specula_server.distributed import ShardGroup
+from specula_server.grammar import GrammarCompiler, MaskJob, apply_masks
 from specula_server.kv_cache import KVCache, slots_for_blocks
 from specula_server.models.llama import LlamaForCausalLM
 from specula_server.nonfinite import failure, kept_rows, nonfinite_requests
@@ -85,6 +86,10 @@ class TextGenerator:
         self.sampler = Sampler()
         self.kv_cache: KVCache | None = None
         self.requests: dict[int, RequestState] = {}
+        self._grammars: GrammarCompiler | None = None  # built with the first constrained request
+        # Prompts computed whose grammar is still compiling: request id -> (logits, final hidden) of their last
+        # position; their first token is chosen from these once the grammar is ready, without another forward.
+        self._waiting: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def step_cost(self) -> StepCostModel:
@@ -146,6 +151,7 @@ class TextGenerator:
     def _leave(self, request_id: int) -> None:
         """A request leaves the worker (finished, failed, or ended by the router)."""
         r = self.requests.pop(request_id, None)
+        self._waiting.pop(request_id, None)
         if r is not None and self.speculator is not None:
             self.speculator.release(r)
 
@@ -169,8 +175,15 @@ class TextGenerator:
                 self.adapters.check(spec.adapter_id)
             except AdapterError as e:
                 raise InvalidRequestError(f"request {spec.id}: {e}") from None
+        grammar = self.grammars.start(spec.grammar, spec.generated_ids) if spec.grammar else None
         return RequestState.create(spec, self.tokenizer, self._slots(spec.id, spec.blocks), self.eos_token_ids,
-                                   self.device)
+                                   self.device, grammar)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def _update(self, r: RequestState, update: RequestUpdate) -> int | None:
         """Appends an update's blocks; returns the end of the prompt chunk it schedules (None: none)."""
@@ -219,12 +232,15 @@ class TextGenerator:
             self.speculator.requests_joined()
         timings = StepTimings()
         decoding = []
-        for r in [r for r in self.requests.values() if not r.is_prefilling]:
+        for r in [r for r in self.requests.values() if not r.is_prefilling and r.id not in self._waiting]:
             if r.capacity >= r.num_tokens:
                 decoding.append(r)
             else:  # the router grows blocks before a step needs them: a request without one fails alone
                 outputs.append(self._drop(r.id, f"request {r.id}: its {r.capacity} KV positions do not cover "
                                                 f"position {r.num_tokens - 1} of this step"))
+        ready = [self.requests[i] for i in self._waiting if self.requests[i].grammar.is_ready]
+        if ready:  # their first token, this step; they decode from the next
+            outputs += self._first_tokens(ready)
         if decoding:
             outputs += self._decode(decoding, timings)
         if chunks:
@@ -252,10 +268,20 @@ class TextGenerator:
         reqs = [r for r, _ in items]
         starts = [r.prefilled for r in reqs]
         step = build_step(reqs, starts, [until - s for (_, until), s in zip(items, starts)], self.device)
-        hidden = self._forward(reqs, step)
         done = [i for i, (r, until) in enumerate(items) if until == r.num_tokens]
+        # A prompt whose grammar is still compiling waits for it, with its last logits, while the others go on.
+        waiting = [i for i in done if reqs[i].grammar is not None and not reqs[i].grammar.is_ready
+                   and not reqs[i].spec.prefill_logprobs]
+        done = [i for i in done if i not in waiting]
+        masks = self._masks([reqs[i] for i in done])
+        hidden = self._forward(reqs, step)
         for r, until in items:
             r.prefilled = until
+        if waiting:
+            waiting_hidden = hidden[step.last_rows[waiting]]
+            for i, h, row in zip(waiting, waiting_hidden, self.model.compute_logits(waiting_hidden)):
+                self._waiting[reqs[i].id] = (row, h)
+                reqs[i].prefilled = None
         if not done:
             timings.forward_ns += time.perf_counter_ns() - start
             return []
@@ -265,19 +291,31 @@ class TextGenerator:
         reqs, row_starts = [reqs[i] for i in done], [step.row_starts[i] for i in done]
         for r in reqs:
             r.prefilled = None
-        outputs, kept = self._drop_nonfinite(reqs, logits, [1] * len(reqs))
+        outputs, kept, logits = self._screen(reqs, logits, [1] * len(reqs), masks)
         prompts = {}
         for i in kept:
             if reqs[i].spec.prefill_logprobs:
                 prompts[i] = self._prefill_tokens(reqs[i], hidden, row_starts[i])
                 if prompts[i] is None:
                     outputs.append(failure(reqs[i], "prompt logits"))
-        kept = [i for i in kept if prompts.get(i, ()) is not None]
+        sampled = [j for j, i in enumerate(kept) if prompts.get(i, ()) is not None]
+        kept = [kept[j] for j in sampled]
         if kept:
-            sample = self._sample([reqs[i] for i in kept], logits[kept])
+            sample = self._sample([reqs[i] for i in kept], logits[sampled])
             outputs += self._commit_sampled([reqs[i] for i in kept], sample, last_hidden[kept],
                                             [prompts.get(i) for i in kept])
         return outputs
+
+    @torch.inference_mode()
+    def _first_tokens(self, reqs: list[RequestState]) -> list[StepOutput]:
+        """The first token of prompts that waited for their grammar, from the logits their prefill kept."""
+        rows = [self._waiting.pop(r.id) for r in reqs]
+        logits, last_hidden = torch.stack([row for row, _ in rows]), torch.stack([h for _, h in rows])
+        outputs, kept, logits = self._screen(reqs, logits, [1] * len(reqs), self._masks(reqs))
+        if not kept:
+            return outputs
+        sample = self._sample([reqs[i] for i in kept], logits)
+        return outputs + self._commit_sampled([reqs[i] for i in kept], sample, last_hidden[kept])
 
     @torch.inference_mode()
     def _decode(self, reqs: list[RequestState], timings: StepTimings) -> list[StepOutput]:
@@ -287,22 +325,50 @@ class TextGenerator:
         if plan is not None:
             return self._verify(reqs, plan, start, timings)
         step = build_step(reqs, [r.num_tokens - 1 for r in reqs], [1] * len(reqs), self.device)
+        masks = self._masks(reqs)
         last_hidden = self._forward(reqs, step)[step.last_rows]
         logits = self.model.compute_logits(last_hidden)
         timings.forward_ns += time.perf_counter_ns() - start
-        outputs, kept = self._drop_nonfinite(reqs, logits, [1] * len(reqs))
+        outputs, kept, logits = self._screen(reqs, logits, [1] * len(reqs), masks)
         if not kept:
             return outputs
-        sample = self._sample([reqs[i] for i in kept], logits[kept])
+        sample = self._sample([reqs[i] for i in kept], logits)
         if self.speculator is not None:  # timed up to the chosen tokens, as a verifying step is
             self.speculator.observe_plain(len(reqs), time.perf_counter_ns() - start)
         return outputs + self._commit_sampled([reqs[i] for i in kept], sample, last_hidden[kept])
 
-    def _drop_nonfinite(self, reqs: Sequence[RequestState], logits: torch.Tensor, counts: Sequence[int]
-                        ) -> tuple[list[StepOutput], list[int]]:
-        """Failures of the requests whose rows are not finite, and the indices of the others."""
-        failed = nonfinite_requests(logits, counts)
-        return [failure(reqs[i]) for i in failed], [i for i in range(len(reqs)) if i not in failed]
+    def _masks(self, reqs: Sequence[RequestState], plan: DraftPlan | None = None) -> MaskJob | None:
+        """Starts computing the allowed-token masks of the constrained requests among `reqs` (each feeding one row,
+        or its last token and its drafts in `plan`) on the mask thread; None when none is constrained."""
+        items = []
+        for i, r in enumerate(reqs):
+            if r.grammar is not None:
+                draft = plan.drafts[i] if plan is not None else None
+                tokens, parents = ([], []) if draft is None else (draft.tokens.tolist(), draft.node_parents())
+                items.append((i, r.grammar, tokens, parents))
+        return MaskJob(items, self.model.config.vocab_size) if items else None
+
+    def _screen(self, reqs: Sequence[RequestState], logits: torch.Tensor, counts: Sequence[int],
+                masks: MaskJob | None) -> tuple[list[StepOutput], list[int], torch.Tensor]:
+        """Failures of the requests whose rows are not finite or whose grammar failed, the indices of the others,
+        and their rows of `logits` (request after request, `counts[i]` each) with every grammar's mask applied."""
+        failed = dict.fromkeys(nonfinite_requests(logits, counts), "")
+        if masks is not None:
+            masks.wait()
+            failed.update((i, error) for i, error in masks.errors.items() if i not in failed)
+        outputs = [StepOutput(reqs[i].id, [], [], error=f"request {reqs[i].id}: {error}") if error else failure(reqs[i])
+                   for i, error in failed.items()]
+        keep = [i for i in range(len(reqs)) if i not in failed]
+        rows, starts = kept_rows(counts, keep)
+        if len(keep) < len(reqs):
+            logits = logits[rows]
+        if masks is not None:
+            new_start = dict(zip(keep, starts))
+            mask_rows = [(new_start[i] + j, at + j) for i, at, n in masks.spans() if i in new_start for j in range(n)]
+            if mask_rows:
+                dst, src = zip(*mask_rows)
+                apply_masks(logits, torch.tensor(dst), masks.bitmask[list(src)])
+        return outputs, keep, logits
 
     def _sample(self, reqs: Sequence[RequestState], logits: torch.Tensor) -> SampleResult:
         rows = [SamplingRow(r.spec.sampling, r.history, r.generator) for r in reqs]
@@ -337,14 +403,16 @@ class TextGenerator:
             r.token_ids[r.num_tokens : r.num_tokens + len(d)] = d.tokens
         trees = [None if d.is_chain else d for d in drafts]
         step = build_step(reqs, [r.num_tokens - 1 for r in reqs], counts, self.device, trees)
+        masks = self._masks(reqs, plan)
         hidden = self._forward(reqs, step)
         logits = self.model.compute_logits(hidden)  # [sum(counts), vocab]
         timings.forward_ns += time.perf_counter_ns() - start
         num_seqs, row_starts = len(reqs), step.row_starts
-        outputs, keep = self._drop_nonfinite(reqs, logits, counts)  # a verified row's logits are its drafts' too
+        # A verified row's logits are its drafts' too: a request with one bad row fails whole.
+        outputs, keep, logits = self._screen(reqs, logits, counts, masks)
         if len(keep) < num_seqs:  # the others go on without them: from here on every operation is row by row
             rows, row_starts = kept_rows(counts, keep)
-            hidden, logits = hidden[rows], logits[rows]
+            hidden = hidden[rows]
             reqs = [reqs[i] for i in keep]
             plan = DraftPlan([drafts[i] for i in keep], [methods[i] for i in keep])
             if not reqs:

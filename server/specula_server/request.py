@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import tokenizers
 import torch
 
+from specula_server.grammar import RequestGrammar
 from specula_server.params import FinishReason, SamplingParams, StoppingParams
 from specula_server.speculation.controller import AcceptanceEstimate
 from specula_server.tokens import IncrementalDetokenizer, StopChecker
@@ -75,6 +76,7 @@ class RequestSpec:
     cached_tokens: int = 0  # leading positions whose KV `blocks` already hold (a reused prefix)
     prefill_until: int = 0  # its first step computes positions [cached_tokens, prefill_until); 0: all
     generated_ids: tuple[int, ...] = ()  # tokens generated before it was preempted (recomputed, not re-emitted)
+    grammar: str = ""  # llguidance grammar every generated token follows ("": unconstrained), see `grammar.py`
 
     @property
     def context_len(self) -> int:
@@ -152,6 +154,8 @@ class RequestState:
     # Positions whose KV the target holds, while the prompt (and any tokens recomputed after a preemption) is
     # being prefilled; None once that prefill chose its first token and the request decodes.
     prefilled: int | None = 0
+    # Where its output stands in its grammar (structured output); None: unconstrained.
+    grammar: RequestGrammar | None = None
 
     @classmethod
     def create(
@@ -161,6 +165,7 @@ class RequestState:
         slots: torch.Tensor,
         eos_token_ids: frozenset[int],
         device: torch.device,
+        grammar: RequestGrammar | None = None,
     ) -> RequestState:
         context = spec.input_ids + spec.generated_ids
         # One entry past the last slot: the token chosen at the last position the blocks cover is appended there.
@@ -176,6 +181,7 @@ class RequestState:
             generator=generator,
             num_tokens=len(context),
             prefilled=spec.cached_tokens,
+            grammar=grammar,
         )
         for token_id in spec.generated_ids:  # a resumed request: text and stop checks as they were
             state.detokenizer.push(token_id)
@@ -231,6 +237,10 @@ class RequestState:
         self.num_tokens += 1
         text = self.detokenizer.push(token_id)
         self.finish_reason = self.stop_checker.check(token_id, self.detokenizer.text)
+        if self.grammar is not None and self.finish_reason is None:
+            self.grammar.consume(token_id)
+            if self.grammar.is_complete:  # only EOS may follow: end as if the model had chosen it
+                self.finish_reason = FinishReason.EOS_TOKEN
         if self.finish_reason is not None:
             text += self.detokenizer.finish()  # bytes of a character cut short by the end
         if self.finish_reason is FinishReason.STOP_SEQUENCE:

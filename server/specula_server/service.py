@@ -282,6 +282,7 @@ def request_from_pb(r: pb.Request, generator: TextGenerator) -> RequestSpec:
         cached_tokens=r.cached_tokens,
         prefill_until=r.prefill_until,
         generated_ids=tuple(r.generated_ids),
+        grammar=r.grammar,
     )
 
 

@@ -65,6 +65,17 @@ class Draft:
         return Draft(self.tokens[:k], None if self.parents is None else self.parents[:k],
                      None if self.q is None else self.q[:k], confidence=self.confidence)
 
+    def subtree(self, keep: Sequence[int]) -> Draft:
+        """The nodes `keep` (ascending; every kept node's parent kept too), renumbered."""
+        if len(keep) == len(self):
+            return self
+        if self.is_chain:
+            return self.truncated(len(keep))
+        index = {old: new for new, old in enumerate(keep)}
+        parents = self.parents.tolist()
+        new_parents = [index[parents[i]] if parents[i] >= 0 else -1 for i in keep]
+        return Draft(self.tokens[list(keep)], torch.tensor(new_parents, dtype=torch.long), confidence=self.confidence)
+
     def node_parents(self) -> list[int]:
         """Every node's parent index (-1: the root), for chains too."""
         if self.parents is None:

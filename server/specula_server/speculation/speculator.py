@@ -36,6 +36,8 @@ from specula_server.speculation.verify import Verdict, verify
 
 logger = logging.getLogger("specula.speculation")
 
+GRAMMAR_METHOD = "grammar"  # drafts of the tokens a request's grammar forces (see `grammar.py`)
+
 
 @dataclass(frozen=True)
 class SpeculationConfig:
@@ -43,12 +45,14 @@ class SpeculationConfig:
 
     `draft_model`, when the server drafts with a draft model, is that drafter (also reachable through
     `drafter`, which may be a composite): the generator sizes and allocates its KV cache beside the target's
-    and asks it for the tokens of the pending drafts it proposed."""
+    and asks it for the tokens of the pending drafts it proposed. `grammar_drafts`: constrained requests draft the
+    tokens their grammar forces (see `grammar.py`); off only to measure what they bring."""
 
     drafter: Drafter
     max_tokens: int
     mode: str = "adaptive"  # "adaptive" (draft lengths follow acceptance and load) or "fixed"
     draft_model: DraftModelDrafter | None = None
+    grammar_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0 or self.mode not in ("adaptive", "fixed"):
@@ -113,21 +117,25 @@ class Speculator:
         return chosen
 
     def _choose(self, reqs: Sequence[RequestState]) -> DraftPlan | None:
-        if self.adaptive and self._steps_without_proposals > 0:
+        forced = self._forced(reqs)
+        backing_off = self.adaptive and self._steps_without_proposals > 0
+        if backing_off and not any(forced):
             self._steps_without_proposals -= 1
             self.step_cost.declined()
             return None
         drafter = self.config.drafter
-        methods = [drafter.method_for(r) for r in reqs]
+        methods = [GRAMMAR_METHOD if f else drafter.method_for(r) for r, f in zip(reqs, forced)]
         acceptance = [r.acceptance.estimate(self.acceptance_priors.value(m)) for r, m in zip(reqs, methods)]
         bar = drafting_bar(len(reqs), self.step_cost) if self.adaptive else -1.0
         confident = getattr(drafter, "confident", False)  # its drafts say how likely they are: always ask
-        caps = [self.draft_cap(r) if a > bar or confident else 0 for r, a in zip(reqs, acceptance)]
+        caps = [0 if f or backing_off else self.draft_cap(r) if a > bar or confident else 0
+                for r, a, f in zip(reqs, acceptance, forced)]
         try:
             proposals = drafter.propose(reqs, caps)
         except Exception:  # drafts only ever save time: a drafter's failure must not fail the requests
             logger.exception("drafting failed; this step verifies no drafts")
             return None
+        proposals = [Draft(torch.tensor(f), confidence=1.0) if f else p for p, f in zip(proposals, forced)]
         acceptance = [a if p.confidence is None else max(a, p.confidence) for a, p in zip(acceptance, proposals)]
         lengths = choose_draft_lengths([p.available for p in proposals], acceptance, self.step_cost,
                                        self.config.mode)
@@ -140,10 +148,19 @@ class Speculator:
         self._declined_in_a_row = 0
         try:
             drafts = self._draft_pending(reqs, [p.truncated(k) for p, k in zip(proposals, lengths)])
+            drafts = [d if r.grammar is None or f else within_grammar(r, d) for r, d, f in zip(reqs, drafts, forced)]
         except Exception:
             logger.exception("drafting failed; this step verifies no drafts")
             return None
         return DraftPlan(drafts, [m if len(d) else "" for m, d in zip(methods, drafts)])
+
+    def _forced(self, reqs: Sequence[RequestState]) -> list[list[int]]:
+        """Per request, the tokens its grammar forces from here, up to its draft cap ([] when unconstrained)."""
+        forced = []
+        for r in reqs:
+            tokens = r.grammar.forced_tokens() if r.grammar is not None and self.config.grammar_drafts else []
+            forced.append(tokens[: self.draft_cap(r)] if tokens else tokens)
+        return forced
 
     def _draft_pending(self, reqs: Sequence[RequestState], drafts: list[Draft]) -> list[Draft]:
         """Has the draft model draft the tokens of pending drafts, exactly as many as the controller granted."""
@@ -181,6 +198,30 @@ class Speculator:
         # The draft model's KV is valid up to the last accepted draft it ran over; the target's own token
         # (correction or bonus) is run over before the next draft.
         r.draft_cached = min(r.draft_cached, r.num_tokens - 1)
+
+
+def within_grammar(r: RequestState, draft: Draft) -> Draft:
+    """`draft` without the nodes whose path the request's grammar forbids: a chain ends before its first
+    forbidden token, a tree keeps the nodes whose whole path is allowed (a forbidden token could never match
+    the masked target's choice, so verifying it would only cost a row).
+
+    Drafts sampled from a draft distribution q are kept whole for a sampling request: speculative sampling's
+    correction at a rejected position draws from norm(max(0, p - q)), and ending the chain where the drawn draft
+    is forbidden would draw from p instead, a different distribution. The masked p gives the forbidden draft
+    probability 0, so the rule rejects it there, exactly.
+    """
+    assert r.grammar is not None
+    if not len(draft) or (draft.q is not None and not r.spec.sampling.is_greedy):
+        return draft
+    tokens = draft.tokens.tolist()
+    if draft.is_chain:
+        return draft.truncated(r.grammar.valid_prefix(tokens))
+    paths: list[list[int] | None] = []
+    for token, parent in zip(tokens, draft.node_parents()):
+        base = [] if parent < 0 else paths[parent]
+        path = None if base is None else base + [token]
+        paths.append(path if path is not None and r.grammar.valid_prefix(path) == len(path) else None)
+    return draft.subtree([i for i, p in enumerate(paths) if p is not None])
 
 
 def compact_accepted_paths(kv_cache: KVCache, reqs: Sequence[RequestState], drafts: Sequence[Draft],
