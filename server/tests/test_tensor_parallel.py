@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+import llguidance
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -14,14 +15,18 @@ from specula_server.testing.worker import BlockPool, generate_alone, load_test_g
 
 PROMPTS = [[1, 50, 60, 70, 80, 90, 100], [1, 7, 8, 7, 8, 7], [1] + list(range(100, 140))]
 SAMPLED = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=99)
+JSON_GRAMMAR = llguidance.LLMatcher.grammar_from_json_schema(
+    {"type": "object", "properties": {"key_one": {"type": "string", "maxLength": 5}, "key_two": {"enum": ["x", "yy"]}},
+     "required": ["key_one", "key_two"], "additionalProperties": False}, defaults={"whitespace_flexible": False})
 
 
-def run_requests(model_dir, group=None, **settings) -> list[list[int]]:
+def run_requests(model_dir, group=None, grammar: str = "", **settings) -> list[list[int]]:
     generator = load_test_generator(model_dir, group=group, **settings)
     results = []
     for i, prompt in enumerate(PROMPTS):
         for j, sampling in enumerate([SamplingParams(), SAMPLED]):
-            spec = make_spec(i, prompt, BlockPool(256, 16), max_new_tokens=24, sampling=sampling)
+            spec = make_spec(i, prompt, BlockPool(256, 16), max_new_tokens=24, sampling=sampling, grammar=grammar,
+                             lookahead=settings.get("speculative_tokens", 0))
             results.append(token_ids(generate_alone(generator, spec)))
     return results
 
@@ -73,6 +78,8 @@ def run_two_ranks(model_dir: Path, settings: dict) -> dict[int, object]:
     ("llama", {"speculative_tokens": 3, "speculation_mode": "fixed"}),  # ranks accept the same drafts
     ("llama", {"speculative_tokens": 3, "speculation_mode": "adaptive", "skew_clock": True}),  # and agree on lengths
     ("llama", {"speculative_tokens": 3, "speculation_mode": "fixed", "speculator": "suffix"}),  # same suffix trees
+    # Each rank's own matchers mask alike and draft the same forced tokens.
+    ("llama", {"speculative_tokens": 3, "speculation_mode": "fixed", "grammar": JSON_GRAMMAR}),
 ])
 def test_two_ranks_match_one_rank(model_dirs, kind, settings):
     expected = run_requests(model_dirs[kind], **{k: v for k, v in settings.items() if k != "skew_clock"})

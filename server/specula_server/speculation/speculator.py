@@ -119,10 +119,11 @@ class Speculator:
     def _choose(self, reqs: Sequence[RequestState]) -> DraftPlan | None:
         forced = self._forced(reqs)
         backing_off = self.adaptive and self._steps_without_proposals > 0
-        if backing_off and not any(forced):
+        if backing_off:  # the drafter is not asked; forced tokens cost nothing to propose
             self._steps_without_proposals -= 1
-            self.step_cost.declined()
-            return None
+            if not any(forced):
+                self.step_cost.declined()
+                return None
         drafter = self.config.drafter
         methods = [GRAMMAR_METHOD if f else drafter.method_for(r) for r, f in zip(reqs, forced)]
         acceptance = [r.acceptance.estimate(self.acceptance_priors.value(m)) for r, m in zip(reqs, methods)]
