@@ -310,7 +310,7 @@ def test_compat_route_answers_an_array_or_a_stream(base_url):
     ({"seed": 2**64}, "seed"),
     ({"best_of": 2}, "best_of"),
     ({"best_of": 2, "do_sample": True, "seed": 1}, "seed"),
-    ({"grammar": {"type": "json", "value": {}}}, "grammar"),
+    ({"grammar": {"type": "json", "value": {"type": "foo"}}}, "grammar"),
     ({"temperature": "0.5"}, "parameters.temperature"),
     ({"max_new_tokens": 2.5}, "parameters.max_new_tokens"),
 ])

@@ -157,6 +157,14 @@ def main(
         None, envvar="CHAT_TEMPLATE",
         help="Chat template for /v1/chat/completions: a file, or the jinja template itself. Default: the model's "
              "own (tokenizer_config.json or chat_template.jinja); without one, chat requests get a 400."),
+    max_grammar_bytes: Optional[int] = typer.Option(
+        None, envvar="MAX_GRAMMAR_BYTES",
+        help="Largest structured-output grammar of a request (JSON schema, regex or tool-call grammar), in bytes "
+             "as received. Default: the router's, 65536."),
+    grammar_compile_timeout: Optional[float] = typer.Option(
+        None, envvar="GRAMMAR_COMPILE_TIMEOUT",
+        help="Seconds the router may spend checking a request's grammar against the tokenizer before refusing it. "
+             "Default: the router's, 10."),
     cors_allow_origin: Optional[List[str]] = typer.Option(
         None, envvar="CORS_ALLOW_ORIGIN", help="Allowed CORS origin (repeat the flag for several)."),
     kv_cache_memory: Optional[str] = typer.Option(

@@ -46,6 +46,7 @@ ROUTER_FLAGS = (
     "max_waiting_tokens", "max_batch_size", "payload_limit", "cors_allow_origin", "json_output", "num_shard",
     "shutdown_timeout", "step_timeout", "log_level", "validation_workers", "max_adapter_labels", "chat_template",
     "metrics_prefix", "adapter_dir",  # also the router's: GET /v1/models lists the local adapters
+    "max_grammar_bytes", "grammar_compile_timeout",  # None (not given): the router's defaults
 )
 
 

@@ -75,8 +75,8 @@ FOREIGN_FLAGS = {f.flag: f for f in (
     ForeignFlag("--ngrok-edge", "TGI/LoRAX", R, "there is no ngrok tunnel"),
     ForeignFlag("--tokenizer-config-path", "TGI/LoRAX", R, "the tokenizer is read from the model's directory; give "
                 "a chat template with --chat-template"),
-    ForeignFlag("--disable-grammar-support", "TGI", W, "there is no grammar support: requests with a grammar are "
-                "refused anyway", takes_value=False),
+    ForeignFlag("--disable-grammar-support", "TGI", W, "structured output (grammar, response_format) is always "
+                "on; bound it with --max-grammar-bytes and --grammar-compile-timeout", takes_value=False),
     ForeignFlag("--max-client-batch-size", "TGI", R, "the number of prompts of one /v1/completions request is "
                 "bounded by --max-concurrent-requests"),
     ForeignFlag("--usage-stats", "TGI", W, "Specula sends no usage statistics", harmless_values=("off",)),

@@ -108,6 +108,8 @@ class LauncherConfig:
     max_adapter_labels: int = 32  # adapters with their own metrics label; the rest are `other`
     metrics_prefix: str = "specula"  # the router's metric names' prefix (`tgi`: TGI's names)
     chat_template: str | None = None  # the router's template for /v1/chat/completions (a file or a template)
+    max_grammar_bytes: int | None = None  # the router's limit on a request's grammar text; None: its default
+    grammar_compile_timeout: float | None = None  # seconds the router may spend checking a grammar; None: default
     cors_allow_origin: tuple[str, ...] = ()
     kv_cache_memory: str | None = None
     block_size: int = 16
@@ -198,13 +200,15 @@ def _check_ranges(c: LauncherConfig) -> None:
         "--max-batch-size": (c.max_batch_size, 1), "--payload-limit": (c.payload_limit, 1),
         "--validation-workers": (c.validation_workers, 1), "--max-adapter-labels": (c.max_adapter_labels, 0),
         "--block-size": (c.block_size, 1), "--shutdown-timeout": (c.shutdown_timeout, 0),
-        "--suffix-cache-tokens": (c.suffix_cache_tokens, 0),
+        "--suffix-cache-tokens": (c.suffix_cache_tokens, 0), "--max-grammar-bytes": (c.max_grammar_bytes, 1),
     }
     for flag, (value, low) in at_least.items():
         if value is not None and value < low:
             raise ValueError(f"{flag} must be at least {low}; got {value}")
     if c.step_timeout < 0:
         raise ValueError(f"--step-timeout must not be negative; got {c.step_timeout}")
+    if c.grammar_compile_timeout is not None and not c.grammar_compile_timeout > 0:
+        raise ValueError(f"--grammar-compile-timeout must be positive; got {c.grammar_compile_timeout}")
     if c.waiting_served_ratio < 0:
         raise ValueError(f"--waiting-served-ratio must not be negative; got {c.waiting_served_ratio}")
     for flag, port in (("--port", c.port), ("--master-port", c.master_port)):

@@ -60,6 +60,8 @@ class RouterConfig:
     prefix_caching: bool = True  # reuse the KV blocks of prompts' shared prefixes (block_allocator.py)
     chat_template: str | None = None  # --chat-template: a file or a template, overriding the model's
     adapter_dir: tuple[str, ...] = ()  # the workers' --adapter-dir, whose adapters GET /v1/models lists
+    max_grammar_bytes: int = 65536  # largest grammar / JSON schema / regex text of a request (structured output)
+    grammar_compile_timeout: float = 10.0  # seconds a request's grammar may take to check against the tokenizer
     # --api-key: the bearer token every route but the probes requires (auth.py). repr=False: a logged or printed
     # config never shows it.
     api_key: str | None = field(default=None, repr=False)
@@ -84,6 +86,10 @@ class RouterConfig:
                              f"got {self.metrics_prefix!r}")
         if self.step_timeout < 0:
             raise ValueError(f"--step-timeout must not be negative; got {self.step_timeout}")
+        if self.max_grammar_bytes < 1:
+            raise ValueError(f"--max-grammar-bytes must be at least 1; got {self.max_grammar_bytes}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"--grammar-compile-timeout must be positive; got {self.grammar_compile_timeout}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("--api-key (env API_KEY) must not be empty or blank")
         for adapter_id in self.preloaded_adapter_ids:
@@ -155,6 +161,7 @@ async def run(config: RouterConfig) -> int:
     from specula_router.adapters import AdapterManager
     from specula_router.block_allocator import BlockAllocator
     from specula_router.client import ShardedClient
+    from specula_router.grammar import GrammarChecker
     from specula_router.lifecycle import DRAIN_CUT_EXIT_CODE, DrainingServer
     from specula_router.metrics import Metrics
     from specula_router.openai_models import OpenAISettings
@@ -171,13 +178,17 @@ async def run(config: RouterConfig) -> int:
 
     model_dir = resolve_model_dir(config.model_id, config.revision, config.huggingface_hub_cache,
                                   allow_patterns=("*.json", "tokenizer.model", "*.jinja"))
-    validator = Validator(load_tokenizer(model_dir), ValidationLimits(
+    tokenizer = load_tokenizer(model_dir)
+    validator = Validator(tokenizer, ValidationLimits(
         max_input_tokens=limits.max_input_tokens, max_total_tokens=limits.max_total_tokens,
         max_stop_sequences=config.max_stop_sequences, max_best_of=config.max_best_of,
         max_top_n_tokens=config.max_top_n_tokens, max_speculative_tokens=lookahead,
         max_position_embeddings=info.max_position_embeddings, vocab_size=info.vocab_size or None,
-        max_batch_prefill_tokens=limits.max_batch_prefill_tokens),
+        max_batch_prefill_tokens=limits.max_batch_prefill_tokens, max_grammar_bytes=config.max_grammar_bytes),
         default_adapter_source=config.adapter_source)
+    # Grammars are checked against the tokenizer as the workers compile them: their vocabulary and EOS ids.
+    grammar_checker = GrammarChecker(tokenizer, info.vocab_size or None, info.eos_token_ids,
+                                     config.grammar_compile_timeout)
     metrics = Metrics(prefix=config.metrics_prefix, max_adapter_labels=config.max_adapter_labels)
     adapters = AdapterManager(client, metrics, config.max_active_adapters, config.adapter_source)
     if config.preloaded_adapter_ids:
@@ -191,7 +202,7 @@ async def run(config: RouterConfig) -> int:
         metrics, adapters)
     state = RouterState(scheduler, validator, client, metrics, info_body(config, info, limits, num_blocks),
                         config.max_concurrent_requests, "gpu" if info.device_type == "cuda" else "cpu",
-                        validation_workers=config.validation_workers,
+                        validation_workers=config.validation_workers, grammar_checker=grammar_checker,
                         openai=OpenAISettings(_chat_template(model_dir, config.chat_template),
                                               tuple(Path(d) for d in config.adapter_dir)))
     app_ = create_app(state, config.payload_limit, list(config.cors_allow_origin), api_key=config.api_key)
@@ -383,6 +394,14 @@ def main(
     adapter_dir: List[str] = typer.Option(
         [], envvar="ADAPTER_DIR",
         help="The workers' adapter directories (repeat the flag): their adapters are listed by GET /v1/models."),
+    max_grammar_bytes: int = typer.Option(
+        65536, envvar="MAX_GRAMMAR_BYTES", min=1,
+        help="Largest structured-output grammar of a request, in bytes as received: the JSON schema, regex or "
+             "tool-call grammar (past it: 422, or 400 on /v1/*)."),
+    grammar_compile_timeout: float = typer.Option(
+        10.0, envvar="GRAMMAR_COMPILE_TIMEOUT",
+        help="Seconds a request's grammar may take to check against the tokenizer before it is refused (the "
+             "result is cached per grammar)."),
     api_key: Optional[str] = typer.Option(
         None, envvar="API_KEY", show_default=False,
         help="Require `Authorization: Bearer <key>` on every route but /health, /ping and /metrics. Prefer the "
@@ -407,6 +426,7 @@ def main(
             metrics_prefix=metrics_prefix,
             prefix_caching=not no_prefix_caching,
             chat_template=chat_template, adapter_dir=split_ids(adapter_dir), api_key=api_key,
+            max_grammar_bytes=max_grammar_bytes, grammar_compile_timeout=grammar_compile_timeout,
         )
         code = asyncio.run(run(config))
     except ValueError as e:

@@ -9,6 +9,10 @@ events come back as OpenAI's bodies and chunks (`openai_responses.py`, `openai_s
               └─ sampling fields → GenerateParameters ── server._admit (validation, in flight, 429) ──
               n entries (seed + i) → scheduler → events → choices, usage / SSE chunks, data: [DONE]
 
+Structured output (`grammar.py`): `response_format` (both routes) and, on chat, `tool_choice` "required" or a named
+function become one llguidance grammar, checked against the tokenizer before admission (400 naming the field) and
+carried by every entry of the request.
+
 Sampling follows OpenAI: `temperature` 0 is greedy, an absent one is 1 (sampling); `n` choices of one prompt
 share its admission and sample with seeds seed, seed + 1, ... (as `best_of` does). A chat prompt is tokenised
 without adding special tokens again: the template writes them.
@@ -28,6 +32,13 @@ from fastapi.responses import JSONResponse
 from specula_router import openai_errors, openapi
 from specula_router.chat_template import ChatTemplateError
 from specula_router.entries import Entry
+from specula_router.grammar import (
+    Grammar,
+    GrammarError,
+    from_openai_response_format,
+    tool_call_format,
+    tool_call_grammar,
+)
 from specula_router.openai_errors import OpenAIError
 from specula_router.openai_models import ModelCatalog, ModelChoice, ModelNotFound, OpenAISettings
 from specula_router.openai_responses import (
@@ -125,12 +136,12 @@ class OpenAIRoutes:
             newer = body.max_completion_tokens is not None
             params = self._parameters(body, body.max_completion_tokens if newer else body.max_tokens,
                                       body.top_logprobs)
-            _check_response_format(body.response_format)
             template = self.settings.chat_template
             if template is None:
                 raise OpenAIError(400, "this model has no chat template: start the server with --chat-template "
                                        "(a file or a template), or use /v1/completions", "messages", "chat_template")
             tools = _template_tools(body)
+            grammar = await self._chat_grammar(body, template.templates[template.template_for(tools)])
             messages = _template_messages(body)
             try:
                 prompt = await self.state.in_validation_worker(template.render, messages, tools, True)
@@ -139,7 +150,7 @@ class OpenAIRoutes:
                                   "chat_template") from None
             fields = dict(_CHAT_FIELDS, max_new_tokens="max_completion_tokens" if newer else "max_tokens")
             jobs = await self._admit([prompt], params, body.n, body.stream, False, fields,
-                                     greedy=_greedy(body), alternatives=body.logprobs)
+                                     greedy=_greedy(body), alternatives=body.logprobs, grammar=grammar)
         except OpenAIError as e:
             return e.response()
         names = {t.function.name for t in body.tools or ()} if _parses_tools(body) else set()
@@ -178,10 +189,11 @@ class OpenAIRoutes:
             if not prompts:
                 raise OpenAIError(422, "`prompt` must not be an empty list", "prompt", "validation")
             params = self._parameters(body, body.max_tokens, body.logprobs)
+            grammar = await self._check_grammar(self._built(from_openai_response_format, body.response_format))
             if body.echo and body.logprobs is not None and not body.stream:
                 params = params.model_copy(update={"decoder_input_details": True})
             jobs = await self._admit(prompts, params, body.n, body.stream, True, _COMPLETION_FIELDS,
-                                     greedy=_greedy(body))
+                                     greedy=_greedy(body), grammar=grammar)
         except OpenAIError as e:
             return e.response()
         model = body.model or self.catalog.model_id
@@ -205,6 +217,49 @@ class OpenAIRoutes:
             "system_fingerprint": self.fingerprint, "choices": choices,
             "usage": usage(prompt_tokens, completion_tokens)}, headers=headers)
 
+    # --- structured output --------------------------------------------------------------------------------------
+
+    async def _chat_grammar(self, body: ChatCompletionRequest, template_text: str) -> str:
+        """The grammar of a chat request: its `response_format`, or a forced tool call (`tool_choice` required or
+        a named function) in the template's format; "" when neither constrains the answer."""
+        forced = body.tool_choice not in (None, "none", "auto")
+        if isinstance(body.tool_choice, str) and body.tool_choice not in ("none", "auto", "required"):
+            raise OpenAIError(400, f"`tool_choice` must be none, auto, required or {{type: function, function: "
+                                   f"{{name}}}}. Given: {body.tool_choice[:40]!r}", "tool_choice", "validation")
+        if forced and not body.tools:
+            raise OpenAIError(400, "`tool_choice` required or a named function needs `tools`", "tool_choice",
+                              "validation")
+        grammar = self._built(from_openai_response_format, body.response_format)
+        if forced and grammar is not None:
+            raise OpenAIError(400, "`response_format` json_object or json_schema cannot be combined with "
+                                   "`tool_choice` required or a named function: the answer is a tool call",
+                              "response_format", "validation")
+        if forced:
+            choice = body.tool_choice if isinstance(body.tool_choice, str) else body.tool_choice.model_dump()
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
+            checker = self.state.grammar_checker
+            special = checker.special_tokens if checker is not None else frozenset()
+            grammar = self._built(tool_call_grammar, tools, choice, tool_call_format(template_text), special,
+                                  body.parallel_tool_calls is not False)
+        return await self._check_grammar(grammar)
+
+    def _built(self, build, *args) -> Grammar | None:
+        """`build(*args, max_bytes)`, a refusal turned into OpenAI's 400 naming the field."""
+        try:
+            return build(*args, max_bytes=self.state.validator.limits.max_grammar_bytes)
+        except GrammarError as e:
+            raise OpenAIError(400, e.message, e.field, "validation") from None
+
+    async def _check_grammar(self, grammar: Grammar | None) -> str:
+        """The grammar's text once it compiles against the tokenizer ("" for none); else a 400 naming its field."""
+        if grammar is None:
+            return ""
+        try:
+            await self.state.check_grammar(grammar)
+        except GrammarError as e:
+            raise OpenAIError(400, e.message, e.field, "validation") from None
+        return grammar.text
+
     # --- shared: parameters, admission, collection ---------------------------------------------------------------
 
     def _parameters(self, body: SamplingFields, max_new_tokens: int | None, top_n: int | None) -> GenerateParameters:
@@ -224,11 +279,12 @@ class OpenAIRoutes:
 
     async def _admit(self, prompts: list[str], params: GenerateParameters, n: int, stream: bool,
                      add_special_tokens: bool, fields: dict[str, str], greedy: bool = False,
-                     alternatives: bool = True) -> list[Job]:
+                     alternatives: bool = True, grammar: str = "") -> list[Job]:
         """Admits every prompt through `/generate`'s admission and submits `n` entries for each.
 
         `greedy`: decode greedily whatever warpers `params` held (only to be checked); `alternatives` False:
-        return no alternatives whatever `top_n_tokens` held (likewise).
+        return no alternatives whatever `top_n_tokens` held (likewise); `grammar`: the checked grammar every
+        entry follows ("" none).
         """
         limit = self.state.max_concurrent_requests
         if n < 1 or n * len(prompts) > limit:
@@ -239,7 +295,8 @@ class OpenAIRoutes:
         try:
             for prompt in prompts:
                 valid, validation_s = await _admit(self.state, prompt, params, stream, add_special_tokens)
-                jobs.append(Job(_as_requested(valid, greedy, alternatives), validation_s))
+                valid = dataclasses.replace(_as_requested(valid, greedy, alternatives), grammar=grammar)
+                jobs.append(Job(valid, validation_s))
         except _Rejected as r:
             self.state.in_flight -= len(jobs)  # the prompts admitted before this one
             raise _openai_error(r, fields) from None
@@ -314,13 +371,6 @@ def _openai_error(rejected: _Rejected, fields: dict[str, str]) -> OpenAIError:
     response = rejected.response
     body = openai_errors.from_tgi(response.status_code, json.loads(response.body))["error"]
     return OpenAIError(response.status_code, body["message"], None, body["code"])
-
-
-def _check_response_format(response_format: dict | None) -> None:
-    kind = (response_format or {}).get("type", "text")
-    if kind != "text":
-        raise OpenAIError(400, f"`response_format` {kind!r} (structured output) is not supported yet; only "
-                               f"{{\"type\": \"text\"}}", "response_format", "unsupported")
 
 
 def _parses_tools(body: ChatCompletionRequest) -> bool:

@@ -24,7 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specula_router.openapi import COUNT, POSITIVE_COUNT, POSITIVE_FLOAT32, only_null, stop_schema
-from specula_router.schemas import GenerateParameters, _RequestModel
+from specula_router.schemas import GenerateParameters, _RequestModel, object_schema
 
 # Roles a chat message may have. `developer` is OpenAI's newer name for `system`; templates get `system`.
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -34,6 +34,20 @@ TOOL_CHOICES = ("none", "auto", "required")
 def _as_generate(name: str) -> Any:
     """The JSON schema bounds of `/generate`'s parameter `name`: the same field, checked by the same Validator."""
     return GenerateParameters.model_fields[name].json_schema_extra
+
+
+def _response_format() -> Any:
+    """`response_format` of both routes (a new Field each: pydantic fields are not shared between models)."""
+    return Field(
+        None, description="text (no constraint), json_object (any JSON object) or json_schema (`json_schema: "
+        "{name, schema, strict}`, `name` required): the answer is compact JSON following the schema. See "
+        "docs/api.md, Structured output.", examples=[{"type": "json_object"}],
+        json_schema_extra=object_schema({
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"anyOf": [{"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string", "minLength": 1}, "schema": {"anyOf": [{"type": "object"}, {"type": "null"}]},
+                "strict": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}}, {"type": "null"}]},
+        }, ["type"]))
 
 
 def _temperature_schema(schema: dict[str, Any]) -> None:
@@ -172,12 +186,11 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: str | NamedToolChoice | None = Field(
         None, description="none, auto, required, or {type: function, function: {name}}. Default: auto with "
-                          "tools. required and a named function are not enforced yet (see docs/api.md).")
-    parallel_tool_calls: bool | None = Field(None, description="Accepted; several calls are parsed when the "
-                                                               "model writes several.")
-    response_format: dict[str, Any] | None = Field(
-        None, description="Only {type: text} for now; JSON modes await structured output.",
-        json_schema_extra={"properties": {"type": {"const": "text"}}})
+                          "tools. required and a named function constrain the answer to a call in the chat "
+                          "template's format (see docs/api.md, Structured output).")
+    parallel_tool_calls: bool | None = Field(None, description="false: `tool_choice` required allows one call "
+                                                               "only; otherwise several calls are allowed and parsed.")
+    response_format: dict[str, Any] | None = _response_format()
 
 
 class CompletionRequest(SamplingFields):
@@ -195,6 +208,7 @@ class CompletionRequest(SamplingFields):
                                json_schema_extra=only_null)
     best_of: int | None = Field(None, description="Only 1 (or absent) for now (else a 400).",
                                 json_schema_extra={"minimum": 1, "maximum": 1})
+    response_format: dict[str, Any] | None = _response_format()
 
 
 # -- what the routes answer, for the OpenAPI document only ---------------------------------------------------

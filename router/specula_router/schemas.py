@@ -38,6 +38,37 @@ LOGIT_BIAS_KEY_PATTERN = r"^(0|[1-9][0-9]{0,9})$"
 _ADAPTER_ID_PATTERN = r"^$|^[^\s\x00-\x1f\x7f-\x9f]([^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f])?$"
 
 
+def object_schema(properties: dict[str, Any], required: list[str]) -> Any:
+    """A `dict[str, Any] | None` field's schema, with the object's known `properties` and `required` stated."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        for option in schema.get("anyOf", [schema]):
+            if option.get("type") == "object":
+                option.update(properties=properties, required=required)
+
+    return extra
+
+
+# A JSON schema: an object, or a string holding one (as TGI's and LoRAX's clients may send it).
+_SCHEMA_VALUE = {"type": "object", "description": "A JSON schema."}
+_SCHEMA_TEXT = {"type": "string", "description": "A JSON schema as text (grammar `regex`: the regex)."}
+GRAMMAR_SCHEMA = object_schema({
+    "type": {"type": "string", "enum": ["json", "json_object", "regex"]},
+    "value": {"anyOf": [_SCHEMA_VALUE, _SCHEMA_TEXT, {"type": "null"}],
+              "description": "json: a JSON schema (object or text); json_object: optional schema; regex: a regex."},
+}, ["type"])
+RESPONSE_FORMAT_SCHEMA = object_schema({
+    "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+    "schema": {"anyOf": [_SCHEMA_VALUE, _SCHEMA_TEXT, {"type": "null"}],
+               "description": "json_object: the schema the answer follows (absent: any JSON object)."},
+    "json_schema": {"anyOf": [{"type": "object", "properties": {
+        "name": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "schema": {"anyOf": [_SCHEMA_VALUE, {"type": "null"}]},
+        "strict": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}}, {"type": "null"}],
+        "description": "json_schema: {name, schema, strict}, as OpenAI's."},
+}, ["type"])
+
+
 def _is_none(value: Any) -> bool:
     return value is None
 
@@ -199,12 +230,17 @@ class GenerateParameters(_RequestModel):
         json_schema_extra=COUNT,
     )
     response_format: dict[str, Any] | None = Field(
-        None, description="LoRAX structured output (`{type: json_object, schema}`); not supported yet.",
-        json_schema_extra=only_null,
+        None, description="LoRAX structured output: `{type: json_object, schema}` (no schema: any JSON object), "
+        "OpenAI's `{type: json_schema, json_schema: {name, schema}}`, or `{type: text}` (none). Not with `grammar`. "
+        "See docs/api.md, Structured output.", json_schema_extra=RESPONSE_FORMAT_SCHEMA,
+        examples=[{"type": "json_object", "schema": {"type": "object", "properties": {"answer": {"type": "string"}},
+                                                     "required": ["answer"]}}],
     )
     grammar: dict[str, Any] | None = Field(
-        None, description="TGI structured output (`{type: json|regex, value}`); not supported yet.",
-        json_schema_extra=only_null,
+        None, description="TGI structured output: `{type: json, value: <JSON schema>}`, `{type: json_object}` "
+        "(any JSON object) or `{type: regex, value: <regex>}`; the answer is compact JSON, or matches the regex. "
+        "At most `--max-grammar-bytes`. See docs/api.md, Structured output.", json_schema_extra=GRAMMAR_SCHEMA,
+        examples=[{"type": "regex", "value": "[0-9]{3}-[0-9]{4}"}],
     )
     speculative_tokens: int | None = Field(
         None, description="Specula: cap this request's draft length per step, in [0, the server's "

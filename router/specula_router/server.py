@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from specula_router import openapi
 from specula_router.auth import ApiKeyMiddleware, document_api_key
 from specula_router.client import ShardedClient
+from specula_router.grammar import Grammar, GrammarChecker, GrammarError, generate_parameters_field
 from specula_router.http_errors import PayloadLimitMiddleware, error, install_error_handlers
 from specula_router.metrics import Metrics
 from specula_router.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIChunk
@@ -66,6 +67,8 @@ class RouterState:
     in_flight: int = 0
     validation_workers: int = 2  # threads that validate and tokenise (TGI's --validation-workers)
     openai: OpenAISettings | None = None  # chat template and adapter directories of the /v1/* routes
+    # Checks structured-output grammars against the tokenizer (grammar.py); None: one from the validator's tokenizer.
+    grammar_checker: GrammarChecker | None = None
     validation_pool: ThreadPoolExecutor = field(init=False, repr=False)
     _metrics_render: asyncio.Future | None = field(default=None, init=False, repr=False)
 
@@ -73,6 +76,13 @@ class RouterState:
         if self.validation_workers < 1:
             raise ValueError(f"--validation-workers must be at least 1; got {self.validation_workers}")
         self.validation_pool = ThreadPoolExecutor(self.validation_workers, thread_name_prefix="validation")
+        if self.grammar_checker is None:
+            self.grammar_checker = GrammarChecker(self.validator.tokenizer, self.validator.limits.vocab_size)
+
+    async def check_grammar(self, grammar: Grammar) -> None:
+        """Raises `GrammarError` when `grammar` does not compile against the tokenizer (or not in time)."""
+        assert self.grammar_checker is not None
+        await self.grammar_checker.check_or_raise(grammar)
 
     async def in_validation_worker(self, fn: Callable[..., T], *args) -> T:
         """`fn(*args)` in the validation pool: at most `validation_workers` run at once, the rest wait their turn."""
@@ -222,7 +232,8 @@ def _copy_headers(response: Response) -> dict:
 
 async def _admit(state: RouterState, inputs: str, parameters, stream: bool,
                  add_special_tokens: bool = True) -> tuple[ValidGenerateRequest, float]:
-    """Concurrency limit, then validation (in a thread: tokenising a long prompt is slow).
+    """Concurrency limit, then validation (in a thread: tokenising a long prompt is slow), then the grammar's
+    check against the tokenizer when the request has one (`grammar.py`: in a thread, cached).
 
     On success the request counts as in flight; the caller must decrement `state.in_flight` when it ends.
     """
@@ -234,6 +245,12 @@ async def _admit(state: RouterState, inputs: str, parameters, stream: bool,
     try:
         valid = await state.in_validation_worker(state.validator.validate, inputs, parameters, stream,
                                                  add_special_tokens)
+        if valid.grammar:
+            field = generate_parameters_field(parameters.grammar, parameters.response_format)
+            try:
+                await state.check_grammar(Grammar(valid.grammar, field))
+            except GrammarError as e:
+                raise ValidationError(e.message, e.field) from None
     except ValidationError as e:
         state.in_flight -= 1
         state.metrics.request_failure.labels("validation", "").inc()

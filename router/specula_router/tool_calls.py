@@ -7,6 +7,10 @@ The formats of the common templates:
     Mistral                     [TOOL_CALLS] [{"name": "f", "arguments": {...}}, ...]
     Llama 3.1 / 3.2 (JSON)      {"name": "f", "parameters": {...}}   (optionally after <|python_tag|>)
 
+With `tool_choice` "required" or a named function the answer is constrained to these formats, written as
+compact JSON (`grammar.tool_call_grammar`); a marker that is a special token of the tokenizer is left out, so
+such an answer may be the bare JSON list or object, which parses the same way.
+
 Each parsed call must name one of the request's functions; an answer that does not parse as calls is plain
 content (the model chose to answer in words). Arguments become a JSON string, as OpenAI sends them.
 

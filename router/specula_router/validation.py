@@ -12,7 +12,10 @@ Resolution rules (where Specula differs from TGI/LoRAX, the reason is given):
   prompt + new tokens + speculative lookahead pass the model's position limit (LoRAX #474).
 - `truncate` keeps the last `truncate` tokens of the encoded prompt, BOS included in the count (TGI).
 - A missing seed is drawn from the validator's generator, so all shards sample alike.
-- `grammar`, `response_format`, `watermark` and `merged_adapters` are refused, never silently ignored.
+- `grammar` (TGI) and `response_format` (LoRAX) become one llguidance grammar (`grammar.py`), built here and
+  held to `max_grammar_bytes`; whether it compiles against the tokenizer is checked next, by the HTTP layer
+  (`GrammarChecker`: off the event loop, under a time limit, cached).
+- `watermark` and `merged_adapters` are refused, never silently ignored.
 - `adapter_id` "" means the base model (LoRAX); a named adapter gets `adapter_source` (default: the server's
   `--adapter-source`) and keeps the request's `api_token`, which no error message ever repeats.
 - Every number must fit the worker's wire type (`wire.py`): `top_k` at most the vocabulary, floats that stay
@@ -36,6 +39,7 @@ from dataclasses import dataclass
 
 import tokenizers
 
+from specula_router.grammar import DEFAULT_MAX_GRAMMAR_BYTES, Grammar, GrammarError, from_generate_parameters
 from specula_router.requests import SamplingParameters, StoppingParameters, ValidGenerateRequest
 from specula_router.schemas import (
     ADAPTER_SOURCES,
@@ -78,6 +82,8 @@ class ValidationLimits:
     # Prompt tokens in one prefill; longer prompts are prefilled in chunks, except with `decoder_input_details`,
     # whose prompt log-probabilities need every prompt row in one forward. None: no such limit.
     max_batch_prefill_tokens: int | None = None
+    # Largest grammar, JSON schema or regex text of a request, in bytes as received (--max-grammar-bytes).
+    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
 
     def __post_init__(self) -> None:
         if self.max_input_tokens < 1:
@@ -95,6 +101,8 @@ class ValidationLimits:
             raise ValueError(f"max_position_embeddings must be >= 1, got {self.max_position_embeddings}")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+        if self.max_grammar_bytes < 1:
+            raise ValueError(f"--max-grammar-bytes must be at least 1, got {self.max_grammar_bytes}")
 
 
 class Validator:
@@ -127,6 +135,7 @@ class Validator:
         if not inputs:
             raise ValidationError("`inputs` cannot be empty", "inputs")
         self._check_unsupported(params)
+        grammar = self.grammar(params)
         adapter_id, adapter_source = self._adapter(params)
         sampling = self._sampling(params)
         best_of = self._best_of(params, sampling, stream)
@@ -172,6 +181,7 @@ class Validator:
             adapter_source=adapter_source,
             api_token=params.api_token if adapter_id is not None else None,
             speculative_tokens=speculative_tokens,
+            grammar=grammar.text if grammar is not None else "",
         )
 
     def tokenize(self, inputs: str, add_special_tokens: bool = True, truncate: int | None = None) -> list[SimpleToken]:
@@ -206,16 +216,22 @@ class Validator:
             )
         return tokens
 
+    def grammar(self, params: GenerateParameters) -> Grammar | None:
+        """The llguidance grammar of `grammar` or `response_format` (None: unconstrained), not yet checked
+        against the tokenizer (`GrammarChecker.check` does that, off the event loop).
+
+        Example: {"grammar": {"type": "regex", "value": "[0-9]+"}} -> Grammar(text='{"grammars":[...', field=
+        "grammar.value"); {"grammar": {"type": "xml"}} -> "`grammar.type` must be one of json, json_object, regex"
+        """
+        try:
+            return from_generate_parameters(params.grammar, params.response_format, self.limits.max_grammar_bytes)
+        except GrammarError as e:
+            raise ValidationError(e.message, e.field) from None
+
     # -- parameter checks ---------------------------------------------------------------------------------
 
     @staticmethod
     def _check_unsupported(params: GenerateParameters) -> None:
-        if params.grammar is not None:
-            raise ValidationError("`grammar` (structured output) is not supported yet", "grammar")
-        if params.response_format is not None:
-            raise ValidationError(
-                "`response_format` (structured output) is not supported yet", "response_format"
-            )
         if params.watermark:
             raise ValidationError("`watermark` is not supported", "watermark")
         if params.merged_adapters is not None:

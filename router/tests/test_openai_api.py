@@ -296,8 +296,6 @@ def test_unsupported_features_are_400_naming_the_field(tokenizer):
     async def fn(client):
         cases = [("/v1/completions", {"prompt": "x", "suffix": "y"}, "suffix"),
                  ("/v1/completions", {"prompt": "x", "best_of": 3}, "best_of"),
-                 ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}},
-                  "response_format"),
                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
                      {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages[0].content[0].type")]
         for path, payload, param in cases:

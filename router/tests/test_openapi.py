@@ -85,8 +85,12 @@ def test_null_is_declared_wherever_it_is_accepted(document):
                          ("GenerateParameters", tuple(GenerateParameters.model_fields))):
         for name in names:
             assert {"type": "null"} in properties(document, model)[name]["anyOf"], (model, name)
-    for name in ("grammar", "response_format", "merged_adapters"):  # refused: nothing but null is valid
-        assert properties(document, "GenerateParameters")[name]["anyOf"] == [{"type": "null"}]
+    assert properties(document, "GenerateParameters")["merged_adapters"]["anyOf"] == [{"type": "null"}]  # refused
+    for name in ("grammar", "response_format"):  # structured output: an object with a `type`, or null
+        options = properties(document, "GenerateParameters")[name]["anyOf"]
+        assert {"type": "null"} in options
+        (shape,) = [option for option in options if option.get("type") == "object"]
+        assert shape["required"] == ["type"] and "enum" in shape["properties"]["type"]
 
 
 def test_documented_bounds_are_the_validators(document, tokenizer):

@@ -1,0 +1,402 @@
+"""Structured output, router side: a request's grammar, JSON schema, regex or forced tool call turned into ONE
+llguidance grammar string, checked against the model's tokenizer before the request is queued.
+
+The workers compile that string (`Request.grammar`) with `llguidance.LLMatcher` and mask every position they
+sample, so the router's part is to accept the request fields of TGI, LoRAX and OpenAI, build the grammar, and
+refuse (422 on the TGI routes, 400 on `/v1/*`) any grammar that llguidance would not compile, never a crash:
+
+    TGI      parameters.grammar          {"type": "json", "value": <schema, or a string holding one>}
+                                         {"type": "json_object", "value": <schema or absent: any object>}
+                                         {"type": "regex", "value": "<regex>"}
+    LoRAX    parameters.response_format  {"type": "json_object", "schema": <schema or absent: any object>}
+                                         {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}
+                                         {"type": "text"}  (no constraint)
+    OpenAI   response_format             text (none), json_object (any object), json_schema (`name` required)
+             tools + tool_choice         "required" or {"type": "function", "function": {"name": f}}: a call in
+                                         the chat template's own tool-call format (below)
+
+JSON schemas compile with `whitespace_flexible: False`: the output is compact JSON (`{"a":1}`), with no free
+whitespace, so keys, quotes, colons and commas are forced tokens, which the workers draft for free when
+speculating, and the model cannot pad the answer with blank lines up to `max_new_tokens`. A schema may still
+ask for other separators through llguidance's own `x-guidance` key.
+
+Tool calls follow the template's format (`tool_calls.py` parses them back):
+
+    Hermes / Qwen2.5 / ChatML   <tool_call>\\n{"name":"f","arguments":{...}}\\n</tool_call>   (blocks joined by \\n)
+    Mistral                     [TOOL_CALLS] [{"name":"f","arguments":{...}},...]
+    Llama 3.1 / 3.2 (JSON)      {"name":"f","parameters":{...}}   (one call)
+
+The format is read from the template text: `<tool_call>` means Hermes, `[TOOL_CALLS]` Mistral, anything else
+the Llama JSON form. A marker that is a special token of the tokenizer (`[TOOL_CALLS]` in Mistral's v3
+tokenizers) is left out: the grammar matches text, and a special token is not text (nor is it in the decoded
+answer), so the call is written bare: Mistral's JSON list, or one Hermes call object, which the parser reads too.
+Each call object is `{"name": {"const": f}, "arguments": <f's parameters schema>}`, `anyOf` the allowed
+functions: `required` allows one or more calls of any tool (one for Llama, and for bare Hermes objects), a named
+function exactly one call of it. Llama's optional `<|python_tag|>` is not written.
+
+`GrammarChecker` runs `LLMatcher.validate_grammar` on a thread of its own, under a wall-clock limit, and keeps
+the results (errors included) of the last 256 distinct grammars, so a repeated grammar costs a dict lookup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import llguidance
+import tokenizers
+
+__all__ = [
+    "DEFAULT_GRAMMAR_COMPILE_TIMEOUT",
+    "DEFAULT_MAX_GRAMMAR_BYTES",
+    "HERMES",
+    "LLAMA",
+    "MISTRAL",
+    "Grammar",
+    "GrammarChecker",
+    "GrammarError",
+    "from_generate_parameters",
+    "from_openai_response_format",
+    "generate_parameters_field",
+    "json_schema_grammar",
+    "regex_grammar",
+    "tool_call_format",
+    "tool_call_grammar",
+]
+
+DEFAULT_MAX_GRAMMAR_BYTES = 65536
+DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 10.0
+# Compact JSON: no whitespace between tokens, so structure is forced (see the module docstring).
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+HERMES, MISTRAL, LLAMA = "hermes", "mistral", "llama"
+_ERROR_LINES, _ERROR_CHARS = 4, 400
+_TIMED_OUT = "did not compile within"
+_LISTING = re.compile(r"^\d+ \|")  # a numbered grammar line in llguidance's messages
+
+
+class GrammarError(ValueError):
+    """A structured-output field the router refuses; `field` names it (`grammar.value`, `response_format`...)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """An llguidance grammar (JSON text, as `LLMatcher` takes it) and the request field it was built from."""
+
+    text: str
+    field: str
+
+
+# -- building -----------------------------------------------------------------------------------------------
+
+
+def json_schema_grammar(schema: object, field: str, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> Grammar:
+    """The grammar of a JSON schema given as an object or as a string holding one (compact JSON output).
+
+    Example: json_schema_grammar({"type": "integer"}, "grammar.value").text
+             -> '{"grammars":[{"name":"json_schema","json_schema":{"type":"integer","x-guidance":...'
+    """
+    if isinstance(schema, str):
+        _check_size(schema, field, max_bytes)
+        try:
+            schema = json.loads(schema)
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise GrammarError(f"`{field}` is a string that does not hold JSON: {e}", field) from None
+    elif isinstance(schema, dict):
+        _check_size(_dumps(schema), field, max_bytes)
+    if isinstance(schema, bool):  # JSON Schema's `true` (anything) and `false` (nothing: never compiles)
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise GrammarError(f"`{field}` must be a JSON schema: an object. Given: {type(schema).__name__}", field)
+    try:
+        return Grammar(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS), field)
+    except Exception as e:  # ValueError; RecursionError for a schema nested past Python's limit
+        raise GrammarError(f"`{field}` is not a valid JSON schema: {_first_lines(str(e))}", field) from None
+
+
+def regex_grammar(regex: object, field: str, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> Grammar:
+    """The grammar of a regex the whole output must match (checked when the grammar is checked)."""
+    if not isinstance(regex, str):
+        raise GrammarError(f"`{field}` must be a string (a regex). Given: {type(regex).__name__}", field)
+    _check_size(regex, field, max_bytes)
+    return Grammar(llguidance.LLMatcher.grammar_from_regex(regex), field)
+
+
+def from_generate_parameters(grammar: Mapping[str, Any] | None, response_format: Mapping[str, Any] | None,
+                             max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> Grammar | None:
+    """The grammar of `/generate`'s `parameters.grammar` (TGI) or `parameters.response_format` (LoRAX); None
+    for neither (or `{"type": "text"}`). Both at once is refused."""
+    if grammar is not None and response_format is not None:
+        raise GrammarError("`grammar` and `response_format` cannot both be set: give one", "grammar")
+    if grammar is not None:
+        return _tgi_grammar(grammar, max_bytes)
+    if response_format is not None:
+        return _response_format(response_format, max_bytes, name_required=False)
+    return None
+
+
+def generate_parameters_field(grammar: Mapping[str, Any] | None, response_format: Mapping[str, Any] | None) -> str:
+    """The field a compile error of `from_generate_parameters`'s grammar is about."""
+    if grammar is not None:
+        return "grammar.value"
+    if (response_format or {}).get("type") == "json_schema":
+        return "response_format.json_schema.schema"
+    return "response_format.schema"
+
+
+def from_openai_response_format(response_format: Mapping[str, Any] | None,
+                                max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> Grammar | None:
+    """OpenAI's `response_format`: `text` (None), `json_object`, `json_schema` (its `name` is required)."""
+    if response_format is None:
+        return None
+    return _response_format(response_format, max_bytes, name_required=True)
+
+
+def _tgi_grammar(grammar: Mapping[str, Any], max_bytes: int) -> Grammar:
+    kind = grammar.get("type")
+    value = grammar.get("value")
+    if value is not None and not isinstance(value, (dict, str)):
+        raise GrammarError(f"`grammar.value` must be a JSON schema (an object, or a string holding one) or a regex "
+                           f"(a string). Given: {type(value).__name__}", "grammar.value")
+    if kind == "regex":
+        if "value" not in grammar:
+            raise GrammarError("`grammar.value` is required with `grammar.type` regex", "grammar.value")
+        return regex_grammar(value, "grammar.value", max_bytes)
+    if kind == "json":
+        if "value" not in grammar:
+            raise GrammarError("`grammar.value` is required with `grammar.type` json: a JSON schema",
+                               "grammar.value")
+        return json_schema_grammar(value, "grammar.value", max_bytes)
+    if kind == "json_object":
+        return json_schema_grammar(ANY_OBJECT if value is None else value, "grammar.value", max_bytes)
+    raise GrammarError(f"`grammar.type` must be one of json, json_object, regex. Given: {_shown(kind)}",
+                       "grammar.type")
+
+
+def _response_format(response_format: Mapping[str, Any], max_bytes: int, name_required: bool) -> Grammar | None:
+    kind = response_format.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise GrammarError(f"`response_format.type` must be one of text, json_object, json_schema. Given: "
+                           f"{_shown(kind)}", "response_format.type")
+    # Every key the API documents is checked whatever the type, so a mistyped one is never silently ignored.
+    schema = response_format.get("schema")
+    if schema is not None and not isinstance(schema, (dict, str)):
+        raise GrammarError(f"`response_format.schema` must be a JSON schema: an object. Given: "
+                           f"{type(schema).__name__}", "response_format.schema")
+    spec = response_format.get("json_schema")
+    if spec is not None:
+        if not isinstance(spec, dict):
+            raise GrammarError("`response_format.json_schema` must be an object with `name` and `schema`",
+                               "response_format.json_schema")
+        for key, types, what in (("name", str, "a string"), ("strict", bool, "a boolean"),
+                                 ("schema", dict, "a JSON schema: an object")):
+            if spec.get(key) is not None and not isinstance(spec[key], types):
+                raise GrammarError(f"`response_format.json_schema.{key}` must be {what}. Given: "
+                                   f"{type(spec[key]).__name__}", f"response_format.json_schema.{key}")
+        if name_required and not spec.get("name"):
+            raise GrammarError("`response_format.json_schema.name` is required: a non-empty string",
+                               "response_format.json_schema.name")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_schema_grammar(ANY_OBJECT if schema is None else schema, "response_format.schema", max_bytes)
+    if spec is None:
+        raise GrammarError("`response_format.json_schema` is required with `response_format.type` json_schema: "
+                           "an object with `name` and `schema`", "response_format.json_schema")
+    schema = spec.get("schema")
+    return json_schema_grammar({} if schema is None else schema, "response_format.json_schema.schema", max_bytes)
+
+
+def tool_call_format(template_text: str) -> str:
+    """The tool-call format a chat template teaches: HERMES, MISTRAL or LLAMA (the default)."""
+    if "<tool_call>" in template_text:
+        return HERMES
+    if "[TOOL_CALLS]" in template_text:
+        return MISTRAL
+    return LLAMA
+
+
+def tool_call_grammar(tools: Sequence[Mapping[str, Any]], tool_choice: str | Mapping[str, Any], call_format: str,
+                      special_tokens: Collection[str] = (), parallel: bool = True,
+                      max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> Grammar:
+    """The grammar of a forced tool call: `tool_choice` "required" (one or more calls of any of `tools`; one for
+    LLAMA, and one when `parallel` is false: OpenAI's `parallel_tool_calls: false`) or
+    {"type": "function", "function": {"name": f}} (exactly one call of f).
+
+    `tools` are OpenAI's: {"type": "function", "function": {"name", "parameters"}}. `special_tokens`: the
+    tokenizer's special tokens' texts; a marker among them is left out (see the module docstring).
+
+    Example (HERMES, tool_choice "required", one tool `add` without parameters), as Lark:
+        start: call_block ("\\n" call_block)*
+        call_block: "<tool_call>\\n" call "\\n</tool_call>"
+        call: %json{"anyOf": [{"type": "object", "properties": {"name": {"const": "add"}, "arguments": ...
+    """
+    functions = {}
+    for tool in tools:
+        function = tool.get("function") or {}
+        functions[function.get("name")] = function.get("parameters")
+    if tool_choice == "required":
+        names, several = list(functions), parallel
+    else:
+        name = ((tool_choice or {}).get("function") or {}).get("name") if isinstance(tool_choice, Mapping) else None
+        if name not in functions:
+            raise GrammarError(f"`tool_choice` names a function that is not in `tools`: {_shown(name)}",
+                               "tool_choice")
+        names, several = [name], False
+    if not names:
+        raise GrammarError("`tool_choice` required needs at least one tool in `tools`", "tool_choice")
+    key = "parameters" if call_format == LLAMA else "arguments"
+    calls = []
+    for name in names:
+        parameters = functions[name]
+        if parameters is None:
+            parameters = ANY_OBJECT
+        if not isinstance(parameters, dict):
+            raise GrammarError(f"`tools`: the parameters of {name!r} must be a JSON schema object", "tools")
+        calls.append({"type": "object", "properties": {"name": {"const": name}, key: parameters},
+                      "required": ["name", key], "additionalProperties": False})
+    call_schema = {"anyOf": calls, "x-guidance": dict(JSON_OPTIONS)}
+    lines = []
+    if call_format == HERMES:
+        opener = "" if "<tool_call>" in special_tokens else "<tool_call>\\n"
+        closer = "" if "</tool_call>" in special_tokens else "\\n</tool_call>"
+        several = several and bool(opener and closer)  # bare objects joined by newlines would not parse back
+        lines.append('start: call_block ("\\n" call_block)*' if several else "start: call_block")
+        lines.append(f'call_block: "{opener}" call "{closer}"' if opener or closer else "call_block: call")
+    elif call_format == MISTRAL:
+        marker = "" if "[TOOL_CALLS]" in special_tokens else '"[TOOL_CALLS] " '
+        lines.append(f'start: {marker}"[" call ("," call)* "]"' if several else f'start: {marker}"[" call "]"')
+    else:
+        lines.append("start: call")
+    lines.append("call: %json" + _dumps(call_schema))
+    lark = "\n".join(lines) + "\n"
+    _check_size(lark, "tools", max_bytes)
+    return Grammar(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
+
+
+def special_token_texts(tokenizer: tokenizers.Tokenizer) -> frozenset[str]:
+    """The texts of the tokenizer's special added tokens (`<s>`, `[TOOL_CALLS]`, ...)."""
+    return frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
+
+
+def _check_size(text: str, field: str, max_bytes: int) -> None:
+    size = len(text.encode("utf-8", errors="surrogatepass"))
+    if size > max_bytes:
+        raise GrammarError(f"`{field}` must be at most {max_bytes} bytes (--max-grammar-bytes). Given: {size}",
+                           field)
+
+
+def _dumps(value: object) -> str:
+    try:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    except (ValueError, RecursionError) as e:  # NaN survives JSON parsing in Python; nesting past the limit
+        raise GrammarError(f"a schema that cannot be written as JSON: {e}", "grammar") from None
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _first_lines(message: str) -> str:
+    """The gist of an llguidance message, on one line: its first lines, without the caret lines under a regex
+    nor the grammar listing or parser state that may follow.
+
+    Example: the message of the regex "(abc", whose lines are
+                 at 1(8): invalid regex "(abc" (in regex): regex parse error: | (abc | ^ | error: unclosed group
+                 | 1 | start: /(abc/ | ^
+             -> 'at 1(8): invalid regex "(abc" (in regex): regex parse error:; (abc; error: unclosed group'
+    """
+    lines = []
+    for line in message.strip().splitlines():
+        line = line.strip()
+        if line.startswith("<") or _LISTING.match(line) or len(lines) == _ERROR_LINES:
+            break
+        if line and line.strip("^ "):
+            lines.append(line)
+    text = "; ".join(lines) or message.strip()[:_ERROR_CHARS]
+    return text if len(text) <= _ERROR_CHARS else text[:_ERROR_CHARS - 3] + "..."
+
+
+# -- checking -----------------------------------------------------------------------------------------------
+
+
+class GrammarChecker:
+    """Checks grammars against the model's tokenizer, off the event loop, once per distinct grammar text.
+
+    `check` answers "" for a grammar that compiles, else a short error message. The LLTokenizer is built on first
+    use (in the checking thread: a large vocabulary takes a while). `validations` counts the grammars actually
+    handed to llguidance, so a cache hit shows as no change.
+    """
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, vocab_size: int | None = None,
+                 eos_token_ids: Iterable[int] = (), timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
+                 cache_size: int = 256, workers: int = 2) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"--grammar-compile-timeout must be positive; got {timeout_s}")
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size or tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eos_token_ids = sorted(set(eos_token_ids))
+        self.timeout_s = timeout_s
+        self.cache_size = cache_size
+        self.special_tokens = special_token_texts(tokenizer)
+        self.validations = 0
+        self._lltokenizer: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, Future[str]] = OrderedDict()
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="grammar-check")
+
+    async def check(self, grammar: str) -> str:
+        """"" when `grammar` compiles against the tokenizer; else why not (llguidance's first lines, or the
+        time limit). Concurrent checks of one grammar share one validation; its result stays cached."""
+        future = self._cache.get(grammar)
+        if future is None or future.cancelled():
+            future = self._executor.submit(self._validate, grammar)
+            self._cache[grammar] = future
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(grammar)
+        try:
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.timeout_s)
+        except asyncio.TimeoutError:
+            return f"{_TIMED_OUT} {self.timeout_s:g} s (--grammar-compile-timeout)"
+
+    async def check_or_raise(self, grammar: Grammar) -> None:
+        """Raises `GrammarError` naming `grammar.field` when the grammar does not compile."""
+        message = await self.check(grammar.text)
+        if message.startswith(_TIMED_OUT):
+            raise GrammarError(f"`{grammar.field}` {message}", grammar.field)
+        if message:
+            raise GrammarError(f"`{grammar.field}` does not compile: {message}", grammar.field)
+
+    def lltokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._lltokenizer is None:
+                self._lltokenizer = llguidance.LLTokenizer(self.tokenizer.to_str(), n_vocab=self.vocab_size,
+                                                           eos_token=self.eos_token_ids or None)
+            return self._lltokenizer
+
+    def _validate(self, grammar: str) -> str:
+        self.validations += 1
+        try:
+            message = llguidance.LLMatcher.validate_grammar(grammar, self.lltokenizer(),
+                                                            limits=llguidance.LLParserLimits())
+        except Exception as e:  # a tokenizer llguidance cannot read, a grammar it cannot parse at all
+            message = str(e) or type(e).__name__
+        return _first_lines(message) if message else ""
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
