@@ -42,9 +42,12 @@ from worker_decode import measure_bandwidth, time_worker  # noqa: E402
 DEMO_MODEL = REPO / "launcher" / "specula_launcher" / "demo_model"
 
 
-def variants(group_size: int) -> dict[str, dict]:
-    return {"float32": {}, "int8": {"quantize": "int8"},
-            "int4": {"quantize": "int4", "quantize_group_size": group_size}}
+def variants(group_size: int, bfloat16: bool = False) -> dict[str, dict]:
+    out = {"float32": {}, "int8": {"quantize": "int8"},
+           "int4": {"quantize": "int4", "quantize_group_size": group_size}}
+    if bfloat16:  # the whole model in bfloat16 (weights, activations, KV cache), not quantized
+        out["bfloat16"] = {"dtype": "bfloat16"}
+    return out
 
 
 def bytes_per_token(model: torch.nn.Module) -> int:
@@ -63,7 +66,7 @@ def run_decode(args) -> dict:
         model_dir = args.model_dir or build_tiny_model(Path(tmp) / "model", "llama", **BENCHMARK_125M)
         num_blocks = -(-(args.prompt_tokens + args.new_tokens) // 16)
         generators = {name: load_test_generator(model_dir, num_blocks=num_blocks, **settings)
-                      for name, settings in variants(args.group_size).items()}
+                      for name, settings in variants(args.group_size, args.bfloat16).items()}
         prompt = [1] + [(7 * i) % 400 + 3 for i in range(args.prompt_tokens - 1)]
         device = torch.device("cpu")
         for generator in generators.values():  # warm every path up
@@ -173,6 +176,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=64, help="int4 inputs per scale and zero")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--bfloat16", action="store_true", help="decode: also the whole model in bfloat16")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--windows", type=int, default=32)
