@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specula_kernels.linear import default_num_parts, linear, linear_reference, pack_weight, unpack_weight
+from specula_kernels.linear import (
+    default_num_parts, linear, linear_reference, onednn_linear, onednn_pack, onednn_supports, pack_weight, unpack_weight,
+)
 
 
 @pytest.mark.parametrize("num_parts", [1, 2, 4])
@@ -40,3 +42,35 @@ def test_shape_and_dtype_checks():
         linear(torch.zeros(2, 5), packed)
     with pytest.raises(AssertionError):
         linear(torch.zeros(2, 4, dtype=torch.float64), packed)
+
+
+@pytest.mark.skipif(not onednn_supports(torch.float32, torch.device("cpu")), reason="PyTorch built without oneDNN")
+@pytest.mark.parametrize("rows", [1, 3, 17, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_onednn_linear_matches_reference(rows, with_bias):
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(96, 64, generator=gen)
+    bias = torch.randn(96, generator=gen) if with_bias else None
+    x = torch.randn(rows, 64, generator=gen)
+    packed = onednn_pack(weight)  # packed once, for any row count
+    torch.testing.assert_close(onednn_linear(x, packed, bias), linear_reference(x, weight, bias), rtol=1e-5, atol=1e-5)
+    with pytest.raises(AssertionError):
+        onednn_linear(torch.zeros(2, 65), packed)
+
+
+@pytest.mark.skipif(not onednn_supports(torch.bfloat16, torch.device("cpu")),
+                    reason="oneDNN has no native bfloat16 kernels on this CPU")
+def test_onednn_bfloat16_linear_is_the_product_rounded_once():
+    """bfloat16 in and out: the float32 product of the same bfloat16 values, rounded to bfloat16 at the end."""
+    gen = torch.Generator().manual_seed(2)
+    weight = (torch.randn(256, 128, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(9, 128, generator=gen).bfloat16()
+    out = onednn_linear(x, onednn_pack(weight))
+    assert out.dtype == torch.bfloat16
+    reference = linear_reference(x.float(), weight.float())
+    torch.testing.assert_close(out.float(), reference, rtol=2**-7, atol=1e-3)
+
+
+def test_onednn_is_only_for_cpu_float32_and_native_bfloat16():
+    assert not onednn_supports(torch.float32, torch.device("cuda"))
+    assert not onednn_supports(torch.float16, torch.device("cpu"))

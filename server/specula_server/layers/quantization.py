@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from specula_kernels.linear import default_num_parts, linear, pack_weight
+from specula_kernels.linear import default_num_parts, linear, onednn_linear, onednn_pack, onednn_supports, pack_weight
 from specula_kernels.quantized_linear import (
     INT4_GROUP_SIZES,
     INT8_IN_MULTIPLE,
@@ -69,15 +69,20 @@ def _check_group_size(group_size: int) -> None:
 
 
 class DenseLinear(nn.Module):
-    """Float weights, packed as one column block per CPU thread (`specula_kernels.linear`)."""
+    """Float weights in oneDNN's packed layout where it serves their dtype on this CPU, else packed as one column
+    block per CPU thread (`specula_kernels.linear` has both, and the measurements that chose between them)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        parts = default_num_parts(weight.shape[0], weight.device)
-        self.weight = nn.Parameter(pack_weight(weight, parts), requires_grad=False)  # [parts, in, out/parts]
+        self.onednn = onednn_supports(weight.dtype, weight.device)
+        if self.onednn:
+            self.register_buffer("packed", onednn_pack(weight))  # opaque; `in` features on dim 1
+        else:
+            parts = default_num_parts(weight.shape[0], weight.device)
+            self.weight = nn.Parameter(pack_weight(weight, parts), requires_grad=False)  # [parts, in, out/parts]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return onednn_linear(x, self.packed) if self.onednn else linear(x, self.weight)
 
 
 class Int8Linear(nn.Module):
