@@ -169,6 +169,12 @@ def main(
         None, envvar="CORS_ALLOW_ORIGIN", help="Allowed CORS origin (repeat the flag for several)."),
     kv_cache_memory: Optional[str] = typer.Option(
         None, envvar="KV_CACHE_MEMORY", help="KV cache size per shard, e.g. 2GiB. Default: the shard's."),
+    kv_cache_dtype: Optional[str] = typer.Option(
+        None, envvar="KV_CACHE_DTYPE",
+        help="What the KV cache stores keys and values in: auto (the --dtype), bfloat16, float16, fp8 or fp8_e4m3 "
+             "(float8 e4m3fn; TGI's fp8_e4m3fn too), fp8_e5m2. Storage only, converted on write and read (fp8 with "
+             "a scale of 1.0): a narrower cache holds more blocks in --kv-cache-memory (fp8: 4x float32's). "
+             "Default: auto."),
     block_size: int = typer.Option(16, envvar="BLOCK_SIZE", help="Tokens per KV cache block."),
     shutdown_timeout: int = typer.Option(
         30, "--shutdown-timeout", "--graceful-termination-timeout",

@@ -51,7 +51,6 @@ FOREIGN_FLAGS = {f.flag: f for f in (
     # TGI
     ForeignFlag("--sharded", "TGI/LoRAX", R, "use --num-shard N (1: one process, no tensor parallelism)",
                 harmless_values=("false",)),
-    ForeignFlag("--kv-cache-dtype", "TGI", R, "the KV cache is kept in --dtype"),
     ForeignFlag("--trust-remote-code", "TGI/LoRAX", R, "Specula runs its own Llama-family implementation and never "
                 "executes a checkpoint's code", takes_value=False),
     ForeignFlag("--cuda-graphs", "TGI", W, "Specula captures no CUDA graphs (this only changes speed)",

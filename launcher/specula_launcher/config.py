@@ -36,6 +36,8 @@ DEMO_ADAPTERS_DIR = Path(__file__).resolve().parent / "demo_adapters"
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE_METHODS = ("int8", "int4")  # the worker's (specula_server.layers.quantization), checked before any start
+# The worker's --kv-cache-dtype values (specula_server.kv_cache.KV_CACHE_DTYPES), checked before any start.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e4m3fn", "fp8_e5m2")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEVICES = ("cpu", "cuda")
 ADAPTER_SOURCES = ("hub", "local")
@@ -68,6 +70,7 @@ class LauncherConfig:
     device: str
     quantize: str | None = None  # weight-only quantization of the linear layers: int8, int4 or None
     quantize_group_size: int = 64  # int4: inputs per scale and zero
+    kv_cache_dtype: str | None = None  # what the shards' KV cache stores (KV_CACHE_DTYPES); None: theirs (auto)
     revision: str | None = None
     num_shard: int = 1
     port: int = 3000
@@ -162,6 +165,8 @@ def _check_choices(c: LauncherConfig) -> None:
     if c.quantize_group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"--quantize-group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}; "
                          f"got {c.quantize_group_size}")
+    if c.kv_cache_dtype is not None and c.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {c.kv_cache_dtype!r}")
     if c.adapter_source not in ADAPTER_SOURCES:
         raise ValueError(f"--adapter-source must be one of {', '.join(ADAPTER_SOURCES)}; got {c.adapter_source!r}")
     if c.api_key is not None and not c.api_key.strip():

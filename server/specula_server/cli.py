@@ -47,6 +47,11 @@ def serve(
              "(a scale per output channel) or int4 (a scale and zero per group of inputs). Default: none."),
     quantize_group_size: int = typer.Option(64, envvar="QUANTIZE_GROUP_SIZE",
                                             help="int4: inputs per scale and zero (32, 64, 128 or 256)."),
+    kv_cache_dtype: str = typer.Option(
+        "auto", envvar="KV_CACHE_DTYPE",
+        help="What the KV cache stores keys and values in: auto (the --dtype), bfloat16, float16, fp8 or "
+             "fp8_e4m3 (float8 e4m3fn, also fp8_e4m3fn), fp8_e5m2. Storage only (converted on write and read, fp8 "
+             "with a scale of 1.0): a narrower cache holds more blocks in --kv-cache-memory."),
     device: str = typer.Option("cpu", envvar="DEVICE", help="cpu or cuda."),
     block_size: int = typer.Option(16, envvar="BLOCK_SIZE", help="Tokens per KV cache block."),
     kv_cache_memory: Optional[str] = typer.Option(
@@ -111,6 +116,7 @@ def serve(
             ngram_max=ngram_max, ngram_match=ngram_match, adapter_dirs=tuple(adapter_dir),
             max_active_adapters=max_active_adapters, speculator=speculator, draft_tree_width=draft_tree_width,
             instance_id=instance_id, quantize=quantize, quantize_group_size=quantize_group_size,
+            kv_cache_dtype=kv_cache_dtype,
             local_rank=local_rank, grpc_host=grpc_host, suffix_cache_tokens=suffix_cache_tokens,
         )
     except ValueError as e:

@@ -68,6 +68,7 @@ class TextGenerator:
         speculation: SpeculationConfig | None = None,
         adapters: AdapterRegistry | None = None,
         group: ShardGroup | None = None,
+        kv_cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.group = group or ShardGroup()
@@ -83,6 +84,8 @@ class TextGenerator:
         self.block_size = block_size
         self.device = device
         self.dtype = model.norm.weight.dtype
+        # What the KV cache stores keys and values in (--kv-cache-dtype); by default the compute dtype.
+        self.kv_cache_dtype = kv_cache_dtype or self.dtype
         self.sampler = Sampler()
         self.kv_cache: KVCache | None = None
         self.requests: dict[int, RequestState] = {}
@@ -123,7 +126,7 @@ class TextGenerator:
         """Memory one KV block costs the worker: the target's keys and values, and the draft model's."""
         cfg = self.model.config
         size = KVCache.bytes_per_block(cfg.num_layers, self.model.num_kv_heads, cfg.head_dim, self.block_size,
-                                       self.dtype)
+                                       self.kv_cache_dtype)
         if self.draft_model is not None:
             size += self.draft_model.bytes_per_block(self.block_size)
         return size
@@ -133,7 +136,8 @@ class TextGenerator:
         self.release_kv_cache()  # release the old caches before allocating the new ones
         cfg = self.model.config
         self.kv_cache = KVCache.allocate(
-            num_blocks, self.block_size, cfg.num_layers, self.model.num_kv_heads, cfg.head_dim, self.dtype, self.device
+            num_blocks, self.block_size, cfg.num_layers, self.model.num_kv_heads, cfg.head_dim, self.kv_cache_dtype,
+            self.device,
         )
         if self.draft_model is not None:  # the same blocks, addressed by the same slots
             self.draft_model.allocate_kv_cache(num_blocks, self.block_size)

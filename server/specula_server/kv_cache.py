@@ -2,6 +2,12 @@
 
 `num_slots = num_blocks * block_size`. Blocks are handed out by the router; a request's block table maps its
 positions to slots (`slots_for_blocks`). The cache itself knows nothing about requests.
+
+Storage dtype (`--kv-cache-dtype`, vLLM's names): `auto` keeps keys and values in the model's compute dtype;
+`bfloat16`/`float16` or fp8 (`fp8`/`fp8_e4m3`: float8_e4m3fn, `fp8_e5m2`: float8_e5m2) store them narrower, so
+the same `--kv-cache-memory` holds more blocks (fp8: 4x float32's). Storage only: `write_kv_cache` converts on
+write (clamped to the storage range, scale 1.0, as vLLM without calibrated scales) and attention converts back
+to the compute dtype when it gathers the context (specula_kernels.paged_attention).
 """
 
 from __future__ import annotations
@@ -9,6 +15,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+# --kv-cache-dtype values (vLLM's, plus TGI's `fp8_e4m3fn`) -> storage dtype; None: the compute dtype.
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e4m3fn": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def parse_kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The storage dtype `--kv-cache-dtype name` asks for on a model computing in `compute_dtype`.
+
+    >>> parse_kv_cache_dtype("fp8", torch.float32)
+    torch.float8_e4m3fn
+    >>> parse_kv_cache_dtype("auto", torch.bfloat16)
+    torch.bfloat16
+    """
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
+    return KV_CACHE_DTYPES[name] or compute_dtype
+
+
+def _indexable(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, viewed as uint8 where it is float8: CPU has no float8 `index_copy_` (torch 2.13)."""
+    return tensor.view(torch.uint8) if tensor.element_size() == 1 and tensor.is_floating_point() else tensor
 
 
 @dataclass
@@ -47,10 +82,16 @@ class KVCache:
         return self.num_blocks * self.block_size
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copies every layer's keys and values from slots `src` to slots `dst` (all read before any write)."""
-        for keys, values in self.layers:
-            keys.index_copy_(0, dst, keys.index_select(0, src))
-            values.index_copy_(0, dst, values.index_select(0, src))
+        """Copies every layer's keys and values from slots `src` to slots `dst` (all read before any write).
+
+        Bytes are copied as they are stored, whatever the storage dtype (fp8 through a uint8 view)."""
+        for layer in self.layers:
+            for cache in map(_indexable, layer):
+                cache.index_copy_(0, dst, cache.index_select(0, src))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.layers[0][0].dtype if self.layers else torch.float32
 
 
 def slots_for_blocks(blocks: torch.Tensor, block_size: int) -> torch.Tensor:

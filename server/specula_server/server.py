@@ -24,6 +24,7 @@ from specula_server.adapters.registry import AdapterRegistry
 from specula_server.distributed import ShardGroup, init_distributed
 from specula_server.generator import SpeculationConfig, TextGenerator
 from specula_server.hub import resolve_model_dir, weight_files
+from specula_server.kv_cache import parse_kv_cache_dtype
 from specula_server.layers.quantization import DEFAULT_GROUP_SIZE, Quantization, check_float_checkpoint
 from specula_server.models import build_model
 from specula_server.models.config import ModelConfig
@@ -73,6 +74,9 @@ class ServerConfig:
     instance_id: str = ""  # the launcher run this shard belongs to (reported in Info); "" when started alone
     quantize: str | None = None  # weight-only quantization of the linear layers: int8, int4 or None (float)
     quantize_group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per scale and zero
+    # What the KV cache stores keys and values in: auto (the compute dtype), bfloat16, float16, fp8 / fp8_e4m3
+    # (float8_e4m3fn) or fp8_e5m2 (kv_cache.KV_CACHE_DTYPES)
+    kv_cache_dtype: str = "auto"
     suffix_cache_tokens: int = DEFAULT_CACHE_TOKENS  # `--speculator suffix`: output tokens the global trees hold
     local_rank: int | None = None  # rank on this node, the GPU index (None: `rank`, one node)
     grpc_host: str | None = None  # also serve TCP on this address, the one the router is given (other nodes)
@@ -81,6 +85,7 @@ class ServerConfig:
         Quantization.parse(self.quantize, self.quantize_group_size)  # a ValueError naming the flag
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        parse_kv_cache_dtype(self.kv_cache_dtype, DTYPES[self.dtype])  # a ValueError naming the flag
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.block_size < 1:
@@ -147,8 +152,12 @@ def load_generator(config: ServerConfig, group: ShardGroup) -> tuple[TextGenerat
         drafter = build_drafter(model, adapters, fallback, speculator, config.draft_tree_width)
         speculation = SpeculationConfig(drafter, config.speculative_tokens, config.speculation_mode,
                                         draft_model=speculator if isinstance(speculator, DraftModelDrafter) else None)
+    kv_cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype, dtype)
+    if kv_cache_dtype != dtype:
+        logger.info("KV cache stored as %s (--kv-cache-dtype %s), computed in %s", kv_cache_dtype,
+                    config.kv_cache_dtype, dtype)
     generator = TextGenerator(model, tokenizer, eos_ids, config.block_size, device, speculation, adapters,
-                              group)
+                              group, kv_cache_dtype=kv_cache_dtype)
     sha = model_dir.name if "snapshots" in model_dir.parts else ""
     return generator, sha
 
