@@ -24,6 +24,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     sys.path[:0] = [str(args.tree.resolve() / p) for p in ("server", "kernels", "proto")]
     import torch
@@ -32,7 +33,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     num_blocks = args.concurrency * 8 + 16
-    generator = load_test_generator(args.model_dir, num_blocks=num_blocks)
+    generator = load_test_generator(args.model_dir, num_blocks=num_blocks, dtype=args.dtype)
     pool = BlockPool(num_blocks, 16)
     specs = [make_spec(i, [1] + [(i * 7 + j) % 1000 + 3 for j in range(31)], pool, max_new_tokens=args.steps + 20)
              for i in range(args.concurrency)]
@@ -49,7 +50,9 @@ def main() -> None:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    print(f"{args.tree}: {args.concurrency} sequences, median decode step {statistics.median(times[10:]) * 1e3:.1f} ms")
+    median = statistics.median(times[10:])
+    print(f"{args.tree}: {args.dtype}, {args.concurrency} sequences, median decode step {median * 1e3:.1f} ms, "
+          f"{args.concurrency / median:.0f} tokens/s")
 
 
 if __name__ == "__main__":

@@ -64,7 +64,8 @@ def main() -> None:
     results: dict[int, dict[str, float]] = {}
     print(f"{len(SHAPES)} products per token, {args.threads} threads, median of {args.rounds} alternating rounds "
           f"(ms); oneDNN bfloat16 native: {onednn_supports(torch.bfloat16, torch.device('cpu'))}")
-    print("| rows | " + " | ".join(kinds) + " |\n|---" * (len(kinds) + 1) + "|")
+    print("| rows | " + " | ".join(kinds) + " |")
+    print("|---" * (len(kinds) + 1) + "|")
     for rows in args.rows:
         inputs = {dtype: {i: torch.randn(rows, i, generator=gen).to(dtype) for _, i in SHAPES}
                   for dtype in {d for d, _, _ in kinds.values()}}
