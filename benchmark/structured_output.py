@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -29,7 +30,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "router")]
+sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "router", "benchmark")]
 
 import llguidance  # noqa: E402
 import torch  # noqa: E402
@@ -40,31 +41,11 @@ from specula_server.testing.code_corpus import read_sources, source_files  # noq
 from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
 from specula_server.testing.tokenizer import build_tokenizer  # noqa: E402
 from specula_server.testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
+from structured_output_grammars import EXTRACTION_SCHEMA, FREE_TEXT_SCHEMA, JSON_SCHEMAS, REGEXES  # noqa: E402
 
 DEMO = REPO / "launcher" / "specula_launcher" / "demo_model"
 JSON_OPTIONS = {"whitespace_flexible": False}  # what the router compiles schemas with
 
-# Free text in every value: each step's mask is computed over the whole vocabulary.
-FREE_TEXT_SCHEMA = {"type": "object", "properties": {"summary": {"type": "string"}, "notes": {"type": "string"}},
-                    "required": ["summary", "notes"], "additionalProperties": False}
-
-# An extraction record: long fixed keys (forced tokens), short values the model chooses.
-EXTRACTION_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "customer_full_name": {"type": "string", "maxLength": 12},
-        "customer_email_address": {"type": "string", "maxLength": 12},
-        "shipping_address_city": {"type": "string", "maxLength": 10},
-        "shipping_address_country_code": {"enum": ["US", "FR", "DE", "JP"]},
-        "order_total_amount_cents": {"type": "integer", "minimum": 0, "maximum": 99999},
-        "is_priority_customer": {"type": "boolean"},
-        "requested_delivery_window": {"enum": ["morning", "afternoon", "evening"]},
-    },
-    "required": ["customer_full_name", "customer_email_address", "shipping_address_city",
-                 "shipping_address_country_code", "order_total_amount_cents", "is_priority_customer",
-                 "requested_delivery_window"],
-    "additionalProperties": False,
-}
 EXTRACTION_PROMPTS = [
     "def parse_order(record):\n    # returns the order as a dict\n    return ",
     "# Order 1182: Jane Doe, jane@example.com, ships to Lyon (FR), 45.10 EUR, priority, deliver mornings\norder = ",
@@ -74,19 +55,10 @@ EXTRACTION_PROMPTS = [
 
 
 def grammars_to_compile() -> dict[str, str]:
-    sys.path.insert(0, str(REPO / "server" / "tests"))
-    from test_grammar import ABC_REGEX, REGEX, SCHEMA  # the worker tests' grammars
-
-    out = {
-        "test schema (nested, enums, ranges, lengths)": llguidance.LLMatcher.grammar_from_json_schema(
-            SCHEMA, defaults=JSON_OPTIONS),
-        "free-text schema": llguidance.LLMatcher.grammar_from_json_schema(FREE_TEXT_SCHEMA, defaults=JSON_OPTIONS),
-        "extraction schema": llguidance.LLMatcher.grammar_from_json_schema(EXTRACTION_SCHEMA, defaults=JSON_OPTIONS),
-        "any JSON object": llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS),
-        "regex (test)": llguidance.LLMatcher.grammar_from_regex(REGEX),
-        "regex (letters)": llguidance.LLMatcher.grammar_from_regex(ABC_REGEX),
-        "regex (date)": llguidance.LLMatcher.grammar_from_regex(r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"),
-    }
+    """The benchmark's JSON schemas and regexes (`structured_output_grammars.py`) and a forced tool call."""
+    out = {name: llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+           for name, schema in JSON_SCHEMAS.items()}
+    out.update((name, llguidance.LLMatcher.grammar_from_regex(regex)) for name, regex in REGEXES.items())
     from specula_router.grammar import HERMES, tool_call_grammar
     from specula_server.testing.chat_templates import WEATHER_TOOL
 
@@ -226,13 +198,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--keep-tokenizer", type=Path, help="also copy the 32000-token tokenizer's files here")
     parser.add_argument("--out", type=Path, default=REPO / "benchmark" / "results" / "structured_output.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     only = set(args.only or ["step", "forced", "compile"])
     results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = big_tokenizer_model(Path(tmp)) if only & {"step", "compile"} else None
+        model_dir = big_tokenizer_model(Path(tmp)) if only & {"step", "compile"} or args.keep_tokenizer else None
+        if args.keep_tokenizer:
+            args.keep_tokenizer.mkdir(parents=True, exist_ok=True)
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+                shutil.copy(model_dir / name, args.keep_tokenizer / name)
         if "compile" in only:
             results["compile"] = bench_compile(model_dir, repeats=5)
         if "step" in only:
