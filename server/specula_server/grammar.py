@@ -217,6 +217,7 @@ class MaskJob:
             at += 1 + len(tokens)
         return spans
 
+    @torch.inference_mode()  # the step allocated `bitmask` in inference mode, which is per thread
     def _run(self) -> None:
         for (index, grammar, tokens, parents), (_, at, _) in zip(self.items, self.spans()):
             try:

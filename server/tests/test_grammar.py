@@ -335,3 +335,68 @@ def test_a_request_waits_for_its_grammar_without_stalling_the_others(llama_dir, 
     while generator.requests:
         outputs += step(generator)
     assert [t.id for o in outputs if o.request_id == 0 for t in o.tokens] == expected
+
+
+@pytest.fixture(scope="module")
+def more_drafters(llama_dir, tmp_path_factory):
+    """A draft model (a noisy copy of the target) and suffix decoding."""
+    from test_draft_model import perturbed_copy
+
+    draft = perturbed_copy(llama_dir, tmp_path_factory.mktemp("grammar-draft") / "noisy", std=0.1)
+    return {"draft_model": speculative(llama_dir, speculator=str(draft)),
+            "suffix": speculative(llama_dir, speculator="suffix")}
+
+
+@pytest.mark.parametrize("method", ["draft_model", "suffix"])
+def test_constrained_greedy_output_is_identical_with_every_drafter(drafting, more_drafters, method):
+    pool = BlockPool(1024, 16)
+    for grammar in (json_grammar(SCHEMA), regex_grammar(REGEX)):
+        expected = generate_alone(drafting["off"], make_spec(0, PROMPT, pool, max_new_tokens=MAX_JSON_TOKENS,
+                                                             grammar=grammar, lookahead=8))
+        got = generate_alone(more_drafters[method], make_spec(0, PROMPT, pool, max_new_tokens=MAX_JSON_TOKENS,
+                                                              grammar=grammar, lookahead=8))
+        assert token_ids(got) == token_ids(expected)
+
+
+def test_sampled_drafts_of_a_draft_model_follow_the_schema(more_drafters):
+    """Drafts sampled from the draft model's q are kept whole (see `within_grammar`) and rejected by the rule
+    where the grammar forbids them: every output still validates."""
+    outputs = run_steps(more_drafters["draft_model"], sampled_specs(json_grammar(SCHEMA), 30, MAX_JSON_TOKENS))
+    for text in texts_of(outputs, 30):
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert sum(o.num_drafted for o in outputs if o.draft_method == "draft_model") > 0
+
+
+def test_adapters_and_grammars_share_a_batch(llama_dir, tmp_path_factory):
+    """Constrained and free requests, with a LoRA adapter and without, in one batch, speculating: each gets
+    exactly the tokens it gets in the same batch without speculation, and the constrained ones validate."""
+    from specula_server.testing.adapters import build_lora_adapter
+
+    root = tmp_path_factory.mktemp("grammar-lora")
+    build_lora_adapter(llama_dir, root / "code", rank=4, std=0.2)
+
+    def generator(**settings):
+        g = load_test_generator(llama_dir, num_blocks=1024, adapter_dirs=(root,), **settings)
+        g.adapters.load("code", "local")
+        return g
+
+    def batch(g):
+        pool = BlockPool(1024, 16)
+        specs = [make_spec(0, PROMPT, pool, max_new_tokens=MAX_JSON_TOKENS, lookahead=8, grammar=json_grammar(SCHEMA),
+                           adapter_id="code"),
+                 make_spec(1, PROMPT, pool, max_new_tokens=20, lookahead=8, adapter_id="code"),
+                 make_spec(2, [1] + [50, 60, 70] * 4, pool, max_new_tokens=MAX_JSON_TOKENS, lookahead=8,
+                           grammar=json_grammar(SCHEMA)),
+                 make_spec(3, PROMPT, pool, max_new_tokens=20, lookahead=8)]
+        outputs = run_steps(g, specs)
+        return {i: [t.id for o in outputs if o.request_id == i for t in o.tokens] for i in range(4)}, outputs
+
+    plain_tokens, _ = batch(generator())
+    speculating = generator(speculative_tokens=4, speculation_mode="fixed")
+    speculating.step_cost = memory_bound_costs()
+    tokens, outputs = batch(speculating)
+    assert tokens == plain_tokens
+    for i in (0, 2):
+        jsonschema.validate(json.loads(next(o.generated_text.text for o in outputs
+                                            if o.request_id == i and o.generated_text)), SCHEMA)
+    assert sum(o.num_drafted for o in outputs) > 0
