@@ -31,7 +31,7 @@ class SpeculationInfo(_message.Message):
     def __init__(self, max_speculative_tokens: _Optional[int] = ..., method: _Optional[str] = ..., mode: _Optional[str] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("model_id", "model_sha", "dtype", "device_type", "block_size", "max_position_embeddings", "vocab_size", "world_size", "eos_token_ids", "speculation", "instance_id", "quantize")
+    __slots__ = ("model_id", "model_sha", "dtype", "device_type", "block_size", "max_position_embeddings", "vocab_size", "world_size", "eos_token_ids", "speculation", "instance_id", "quantize", "kv_cache_dtype")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_SHA_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class InfoResponse(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     QUANTIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     model_sha: str
     dtype: str
@@ -56,7 +57,8 @@ class InfoResponse(_message.Message):
     speculation: SpeculationInfo
     instance_id: str
     quantize: str
-    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., vocab_size: _Optional[int] = ..., world_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationInfo, _Mapping]] = ..., instance_id: _Optional[str] = ..., quantize: _Optional[str] = ...) -> None: ...
+    kv_cache_dtype: str
+    def __init__(self, model_id: _Optional[str] = ..., model_sha: _Optional[str] = ..., dtype: _Optional[str] = ..., device_type: _Optional[str] = ..., block_size: _Optional[int] = ..., max_position_embeddings: _Optional[int] = ..., vocab_size: _Optional[int] = ..., world_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., speculation: _Optional[_Union[SpeculationInfo, _Mapping]] = ..., instance_id: _Optional[str] = ..., quantize: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -284,6 +284,7 @@ def info_body(config: RouterConfig, info, limits: Limits, num_blocks: int) -> di
     body = Info(
         model_id=config.model_id, model_sha=info.model_sha or None, model_dtype=info.dtype,
         model_device_type=info.device_type, quantize=info.quantize or None,
+        kv_cache_dtype=info.kv_cache_dtype or None,
         max_concurrent_requests=config.max_concurrent_requests,
         max_best_of=config.max_best_of, max_stop_sequences=config.max_stop_sequences,
         max_top_n_tokens=config.max_top_n_tokens, max_input_tokens=limits.max_input_tokens,

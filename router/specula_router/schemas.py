@@ -452,6 +452,9 @@ class Info(BaseModel):
     model_device_type: str = Field(..., examples=["cuda"])
     quantize: str | None = Field(None, description="Weight-only quantization of the linear layers (`--quantize`): "
                                  "int8 or int4; null for float weights.", examples=["int8"])
+    kv_cache_dtype: str | None = Field(None, description="What the KV cache stores keys and values in "
+                                       "(`--kv-cache-dtype`); null when the workers did not say.",
+                                       examples=["float8_e4m3fn"])
     model_pipeline_tag: str | None = Field("text-generation", examples=["text-generation"])
     max_concurrent_requests: int = Field(..., examples=[128])
     max_best_of: int = Field(..., examples=[2])

@@ -161,6 +161,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             speculation=_speculation_info(self.generator),
             instance_id=self.info.instance_id,
             quantize=self.info.quantize,
+            kv_cache_dtype=str(self.generator.kv_cache_dtype).removeprefix("torch."),
         )
 
     async def Health(self, request, context):

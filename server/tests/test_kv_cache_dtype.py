@@ -234,3 +234,19 @@ def test_tree_drafts_compacted_in_an_fp8_cache_stay_exact(llama_dir, generators,
         got[out.request_id] += [t.id for t in out.tokens]
     assert got == expected
     assert moved and set(moved) == {torch.float8_e4m3fn}
+
+
+def test_info_reports_the_kv_cache_dtype(llama_dir):
+    import asyncio
+
+    from specula_proto import generate_pb2 as pb
+    from specula_router import cli as router_cli
+    from specula_server.service import TextGenerationService, WorkerInfo
+
+    generator = load_test_generator(llama_dir, num_blocks=4, kv_cache_dtype="fp8")
+    info = WorkerInfo(str(llama_dir), "", torch.device("cpu"), 1, ("unix:///tmp/unused-0",), None)
+    reply = asyncio.run(TextGenerationService(generator, info).Info(pb.InfoRequest(), None))
+    assert (reply.dtype, reply.kv_cache_dtype) == ("float32", "float8_e4m3fn")
+    config = router_cli.RouterConfig(model_id="fake", master_shard_uds_path="/tmp/unused-0")
+    body = router_cli.info_body(config, reply, router_cli.Limits(100, 200, 512), num_blocks=8)
+    assert body["kv_cache_dtype"] == "float8_e4m3fn"
