@@ -190,6 +190,7 @@ async def run(config: RouterConfig) -> int:
     grammar_checker = GrammarChecker(tokenizer, info.vocab_size or None, info.eos_token_ids,
                                      config.grammar_compile_timeout)
     metrics = Metrics(prefix=config.metrics_prefix, max_adapter_labels=config.max_adapter_labels)
+    metrics.set_model_info(info.dtype, info.quantize, info.kv_cache_dtype, info.device_type)
     adapters = AdapterManager(client, metrics, config.max_active_adapters, config.adapter_source)
     if config.preloaded_adapter_ids:
         logger.info("preloading adapters: %s", ", ".join(config.preloaded_adapter_ids))

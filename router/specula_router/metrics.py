@@ -120,6 +120,13 @@ class Metrics:
                                          "Output tokens in the global suffix trees of suffix decoding, per shard")
         self.suffix_cache_nodes = gauge("suffix_cache_nodes",
                                         "Nodes of the global suffix trees of suffix decoding, per shard")
+        # What the workers run, as labels of a constant 1 (as vLLM's `cache_config_info`): set once from Info.
+        self.model_info = Gauge(f"{p}_model_info", "The served model's formats (value 1)",
+                                ["dtype", "quantize", "kv_cache_dtype", "device"], registry=r)
+
+    def set_model_info(self, dtype: str, quantize: str, kv_cache_dtype: str, device: str) -> None:
+        """`quantize`: "" for float weights; `kv_cache_dtype`: `dtype` when the workers did not say."""
+        self.model_info.labels(dtype, quantize or "none", kv_cache_dtype or dtype, device).set(1)
 
     def adapter_label(self, adapter_id: str | None) -> str:
         """The `adapter` label of a request or adapter: "" for the base model, the id once it has its own label

@@ -163,3 +163,12 @@ def test_dashboard_queries_only_exposed_series():
 def test_dashboard_check_sees_a_wrong_name():
     assert metric_names_in("rate(specula_request_count[1m])") - sample_names(exposition()) == {
         "specula_request_count"}
+
+
+def test_model_info_labels_what_the_workers_run():
+    metrics = Metrics()
+    metrics.set_model_info("float32", "int8", "float8_e4m3fn", "cpu")
+    text = metrics.render().decode()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples if s.name == "specula_model_info"]
+    assert [(s.labels, s.value) for s in samples] == [
+        ({"dtype": "float32", "quantize": "int8", "kv_cache_dtype": "float8_e4m3fn", "device": "cpu"}, 1.0)]
