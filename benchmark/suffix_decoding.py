@@ -140,9 +140,15 @@ def main() -> None:
     parser.add_argument("--speculative-tokens", type=int, default=6)
     parser.add_argument("--min-sessions", type=int, default=4, help="agentic sessions per measurement at least")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (novel, agentic writes)")
+    parser.add_argument("--suffix-backend", choices=["auto", "native", "python"], default="auto",
+                        help="suffix trees: Arctic Inference's C++ (native, the default where installed) or Python")
     add_run_arguments(parser)
     args = parser.parse_args()
     args.min_requests = 4 * args.min_sessions
+    if args.suffix_backend != "auto":
+        import os
+
+        os.environ["SPECULA_SUFFIX_BACKEND"] = args.suffix_backend  # read when the drafters are built
     torch.set_num_threads(args.threads)
     dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     from tokenizers import Tokenizer
@@ -200,7 +206,8 @@ def main() -> None:
     if retry:
         print("\nsecond identical request vs the first, alone (time ratio): "
               + ", ".join(f"{k} {v:.2f}x" for k, v in retry.items()))
-    print(f"suffix drafting: {cost_us:.0f} us per request per drafting step")
+    backend = suffix_drafter(generators["suffix"]).backend
+    print(f"suffix drafting ({backend} trees): {cost_us:.0f} us per request per drafting step")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},

@@ -6,9 +6,21 @@ import random
 from collections import Counter
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 
-from specula_server.speculation.suffix import GlobalSuffixCache, SuffixDrafter, SuffixTree, draft_from, follow
+from specula_server.speculation import suffix_native
+from specula_server.speculation.suffix import (
+    MIN_MATCH, GlobalSuffixCache, SuffixDrafter, SuffixTree, draft_from, follow, resolve_backend,
+)
+
+needs_native = pytest.mark.skipif(not suffix_native.AVAILABLE, reason="arctic-inference is not installed")
+BACKENDS = ["python", pytest.param("native", marks=needs_native)]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
 
 
 def substring_counts(sequences, depth):
@@ -126,8 +138,8 @@ class FakeRequest:
         return len(self.tokens)
 
 
-def test_outputs_of_one_adapter_never_draft_for_another():
-    drafter = SuffixDrafter(depth=8)
+def test_outputs_of_one_adapter_never_draft_for_another(backend):
+    drafter = SuffixDrafter(depth=8, backend=backend)
     answer = [11, 12, 13, 14, 15, 16, 17, 18]
     done = FakeRequest(0, [1, 2, 3] + answer, prompt_len=3, spec=FakeSpec("a"), is_finished=True)
     drafter.propose([done], [0])
@@ -140,8 +152,8 @@ def test_outputs_of_one_adapter_never_draft_for_another():
     assert len(drafts[1]) == 0 and len(drafts[2]) == 0
 
 
-def test_a_request_drafts_from_its_own_context_as_it_grows():
-    drafter = SuffixDrafter(depth=8)
+def test_a_request_drafts_from_its_own_context_as_it_grows(backend):
+    drafter = SuffixDrafter(depth=8, backend=backend)
     r = FakeRequest(0, [1, 2, 3, 4, 1, 2], prompt_len=6)
     assert drafter.propose([r], [4])[0].tokens.tolist() == [3, 4]
     r.tokens += [3]  # accepted tokens arrive between steps
@@ -150,8 +162,8 @@ def test_a_request_drafts_from_its_own_context_as_it_grows():
     assert drafter.cache.num_tokens == 0 and not drafter._requests
 
 
-def test_a_long_run_of_distinct_requests_keeps_the_cache_bounded():
-    drafter = SuffixDrafter(cache_tokens=1_000, depth=8)
+def test_a_long_run_of_distinct_requests_keeps_the_cache_bounded(backend):
+    drafter = SuffixDrafter(cache_tokens=1_000, depth=8, backend=backend)
     rng = random.Random(3)
     for i in range(300):
         r = FakeRequest(i, [rng.randrange(1000) for _ in range(40)], prompt_len=10, is_finished=True)
@@ -159,3 +171,87 @@ def test_a_long_run_of_distinct_requests_keeps_the_cache_bounded():
         drafter.release(r)
     assert drafter.cache.num_tokens <= 1_000 and not drafter._requests
     assert drafter.cache.num_nodes <= 1_000 * 8
+    if backend == "native":  # the native trees hold what the budget keeps: the last 33 outputs (30 tokens each)
+        assert sum(t.num_seqs() for t in drafter.cache.trees.values()) == 33
+
+
+def test_the_backend_is_native_where_arctic_is_installed_unless_told(monkeypatch):
+    monkeypatch.delenv("SPECULA_SUFFIX_BACKEND", raising=False)
+    assert resolve_backend() == ("native" if suffix_native.AVAILABLE else "python")
+    assert resolve_backend("python") == "python"
+    monkeypatch.setenv("SPECULA_SUFFIX_BACKEND", "python")
+    assert resolve_backend() == "python" and SuffixDrafter().backend == "python"
+    with pytest.raises(ValueError):
+        resolve_backend("rust")
+    if not suffix_native.AVAILABLE:
+        with pytest.raises(ImportError):
+            resolve_backend("native")
+
+
+def occurs(needle, haystack):
+    return any(haystack[i:i + len(needle)] == needle for i in range(len(haystack) - len(needle) + 1))
+
+
+def paths(draft):
+    """Every node's token string from the draft's root down, parents first."""
+    tokens, parents, out = draft.tokens.tolist(), draft.node_parents(), []
+    for i, p in enumerate(parents):
+        out.append((out[p] if p >= 0 else []) + [tokens[i]])
+    return out
+
+
+@needs_native
+def test_native_and_python_trees_draft_the_same_on_unambiguous_sequences():
+    cases = [  # (cached outputs, context, max tokens): the likeliest continuations are unique
+        ([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 9]], [7, 1, 2, 3], 5),
+        ([[1, 2, 3, 4, 5], [1, 2, 3, 4, 5], [1, 2, 3, 9]], [7, 1, 2, 3], 2),
+        ([[10, 11, 12, 13, 14, 15, 16]], [8, 11, 12, 13], 4),
+        ([[10, 11, 12, 13, 14, 15, 16], [20, 12, 13, 30, 31]], [8, 11, 12, 13], 4),
+    ]
+    # (Not with 6 tokens: the Python trees then pass over the 3-token match for a 2-token one, which leaves
+    # `depth - 2` room below it, and draft 2 tokens; the native trees draft 3 from the longer match.)
+    for outputs, context, k in cases:
+        drafts = {}
+        for backend in ("python", "native"):
+            drafter = SuffixDrafter(depth=8, backend=backend)
+            for i, output in enumerate(outputs):
+                drafter.release(FakeRequest(100 + i, [0] + output, prompt_len=1, is_finished=True))
+            drafts[backend] = drafter.propose([FakeRequest(0, context, prompt_len=len(context))], [k])[0]
+        assert drafts["native"].tokens.tolist() == drafts["python"].tokens.tolist(), (outputs, context)
+        assert drafts["native"].node_parents() == drafts["python"].node_parents()
+
+
+@needs_native
+def test_native_drafts_are_valid_continuations_and_deterministic():
+    """On random text (many ties, where the two backends may order or choose differently), every native draft
+    node continues a suffix of at least MIN_MATCH tokens of the context as the request itself or a cached output
+    of its adapter did, within the length budget; two drafters fed the same steps draft the same (as
+    tensor-parallel ranks must)."""
+    rng = random.Random(4)
+    a, b = SuffixDrafter(depth=8, backend="native"), SuffixDrafter(depth=8, backend="native")
+    python = SuffixDrafter(depth=8, backend="python")
+    cached = {"": [], "x": []}
+    drafted = same = 0
+    for i in range(40):
+        adapter = rng.choice(["", "x"])
+        tokens = [rng.randrange(6) for _ in range(rng.randrange(6, 30))]
+        r = FakeRequest(i, tokens, prompt_len=len(tokens), spec=FakeSpec(adapter))
+        for _ in range(12):
+            k = rng.randrange(1, 7)
+            da, db = a.propose([r], [k])[0], b.propose([r], [k])[0]
+            dp = python.propose([r], [k])[0]
+            assert da.tokens.tolist() == db.tokens.tolist() and da.node_parents() == db.node_parents()
+            assert len(da) <= k
+            if len(da):
+                drafted += 1
+                same += da.tokens.tolist() == dp.tokens.tolist() and da.node_parents() == dp.node_parents()
+                assert 0 < da.confidence <= 1
+                sources = [r.tokens] + cached[adapter]
+                for path in paths(da):
+                    assert any(occurs(r.tokens[-m:] + path, s) for s in sources for m in range(MIN_MATCH, 8)), path
+            r.tokens.append(rng.randrange(6))
+        r.is_finished = True
+        for drafter in (a, b, python):
+            drafter.release(r)
+        cached[adapter].append(r.tokens[r.prompt_len:])
+    assert drafted > 100 and same > drafted // 2  # mostly alike (301 of 420 when written); else both valid

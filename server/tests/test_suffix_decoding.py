@@ -6,10 +6,24 @@ from __future__ import annotations
 import pytest
 
 from specula_server.params import SamplingParams
+from specula_server.speculation import suffix_native
 from specula_server.testing.worker import (
     BlockPool, assert_same_greedy_output, generate_alone, load_test_generator, make_spec, token_ids,
 )
 from test_speculation import PROMPTS, chi_square_p_value, sample_prefixes
+
+# Both suffix tree backends (the native one where arctic-inference is installed); the sampling test runs on the
+# default one (native where installed).
+BACKENDS = ["python", pytest.param("native", marks=pytest.mark.skipif(
+    not suffix_native.AVAILABLE, reason="arctic-inference is not installed"))]
+
+
+def load_suffix(llama_dir, backend, **kwargs):
+    with pytest.MonkeyPatch.context() as patch:  # the drafter reads it when it is built
+        patch.setenv("SPECULA_SUFFIX_BACKEND", backend)
+        generator = load_test_generator(llama_dir, speculator="suffix", **kwargs)
+    assert generator.speculation.drafter.fallback.backend == backend
+    return generator
 
 
 @pytest.fixture(scope="module")
@@ -17,9 +31,9 @@ def plain(llama_dir):
     return load_test_generator(llama_dir)
 
 
-@pytest.fixture(scope="module")
-def suffix(llama_dir):
-    return load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="fixed", speculator="suffix")
+@pytest.fixture(scope="module", params=BACKENDS)
+def suffix(llama_dir, request):
+    return load_suffix(llama_dir, request.param, speculative_tokens=4, speculation_mode="fixed")
 
 
 def run(generator, prompt, request_id=0, **kwargs):
@@ -32,9 +46,16 @@ def test_suffix_decoding_leaves_greedy_output_unchanged(plain, suffix):
     assert_same_greedy_output(plain, suffix, PROMPTS + PROMPTS, run, max_new_tokens=24)
 
 
-def test_a_second_identical_request_drafts_the_first_ones_answer(llama_dir, plain):
-    generator = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="fixed",
-                                    speculator="suffix")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_adaptive_suffix_decoding_leaves_greedy_output_unchanged(llama_dir, plain, backend):
+    """As served: adaptive draft lengths (which read the drafts' confidence), prompt lookup behind."""
+    adaptive = load_suffix(llama_dir, backend, speculative_tokens=6, speculation_mode="adaptive")
+    assert_same_greedy_output(plain, adaptive, PROMPTS + PROMPTS, run, max_new_tokens=24)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_second_identical_request_drafts_the_first_ones_answer(llama_dir, plain, backend):
+    generator = load_suffix(llama_dir, backend, speculative_tokens=4, speculation_mode="fixed")
     prompt = [1, 300, 301, 302, 303]  # nothing to copy from the prompt itself
     first = run(generator, prompt, max_new_tokens=32)
     second = run(generator, prompt, request_id=1, max_new_tokens=32)

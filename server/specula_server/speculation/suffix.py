@@ -24,6 +24,11 @@ Nodes are Python objects (about 260 bytes each with their children's dict): a 2,
 makes up to 48,000 nodes in its own tree, freed when it ends. In Python this is the cost of the method: 0.1-0.8
 ms per request per drafting step on the demo model (docs/benchmarks.md, "Suffix decoding").
 
+Backends. Where arctic-inference is installed (`suffix_native`: Snowflake's C++ suffix tree, path-compressed,
+children sorted by count), the same drafter runs on it instead, about 20 us per request per step; the Python
+trees here are the fallback without it, and `backend="python"` (or SPECULA_SUFFIX_BACKEND=python) forces them.
+The two draft alike where the likeliest continuations are unique; `suffix_native` says where they may differ.
+
 Everything is deterministic in the order of the steps, so tensor-parallel ranks draft the same trees without
 communicating.
 """
@@ -31,6 +36,7 @@ communicating.
 from __future__ import annotations
 
 import heapq
+import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -38,12 +44,15 @@ from dataclasses import dataclass, field
 import torch
 
 from specula_server.request import RequestState
+from specula_server.speculation import suffix_native
 from specula_server.speculation.drafters import Draft
 
 SUFFIX = "suffix"  # the --speculator value that selects this drafter
 DEFAULT_DEPTH = 24
 MIN_MATCH = 2  # shortest suffix drafted from
 DEFAULT_CACHE_TOKENS = 100_000
+BACKENDS = ("auto", "native", "python")
+BACKEND_ENV = "SPECULA_SUFFIX_BACKEND"  # overrides backend="auto" (to compare the two, or to rule one out)
 
 
 _LEAF: dict = {}  # the children of every node that has none yet: shared, never written (see `extend`)
@@ -111,7 +120,8 @@ class SuffixTree:
         context = list(context[-self.depth :]) if self.depth else []
         for start in range(len(context)):  # the longest suffix first
             if self.find(context[start:]) is not None:
-                return [self.root] + [self.find(context[len(context) - k :]) for k in range(1, len(context) - start + 1)]
+                longest = len(context) - start
+                return [self.root] + [self.find(context[len(context) - k :]) for k in range(1, longest + 1)]
         return [self.root]
 
     def find(self, tokens: Sequence[int]) -> _Node | None:
@@ -254,17 +264,25 @@ class SuffixDrafter:
     confident = True  # drafts carry a confidence (see `draft_from`)
 
     def __init__(self, fallback=None, cache_tokens: int = DEFAULT_CACHE_TOKENS, depth: int = DEFAULT_DEPTH,
-                 factor: float = 1.0, offset: float = 0.0, min_token_prob: float = 0.1) -> None:
+                 factor: float = 1.0, offset: float = 0.0, min_token_prob: float = 0.1,
+                 backend: str = "auto") -> None:
         self.fallback = fallback
         self.depth = depth
         self.factor, self.offset, self.min_token_prob = factor, offset, min_token_prob
-        self.cache = GlobalSuffixCache(cache_tokens, depth)
-        self._requests: dict[int, _RequestState] = {}
+        self.backend = resolve_backend(backend)
+        self.native = self.backend == "native"
+        if self.native:
+            self.cache = suffix_native.NativeGlobalSuffixCache(cache_tokens, depth)
+        else:
+            self.cache = GlobalSuffixCache(cache_tokens, depth)
+        self._requests: dict[int, _RequestState | suffix_native.NativeRequestState] = {}
 
     def method_for(self, request: RequestState) -> str:
         return self.name
 
     def propose(self, requests: Sequence[RequestState], max_tokens: Sequence[int]) -> list[Draft]:
+        if self.native:
+            return self._propose_native(requests, max_tokens)
         drafts = []
         for r, k in zip(requests, max_tokens):
             if k <= 0:  # not drafting this step: its trees catch up on the tokens when it next does
@@ -278,6 +296,30 @@ class SuffixDrafter:
                 drafts.append(self.fallback.propose([r], [k])[0])
             else:
                 drafts.append(best.draft)
+        return drafts
+
+    def _propose_native(self, requests: Sequence[RequestState], max_tokens: Sequence[int]) -> list[Draft]:
+        """`propose` on Arctic Inference's trees (`suffix_native`)."""
+        drafts = []
+        args = (self.factor, self.offset, self.min_token_prob, True)
+        for r, k in zip(requests, max_tokens):
+            if k <= 0:  # not drafting this step: its tree catches up on the tokens when it next does
+                drafts.append(Draft(torch.empty(0, dtype=torch.long)))
+                continue
+            state = self._requests.get(r.id)
+            if state is None:
+                state = self._requests[r.id] = suffix_native.NativeRequestState(
+                    suffix_native.NativeSuffixTree(self.depth), r.spec.adapter_id)
+            context = suffix_native.sync(state, r.history, self.depth)
+            local = state.local.speculate(context, k, *args)
+            tree = self.cache.trees.get(state.adapter)
+            remote = tree.speculate(context, k, *args) if tree is not None else None
+            best = suffix_native.best_draft(local, remote, MIN_MATCH)
+            if best is None:
+                drafts.append(self.fallback.propose([r], [k])[0] if self.fallback is not None
+                              else Draft(torch.empty(0, dtype=torch.long)))
+            else:
+                drafts.append(suffix_native.to_draft(best))
         return drafts
 
     def _sync(self, r: RequestState) -> _RequestState:
@@ -310,3 +352,18 @@ class SuffixDrafter:
         if request.is_finished:
             output = request.token_ids[request.prompt_len : request.num_tokens].tolist()
             self.cache.add(request.spec.adapter_id, output)
+
+
+def resolve_backend(backend: str = "auto") -> str:
+    """"native" (Arctic Inference's C++ trees, `suffix_native`) or "python" (the trees above). "auto": the
+    `SPECULA_SUFFIX_BACKEND` environment variable if set, else native where arctic-inference is installed."""
+    if backend == "auto":
+        backend = os.environ.get(BACKEND_ENV, "").strip().lower() or "auto"
+    if backend not in BACKENDS:
+        raise ValueError(f"suffix decoding backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend == "auto":
+        return "native" if suffix_native.AVAILABLE else "python"
+    if backend == "native" and not suffix_native.AVAILABLE:
+        raise ImportError("the native suffix trees need arctic-inference: pip install nanobind==2.9.2 cmake ninja "
+                          "&& pip install --no-build-isolation --no-deps arctic-inference==0.3.0")
+    return backend
