@@ -60,11 +60,12 @@ class GrammarCompiler:
     def __init__(self, tokenizer: tokenizers.Tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
                  max_cached: int = 256) -> None:
         self.vocab_size = vocab_size
-        self.tokenizer = llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size,
-                                                eos_token=sorted(eos_token_ids) or None)
+        self._hf_tokenizer, self._eos = tokenizer, sorted(eos_token_ids) or None
+        self._tokenizer: llguidance.LLTokenizer | None = None
         self.max_cached = max_cached
         self._compiled: OrderedDict[str, Future[llguidance.LLMatcher]] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache
+        self._tokenizer_lock = threading.Lock()  # apart: `start` must not wait while the tokenizer is built
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specula-grammar")
 
     def start(self, grammar: str, replay: Sequence[int] = ()) -> RequestGrammar:
@@ -79,6 +80,17 @@ class GrammarCompiler:
             else:
                 self._compiled.move_to_end(grammar)
         return RequestGrammar(compiled, tuple(replay))
+
+    @property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        """llguidance's view of the tokenizer, built on first use: by the compile thread, since it takes a tenth of
+        a second at a 32000-token vocabulary (more for larger ones), which the step admitting the first constrained
+        request must not wait for."""
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(self._hf_tokenizer.to_str(), n_vocab=self.vocab_size,
+                                                         eos_token=self._eos)
+            return self._tokenizer
 
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
