@@ -23,6 +23,7 @@ import ctypes
 import json
 import os
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -289,9 +290,15 @@ class Supervisor:
     def _remove_sockets(self, at_start: bool = False) -> None:
         """Removes the shards' sockets; at start, only stale ones are left (the launcher refused live ones)."""
         for path in self._sockets:
-            if path.is_dir():
-                raise OSError(f"{path} is a directory, not a shard socket; choose another --shard-uds-path")
-            if at_start and (path.exists() or path.is_symlink()):
+            try:
+                mode = path.lstat().st_mode
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISSOCK(mode):  # never delete what is not a socket: a mistyped flag names a file
+                if at_start:
+                    raise OSError(f"{path} exists and is not a socket; choose another --shard-uds-path")
+                continue
+            if at_start:
                 self._log(f"removing {path}, stale (left by a shard that was killed)")
             path.unlink(missing_ok=True)
 

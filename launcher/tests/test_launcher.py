@@ -12,6 +12,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -575,7 +576,7 @@ def test_a_router_ignoring_sigterm_is_killed_after_the_drain_timeout(tmp_path: P
 
 def test_waits_for_every_socket_and_removes_stale_ones(tmp_path: Path) -> None:
     h = Harness(tmp_path)
-    h.sockets[0].write_text("stale")  # left behind by a crashed run: must not count as ready
+    stale_socket(h.sockets[0])  # left behind by a crashed run: must not count as ready
     sup = h.supervisor(shard_delay=0.5, progress_interval=0.1)
     stopper = h.stop_when(sup, "router start")
     assert sup.run() == 0
@@ -585,6 +586,25 @@ def test_waits_for_every_socket_and_removes_stale_ones(tmp_path: Path) -> None:
     assert "[launcher] waiting for shard 0 (0s)" in out
     assert out.index("[launcher] starting router") > out.index(f"[launcher] shard 0 ready ({h.sockets[0]})")
     assert h.index("router start own_group=True") > h.index("shard-0 bind")
+
+
+def stale_socket(path: Path) -> None:
+    """A socket file whose server is gone, as a killed shard leaves it."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))
+
+
+def test_a_file_at_a_socket_path_is_refused_never_deleted(tmp_path: Path) -> None:
+    """A mistyped --shard-uds-path may name someone's file: the launcher stops before starting anything and
+    leaves the file as it was (only sockets are ever removed)."""
+    h = Harness(tmp_path)
+    h.sockets[1].write_text("data")
+    sup = h.supervisor()
+    assert sup.run() == 1
+    assert h.sockets[1].read_text() == "data"
+    assert not any(c.is_started for c in sup.children)
+    assert any(f"{h.sockets[1]} exists and is not a socket; choose another --shard-uds-path" in line
+               for line in h.output())
 
 
 def test_stop_during_startup_never_starts_the_router(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -247,7 +248,10 @@ async def serve(config: ServerConfig) -> int:
     if is_live_socket(socket_path):  # never take over another server's socket: its router would reach us
         logger.error("%s is in use by another process (a live socket); choose another --uds-path", socket_path)
         return 1
-    if os.path.exists(socket_path):  # stale: its server was killed before it could remove it
+    if os.path.lexists(socket_path):  # stale: its server was killed before it could remove it
+        if not stat.S_ISSOCK(os.lstat(socket_path).st_mode):  # a file a mistyped flag names: never delete it
+            logger.error("%s exists and is not a socket; choose another --uds-path", socket_path)
+            return 1
         os.unlink(socket_path)
     server.add_insecure_port(config.uds_url(config.rank))
     if tcp_port:

@@ -182,6 +182,19 @@ def test_cli_never_takes_over_a_live_socket(llama_dir, tmp_path):
     assert f"{uds}-0 is in use by another process (a live socket)" in result.stdout + result.stderr
 
 
+def test_cli_never_deletes_a_file_at_its_socket_path(llama_dir, tmp_path):
+    """A file that is not a socket at our path (a mistyped --uds-path): refuse (exit 1) and leave it be."""
+    uds = tmp_path / "data"
+    Path(f"{uds}-0").write_text("keep me")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(REPO / p) for p in ("server", "kernels", "proto")))
+    result = subprocess.run(
+        [sys.executable, "-m", "specula_server.cli", "serve", str(llama_dir), "--uds-path", str(uds),
+         "--kv-cache-memory", "4MiB"], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"{uds}-0 exists and is not a socket; choose another --uds-path" in result.stdout + result.stderr
+    assert Path(f"{uds}-0").read_text() == "keep me"
+
+
 def test_cli_help_lists_every_option():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(REPO / p) for p in ("server", "kernels", "proto")))
     out = subprocess.run([sys.executable, "-m", "specula_server.cli", "serve", "--help"], env=env,
