@@ -13,7 +13,9 @@ import fake_worker
 import httpx
 import pytest
 import tokenizers
+import transformers
 from fake_worker import AdapterBehaviour, FakeClient
+from specula_proto import generate_pb2 as pb
 from specula_router.adapters import AdapterManager
 from specula_router.block_allocator import BlockAllocator
 from specula_router.chat_template import ChatTemplate
@@ -22,7 +24,13 @@ from specula_router.openai_models import OpenAISettings
 from specula_router.scheduler import Scheduler, SchedulerConfig
 from specula_router.server import RouterState, create_app
 from specula_router.validation import ValidationLimits, Validator
-from specula_server.testing.chat_templates import CHATML, MISTRAL, WEATHER_TOOL
+from specula_server.testing.chat_templates import (
+    CHATML,
+    MISTRAL,
+    QWEN_TOOLS,
+    WEATHER_TOOL,
+    add_chat_template,
+)
 from specula_server.testing.tokenizer import build_tokenizer
 
 MODEL = "org/base-model"
@@ -48,14 +56,15 @@ def adapter_dir(tmp_path):
 
 
 def make_state(tokenizer, template=CHATML, adapter_dirs=(), max_concurrent=16, step_delay=0.0, adapters=None,
-               preloaded=()):
+               preloaded=(), limits=None):
     metrics = Metrics()
     client = FakeClient(step_delay)
     client.adapters.update(adapters or {})
     manager = AdapterManager(client, metrics, 8)
     scheduler = Scheduler(client, BlockAllocator(512, 16), SchedulerConfig(max_batch_prefill_tokens=2048), metrics,
                           manager)
-    validator = Validator(tokenizer, ValidationLimits(max_input_tokens=100, max_total_tokens=200), rng=random.Random(0))
+    validator = Validator(tokenizer, limits or ValidationLimits(max_input_tokens=100, max_total_tokens=200),
+                          rng=random.Random(0))
     info = {"model_id": MODEL, "version": "0.1.0", "adapters": {"preloaded_adapter_ids": list(preloaded)}}
     settings = OpenAISettings(ChatTemplate.from_text(template, {"bos_token": "<s>", "eos_token": "</s>"})
                               if template else None, tuple(adapter_dirs))
@@ -73,6 +82,14 @@ def call(state, fn, payload_limit=2_000_000):
             loop.cancel()
 
     return asyncio.run(body())
+
+
+def capture(state, monkeypatch) -> list:
+    """The validated requests the routes submit to the scheduler, in order."""
+    submitted = []
+    submit = state.scheduler.submit
+    monkeypatch.setattr(state.scheduler, "submit", lambda r: submitted.append(r) or submit(r))
+    return submitted
 
 
 def chunks(response: httpx.Response) -> list:
@@ -489,3 +506,133 @@ def test_a_waiting_chat_stream_sends_keep_alive_comments(tokenizer, monkeypatch,
         assert content == ["t0 t1 "] * n
 
     call(make_state(tokenizer, step_delay=0.05), fn)
+
+
+def test_speculative_tokens_reach_the_request_from_both_routes(tokenizer, monkeypatch):
+    """`extra_body={"speculative_tokens": k}`: 0 (speculation off) is kept as 0, not dropped as falsy."""
+    state = make_state(tokenizer, limits=ValidationLimits(max_input_tokens=100, max_total_tokens=200,
+                                                          max_speculative_tokens=4))
+    submitted = capture(state, monkeypatch)
+
+    async def fn(client):
+        for extra in ({"speculative_tokens": 0}, {"speculative_tokens": 2}, {}):
+            r = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, **extra})
+            assert r.status_code == 200, r.text
+            r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, **extra})
+            assert r.status_code == 200, r.text
+
+    call(state, fn)
+    assert [r.speculative_tokens for r in submitted] == [0, 0, 2, 2, None, None]
+    sent = state.client.prefilled  # the workers see 0 as set (speculation off), absent as unset
+    assert [r.speculative_tokens if r.HasField("speculative_tokens") else None for r in sent] == \
+        [0, 0, 2, 2, None, None]
+
+
+def test_openai_tool_conversation_renders_as_transformers_does(tmp_path, monkeypatch):
+    """An OpenAI conversation (a `developer` message, an assistant's `tool_calls` with JSON-string `arguments`, a
+    `tool` answer) gives the prompt ids of `apply_chat_template` on the conversation a template expects."""
+    build_tokenizer(tmp_path)
+    add_chat_template(tmp_path, "qwen_tools")
+    tokenizer = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    state = make_state(tokenizer, template=QWEN_TOOLS,
+                       limits=ValidationLimits(max_input_tokens=4000, max_total_tokens=4096))
+    submitted = capture(state, monkeypatch)
+    call_ = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    answer = {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear", "temp_c": 21}'}
+    messages = [{"role": "developer", "content": "You are terse."}, {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call_]}, answer]
+
+    async def fn(client):
+        r = await client.post("/v1/chat/completions", json={"messages": messages, "tools": [WEATHER_TOOL],
+                                                            "max_tokens": 1})
+        assert r.status_code == 200, r.text
+
+    call(state, fn)
+    expected = [{"role": "system", "content": "You are terse."}, messages[1],
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {**call_, "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}, answer]
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    (request,) = submitted
+    assert request.inputs == reference.apply_chat_template(expected, tools=[WEATHER_TOOL], add_generation_prompt=True,
+                                                           tokenize=False)
+    assert list(request.input_ids) == reference.apply_chat_template(
+        expected, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert '"arguments": {"city": "Paris"}' in request.inputs and "You are terse.\n\n# Tools" in request.inputs
+
+
+def test_a_single_stop_string_is_one_stop_sequence(tokenizer, monkeypatch):
+    state = make_state(tokenizer)
+    submitted = capture(state, monkeypatch)
+
+    async def fn(client):
+        r = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 4, "stop": "t2"})
+        assert r.json()["choices"][0]["message"]["content"] == "t0 t1 "
+        r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "stop": "t2"})
+        assert r.json()["choices"][0]["text"] == "t0 t1 "
+
+    call(state, fn)
+    assert [r.stopping.stop_sequences for r in submitted] == [("t2",), ("t2",)]
+    assert [list(r.stopping_parameters.stop_sequences) for r in state.client.prefilled] == [["t2"], ["t2"]]
+
+
+def test_frequency_and_presence_penalties_reach_the_request(tokenizer, monkeypatch):
+    state = make_state(tokenizer)
+    submitted = capture(state, monkeypatch)
+
+    async def fn(client):
+        penalties = {"frequency_penalty": 0.5, "presence_penalty": -1.25}
+        r = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1, **penalties})
+        assert r.status_code == 200, r.text
+        r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "temperature": 0, **penalties})
+        assert r.status_code == 200, r.text
+        r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200, r.text
+
+    call(state, fn)
+    assert [(r.sampling.frequency_penalty, r.sampling.presence_penalty) for r in submitted] == [
+        (0.5, -1.25), (0.5, -1.25), (0.0, 0.0)]
+    assert [(r.parameters.frequency_penalty, r.parameters.presence_penalty) for r in state.client.prefilled] == [
+        (0.5, -1.25), (0.5, -1.25), (0.0, 0.0)]
+
+
+def test_chat_stream_chunks_carry_logprobs_with_top_logprobs(tokenizer, monkeypatch):
+    generate = FakeClient._generate
+
+    def with_alternatives(self, held):  # the worker's two alternatives for every token
+        gen = generate(self, held)
+        gen.top_tokens.append(pb.Tokens(ids=[1, 2], logprobs=[-0.25, -1.5], texts=["t", "é"], is_special=[False] * 2))
+        return gen
+
+    monkeypatch.setattr(FakeClient, "_generate", with_alternatives)
+    state = make_state(tokenizer)
+    submitted = capture(state, monkeypatch)
+
+    async def fn(client):
+        r = await client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "stream": True,
+                                                            "logprobs": True, "top_logprobs": 2})
+        return chunks(r)
+
+    events = call(state, fn)
+    assert submitted[0].top_n_tokens == 2 and state.client.prefilled[0].top_n_tokens == 2
+    top = [{"token": "t", "logprob": -0.25, "bytes": [116]}, {"token": "é", "logprob": -1.5, "bytes": [195, 169]}]
+    for event in events:
+        (choice,) = event["choices"]
+        (entry,) = choice["logprobs"]["content"]  # one per chunk: the token of its delta
+        assert choice["logprobs"]["refusal"] is None
+        assert entry == {"token": choice["delta"]["content"], "logprob": -0.5,
+                         "bytes": list(choice["delta"]["content"].encode()), "top_logprobs": top}
+    assert "".join(e["choices"][0]["delta"]["content"] for e in events) == "t0 t1 "
+
+
+def test_a_medusa_adapter_is_chosen_by_model(tokenizer, adapter_dir, monkeypatch):
+    state = make_state(tokenizer, adapter_dirs=[adapter_dir], adapters={"heads": AdapterBehaviour(kind="medusa")})
+    submitted = capture(state, monkeypatch)
+
+    async def fn(client):
+        r = await client.post("/v1/chat/completions", json={"model": "heads", "messages": CHAT, "max_tokens": 2})
+        assert r.json()["choices"][0]["message"]["content"] == "heads:t0 heads:t1 " and r.json()["model"] == "heads"
+
+    call(state, fn)
+    assert [(r.adapter_id, r.adapter_source) for r in submitted] == [("heads", "local")]
+    assert [r.adapter_id for r in state.client.prefilled] == ["heads"]
+    assert [(r.adapter_id, r.adapter_source) for r in state.client.load_requests] == [("heads", "local")]
