@@ -424,11 +424,11 @@ class TextGenerator:
         verdicts, processed = self.speculator.accept(reqs, plan, logits, row_starts, self.sampler, self.kv_cache,
                                                      start, num_seqs)
         scores = processed if processed is not None else logits
-        for r, v, method in zip(reqs, verdicts, plan.methods):
+        for r, v, method, draft in zip(reqs, verdicts, plan.methods, plan.drafts):
             r.last_hidden = hidden[v.rows[-1]]
             tops = self._row_top_tokens(scores, v.rows, r.spec.top_n_tokens, normalized=processed is not None)
             out = r.commit(v.token_ids, v.logprobs, tops)  # up to a stop: nothing after it is emitted
-            self.speculator.record(r, v, method)
+            self.speculator.record(r, v, method, draft)
             out.num_drafted, out.num_accepted, out.draft_method = v.num_drafted, min(v.num_accepted,
                                                                                      len(out.tokens)), method
             outputs.append(out)

@@ -10,7 +10,7 @@ import torch
 
 from specula_server.params import FinishReason, SamplingParams
 from specula_server.speculation.controller import (
-    AcceptanceEstimate, StepCostModel, choose_draft_lengths, drafting_bar,
+    AcceptanceEstimate, ConfidenceCalibration, StepCostModel, choose_draft_lengths, drafting_bar,
 )
 from specula_server.speculation.drafters import Draft, PromptLookupDrafter
 from specula_server.testing.worker import (
@@ -473,6 +473,53 @@ def test_repeated_declines_back_off_proposing_drafts(llama_dir, plain):
     assert all(o.num_drafted == 0 for o in outputs)
     assert 3 <= len(proposals) <= 6, proposals  # 23 decode steps; without the back-off, 23 proposals
     assert all(cap > 0 for cap in proposals)  # every proposal had drafts to offer, all declined
+
+
+def test_confidences_are_calibrated_by_what_their_drafts_achieved():
+    calibration = ConfidenceCalibration()
+    assert calibration.value("suffix", 0.65) == 0.65 and calibration.ceiling("suffix") == 1.0  # nothing known
+    for _ in range(20):  # drafts that said 0.6-0.7 were rejected at once; those that said 0.9+ were accepted
+        calibration.observe("suffix", 0.65, 4, 0)
+        calibration.observe("suffix", 0.95, 4, 4)
+    assert calibration.value("suffix", 0.62) < 0.1 < 0.9 < calibration.value("suffix", 0.99)
+    assert calibration.value("suffix", 0.35) == 0.35  # a bin without a record: the confidence itself
+    assert calibration.value("ngram", 0.65) == 0.65  # per method
+    assert calibration.ceiling("suffix") > 0.9
+    for _ in range(200):  # now the 0.9+ drafts fail too: no confidence is worth asking for
+        calibration.observe("suffix", 0.95, 4, 0)
+    assert calibration.ceiling("suffix") < 0.2
+    # Not asked, the records fade: drafting is tried again some steps later, not never.
+    steps = 0
+    while calibration.ceiling("suffix") < 0.5:
+        calibration.drift("suffix")
+        steps += 1
+    assert 20 < steps < 300, steps
+
+
+def test_confident_drafts_that_fail_stop_being_asked_for(llama_dir, plain):
+    """A drafter that claims 0.9 confidence for drafts that are always wrong is verified for fewer drafts at
+    each step, then not at all and rarely asked (its confidence is judged by what its drafts achieved); the
+    output is the plain one."""
+    spec = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="adaptive")
+    cost = StepCostModel(learning=False)  # a draft costs a tenth of a step: worth it above 10% acceptance
+    for n in (1, 4, 16, 64):
+        cost.anchor(n, 0.004 + 0.0004 * n)
+    spec.step_cost = cost
+    proposals = []
+
+    def propose(reqs, caps):
+        proposals.append(caps[0])
+        return [Draft(torch.full((cap,), 7), confidence=0.9) for cap in caps]
+
+    spec.speculation.drafter.propose = propose
+    spec.speculation.drafter.confident = True
+    prompt = PROMPTS[0]
+    outputs = run(spec, prompt, max_new_tokens=96)
+    assert token_ids(outputs) == token_ids(run(plain, prompt, max_new_tokens=96))
+    asked = [cap for cap in proposals if cap > 0]
+    assert len(asked) <= 48, proposals  # 95 decode steps; trusting the confidence, every one was asked
+    verified = [o.num_drafted for o in outputs if o.num_drafted]
+    assert len(verified) <= 30 and not any(o.num_drafted for o in outputs[-40:]), verified
 
 
 def test_the_cost_of_a_verifying_step_includes_choosing_its_tokens(llama_dir, monkeypatch):

@@ -111,7 +111,8 @@ class Drafter(Protocol):
     `name` labels the speculation metrics; `method_for(request)` may name another method for some requests
     (a composite drafter). A drafter that keeps state per request also has `release(request)`, called when the
     request leaves the worker. A drafter whose drafts carry a `confidence` sets `confident = True`: the
-    controller then asks it for drafts even for requests whose measured acceptance is low."""
+    controller then asks it for drafts even for requests whose measured acceptance is low, as long as drafts of
+    some confidence have lately been accepted above its bar (`controller.ConfidenceCalibration`)."""
 
     name: str
 

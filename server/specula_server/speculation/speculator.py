@@ -25,6 +25,7 @@ from specula_server.request import RequestState
 from specula_server.sampling import Sampler
 from specula_server.speculation.controller import (
     AcceptancePriors,
+    ConfidenceCalibration,
     StepCostModel,
     choose_draft_lengths,
     drafting_bar,
@@ -80,6 +81,7 @@ class Speculator:
         self.agreed_seconds = agreed_seconds  # a duration as every tensor-parallel rank records it
         self.step_cost = StepCostModel()
         self.acceptance_priors = AcceptancePriors()
+        self.calibration = ConfidenceCalibration()  # what a confident drafter's drafts achieve, by confidence
         self._declined_in_a_row = 0  # adaptive: steps whose drafts were all declined, since one verified
         self._steps_without_proposals = 0  # adaptive: plain steps left before drafts are proposed again
 
@@ -128,16 +130,24 @@ class Speculator:
         methods = [GRAMMAR_METHOD if f else drafter.method_for(r) for r, f in zip(reqs, forced)]
         acceptance = [r.acceptance.estimate(self.acceptance_priors.value(m)) for r, m in zip(reqs, methods)]
         bar = drafting_bar(len(reqs), self.step_cost) if self.adaptive else -1.0
-        confident = getattr(drafter, "confident", False)  # its drafts say how likely they are: always ask
-        caps = [0 if f or backing_off else self.draft_cap(r) if a > bar or confident else 0
-                for r, a, f in zip(reqs, acceptance, forced)]
+        # A drafter whose drafts say how likely they are is asked for every request while drafts of some
+        # confidence have lately been accepted above the bar (a request's own record says little of its next
+        # match); requests' own estimates decide for the others.
+        confident = {m: self.calibration.ceiling(m) > bar for m in set(methods)} if getattr(
+            drafter, "confident", False) else {}
+        caps = [0 if f or backing_off else self.draft_cap(r) if a > bar or confident.get(m, False) else 0
+                for r, a, f, m in zip(reqs, acceptance, forced, methods)]
+        for m, asked in confident.items():
+            if not asked:
+                self.calibration.drift(m)
         try:
             proposals = drafter.propose(reqs, caps)
         except Exception:  # drafts only ever save time: a drafter's failure must not fail the requests
             logger.exception("drafting failed; this step verifies no drafts")
             return None
         proposals = [Draft(torch.tensor(f), confidence=1.0) if f else p for p, f in zip(proposals, forced)]
-        acceptance = [a if p.confidence is None else max(a, p.confidence) for a, p in zip(acceptance, proposals)]
+        acceptance = [a if p.confidence is None else 1.0 if f else max(a, self.calibration.value(m, p.confidence))
+                      for a, p, f, m in zip(acceptance, proposals, forced, methods)]
         lengths = choose_draft_lengths([p.available for p in proposals], acceptance, self.step_cost,
                                        self.config.mode)
         if not any(lengths):  # nothing worth verifying
@@ -192,10 +202,13 @@ class Speculator:
         compact_accepted_paths(kv_cache, reqs, plan.drafts, verdicts)
         return verdicts, processed
 
-    def record(self, r: RequestState, verdict: Verdict, method: str) -> None:
-        """A request's verification, once its tokens are committed: acceptance statistics and draft KV."""
+    def record(self, r: RequestState, verdict: Verdict, method: str, draft: Draft) -> None:
+        """A request's verification of `draft`, once its tokens are committed: acceptance statistics (the
+        request's, its method's and, for a draft that carried a confidence, that confidence's) and draft KV."""
         r.acceptance.observe(verdict.num_drafted, verdict.num_accepted)
         self.acceptance_priors.observe(method, verdict.num_drafted, verdict.num_accepted)
+        if draft.confidence is not None and method != GRAMMAR_METHOD:
+            self.calibration.observe(method, draft.confidence, verdict.num_drafted, verdict.num_accepted)
         # The draft model's KV is valid up to the last accepted draft it ran over; the target's own token
         # (correction or bonus) is run over before the next draft.
         r.draft_cached = min(r.draft_cached, r.num_tokens - 1)
