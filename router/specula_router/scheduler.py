@@ -176,7 +176,7 @@ class Scheduler:
             except ShardUnresponsive as e:
                 self._give_up(str(e))
                 raise
-            if self.queue or self.running:
+            if self.queue or self.running or self._ahead:
                 self._wake.set()
 
     async def _serve_or_recover(self) -> None:
@@ -186,7 +186,15 @@ class Scheduler:
             raise
         except Exception as e:  # a defect must cost the requests of this moment, never the server
             logger.exception("batching loop error; failing the running requests")
-            await self._recover(ErrorEvent(f"internal error: {type(e).__name__}: {e}", "internal", 500))
+            event = ErrorEvent(f"internal error: {type(e).__name__}: {e}", "internal", 500)
+            try:
+                await self._recover(event)
+            except ShardUnresponsive:
+                raise
+            except Exception as again:  # nor a defect met while recovering from it
+                logger.exception("error while recovering from a batching loop error; failing the running requests")
+                self._fail_all_running(ErrorEvent(
+                    f"{event.message}; then, while recovering: {type(again).__name__}: {again}", "internal", 500))
 
     async def _serve_until_idle(self) -> None:
         """Steps until the workers hold no request and no step is on the wire."""
@@ -212,9 +220,17 @@ class Scheduler:
             sent = self._ahead.popleft()
             try:
                 await self._timed("a step", sent.pending)
-            except ShardError:
-                pass
+            except ShardUnresponsive:
+                raise
+            except Exception as e:  # its requests are failed below, whatever it raised
+                if not isinstance(e, ShardError):
+                    logger.exception("a step on the wire failed too while recovering")
             self._settle_preempted(sent.plan)
+        self._fail_all_running(event)
+
+    def _fail_all_running(self, event: ErrorEvent) -> None:
+        """Fails every request the workers hold with `event` (they leave them, and free their blocks, at the next
+        step sent). Steps still on the wire, if any, are processed by the loop as usual."""
         for entry in list(self.running.values()):
             if not entry.cancelled:
                 self._fail_running(entry, event)
@@ -255,6 +271,8 @@ class Scheduler:
         method, plan = sent.plan.method, sent.plan
         try:
             response = await self._timed(f"a {method} step", sent.pending)
+        except ShardUnresponsive:
+            raise
         except ShardError as e:
             logger.error("%s step failed: %s", method, e)
             self.metrics.batch_inference_failure.labels(method).inc()
@@ -264,6 +282,9 @@ class Scheduler:
                 self._fail_held(entry, ErrorEvent(str(e)))
             self._flush()
             return
+        except Exception:  # it answered, if with an unexpected error: the requests it preempted may resume
+            self._settle_preempted(plan)
+            raise
         self._settle_preempted(plan)
         now = time.monotonic()
         m = self.metrics

@@ -314,6 +314,60 @@ def test_an_unexpected_error_in_a_step_fails_its_requests_and_the_loop_goes_on(m
     run(body())
 
 
+@pytest.mark.parametrize("where", ["a step on the wire", "the recovery itself"])
+def test_an_error_while_recovering_from_an_error_fails_the_running_requests_and_the_loop_goes_on(where):
+    """A second fault met by the recovery after a failed step (the next step on the wire raising too, or a defect
+    in the recovery's own code) left the batching loop, and the router exited."""
+    async def body():
+        scheduler, client = make_scheduler(step_delay=0.001)
+        recovering: list[ErrorEvent] = []
+        faults: list[str] = []
+        recover = scheduler._recover
+
+        async def tracked(event):
+            recovering.append(event)
+            await recover(event)
+
+        scheduler._recover = tracked
+        if where == "a step on the wire":
+            maybe_fail = client._maybe_fail
+
+            def fail_twice(method):
+                if method == "decode" and len(faults) < 2:
+                    faults.append("while recovering" if recovering else "in a step")
+                    raise RuntimeError(f"unexpected {len(faults)}")
+                maybe_fail(method)
+
+            client._maybe_fail = fail_twice
+        else:
+            client.raise_next = ("decode", RuntimeError("unexpected 1"))
+            settle = scheduler._settle_preempted
+
+            def broken(plan):
+                if recovering and not faults:
+                    faults.append("while recovering")
+                    raise RuntimeError("recovery broke")
+                settle(plan)
+
+            scheduler._settle_preempted = broken
+        loop = asyncio.create_task(scheduler.run())
+        failed = [scheduler.submit(make_request(max_new=8)) for _ in range(2)]
+        results = [await drain(e) for e in failed]
+        assert faults[-1] == "while recovering"  # the second fault did happen inside the recovery
+        for events in results:
+            assert isinstance(events[-1], ErrorEvent) and events[-1].status == 500
+            assert events[-1].error_type == "internal" and "unexpected 1" in events[-1].message
+            if where == "the recovery itself":
+                assert "while recovering: RuntimeError: recovery broke" in events[-1].message
+        ok = scheduler.submit(make_request(max_new=2))
+        assert isinstance((await drain(ok))[-1], FinalEvent)
+        assert not loop.done()
+        loop.cancel()
+        assert scheduler.allocator.num_free_blocks == 64 and not scheduler.running
+        assert all(any(e.id in step.finished for step in client.steps) for e in failed)  # the workers dropped them
+    run(body())
+
+
 def test_a_request_the_worker_fails_alone_ends_with_its_error_and_its_neighbours_go_on():
     async def body():
         scheduler, client = make_scheduler(step_delay=0.001)
