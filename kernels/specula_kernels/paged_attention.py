@@ -127,8 +127,14 @@ def _attend(
     # [num_seqs, max_context, num_kv_heads, head_dim], in the query's dtype whatever the cache stores
     keys = _gather(key_cache, inputs, "keys", query.dtype)
     values = _gather(value_cache, inputs, "values", query.dtype)
-    if num_seqs == 1 and max_query == num_tokens:
-        queries = query.unsqueeze(0)  # no padding: the flat token list is the one sequence
+    # Without padding the flat token list is the queries as they are: one sequence, or one token per sequence
+    # (a decode step), laid out in order. Otherwise each sequence's rows are gathered and padded.
+    one_sequence = num_seqs == 1 and max_query == num_tokens
+    one_token_each = max_query == 1 and num_seqs == num_tokens
+    if one_sequence:
+        queries = query.unsqueeze(0)
+    elif one_token_each:
+        queries = query.unsqueeze(1)
     else:
         queries = query[inputs.query_index]  # [num_seqs, max_query, num_heads, head_dim]
 
@@ -141,8 +147,10 @@ def _attend(
         enable_gqa=num_heads != num_kv_heads,
     ).transpose(1, 2)  # [num_seqs, max_query, num_heads, head_dim]
 
-    if num_seqs == 1 and max_query == num_tokens:
+    if one_sequence:
         return out[0]
+    if one_token_each:
+        return out[:, 0]
     return out[inputs.query_valid]  # padded rows dropped; order matches the flat token list
 
 

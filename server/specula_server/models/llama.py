@@ -75,12 +75,15 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
-        if lora is not None:
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if lora is not None:  # in place, into the fused output's columns
             for name, out in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                 lora.add(self.index, name, hidden, out)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        # Queries and keys rotated as one tensor of heads: half the small operations of rotating each.
+        qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rotary(qk, cos, sin)
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         write_kv_cache(k, v, kv_cache[0], kv_cache[1], attn.slot_mapping)
         out = paged_attention(q, kv_cache[0], kv_cache[1], attn, self.scale).reshape(num_tokens, q_size)
