@@ -10,7 +10,7 @@ import torch
 
 from specula_server.params import FinishReason, SamplingParams
 from specula_server.speculation.controller import (
-    AcceptanceEstimate, ConfidenceCalibration, StepCostModel, choose_draft_lengths, drafting_bar,
+    AcceptanceEstimate, ConfidenceCalibration, RealizedAcceptance, StepCostModel, choose_draft_lengths, drafting_bar,
 )
 from specula_server.speculation.drafters import Draft, PromptLookupDrafter
 from specula_server.testing.worker import (
@@ -494,6 +494,21 @@ def test_confidences_are_calibrated_by_what_their_drafts_achieved():
         calibration.drift("suffix")
         steps += 1
     assert 20 < steps < 300, steps
+
+
+def test_granted_drafts_are_judged_by_the_tokens_they_were_accepted_for():
+    """Drafts granted on high estimates that accept half what was expected have their gains halved: a draft
+    worth granting at face value no longer is; drafts doing better than expected keep their estimates."""
+    realized = RealizedAcceptance()
+    assert realized.factor("ngram") == 1.0
+    for _ in range(100):
+        realized.observe("ngram", 2.0, 1)
+        realized.observe("suffix", 1.0, 3)
+    assert 0.45 < realized.factor("ngram") < 0.55 and realized.factor("suffix") == 1.0
+    expensive = fitted(0.020, 0.020)  # an extra token costs half a step: worth it at 60% acceptance, not 30%
+    assert choose_draft_lengths([4], [0.6], expensive, "adaptive")[0] >= 1
+    assert choose_draft_lengths([4], [0.6], expensive, "adaptive", [realized.factor("ngram")]) == [0]
+    assert choose_draft_lengths([4], [0.6], expensive, "adaptive", [realized.factor("suffix")])[0] >= 1
 
 
 def test_confident_drafts_that_fail_stop_being_asked_for(llama_dir, plain):

@@ -26,6 +26,7 @@ from specula_server.sampling import Sampler
 from specula_server.speculation.controller import (
     AcceptancePriors,
     ConfidenceCalibration,
+    RealizedAcceptance,
     StepCostModel,
     choose_draft_lengths,
     drafting_bar,
@@ -82,6 +83,8 @@ class Speculator:
         self.step_cost = StepCostModel()
         self.acceptance_priors = AcceptancePriors()
         self.calibration = ConfidenceCalibration()  # what a confident drafter's drafts achieve, by confidence
+        self.realized = RealizedAcceptance()  # granted drafts' accepted tokens against what was expected
+        self._expected: dict[int, float] = {}  # request id -> accepted tokens expected of this step's draft
         self._declined_in_a_row = 0  # adaptive: steps whose drafts were all declined, since one verified
         self._steps_without_proposals = 0  # adaptive: plain steps left before drafts are proposed again
 
@@ -148,8 +151,11 @@ class Speculator:
         proposals = [Draft(torch.tensor(f), confidence=1.0) if f else p for p, f in zip(proposals, forced)]
         acceptance = [a if p.confidence is None else 1.0 if f else max(a, self.calibration.value(m, p.confidence))
                       for a, p, f, m in zip(acceptance, proposals, forced, methods)]
+        realism = [1.0 if f else self.realized.factor(m) for f, m in zip(forced, methods)]
         lengths = choose_draft_lengths([p.available for p in proposals], acceptance, self.step_cost,
-                                       self.config.mode)
+                                       self.config.mode, realism)
+        self._expected = {r.id: sum(a ** i for i in range(1, k + 1)) for r, a, k in zip(reqs, acceptance, lengths)
+                          if k}
         if not any(lengths):  # nothing worth verifying
             if any(p.available for p in proposals):
                 self.step_cost.declined()
@@ -209,6 +215,9 @@ class Speculator:
         self.acceptance_priors.observe(method, verdict.num_drafted, verdict.num_accepted)
         if draft.confidence is not None and method != GRAMMAR_METHOD:
             self.calibration.observe(method, draft.confidence, verdict.num_drafted, verdict.num_accepted)
+        expected = self._expected.pop(r.id, None)
+        if expected is not None and method != GRAMMAR_METHOD:
+            self.realized.observe(method, expected, verdict.num_accepted)
         # The draft model's KV is valid up to the last accepted draft it ran over; the target's own token
         # (correction or bonus) is run over before the next draft.
         r.draft_cached = min(r.draft_cached, r.num_tokens - 1)
