@@ -84,7 +84,7 @@ class Speculator:
         self.acceptance_priors = AcceptancePriors()
         self.calibration = ConfidenceCalibration()  # what a confident drafter's drafts achieve, by confidence
         self.realized = RealizedAcceptance()  # granted drafts' accepted tokens against what was expected
-        self._expected: dict[int, float] = {}  # request id -> accepted tokens expected of this step's draft
+        self._granted_at: dict[int, float] = {}  # request id -> the acceptance its draft was granted at this step
         self._declined_in_a_row = 0  # adaptive: steps whose drafts were all declined, since one verified
         self._steps_without_proposals = 0  # adaptive: plain steps left before drafts are proposed again
 
@@ -154,8 +154,7 @@ class Speculator:
         realism = [1.0 if f else self.realized.factor(m) for f, m in zip(forced, methods)]
         lengths = choose_draft_lengths([p.available for p in proposals], acceptance, self.step_cost,
                                        self.config.mode, realism)
-        self._expected = {r.id: sum(a ** i for i in range(1, k + 1)) for r, a, k in zip(reqs, acceptance, lengths)
-                          if k}
+        self._granted_at = {r.id: a for r, a, k in zip(reqs, acceptance, lengths) if k}
         if not any(lengths):  # nothing worth verifying
             if any(p.available for p in proposals):
                 self.step_cost.declined()
@@ -215,8 +214,9 @@ class Speculator:
         self.acceptance_priors.observe(method, verdict.num_drafted, verdict.num_accepted)
         if draft.confidence is not None and method != GRAMMAR_METHOD:
             self.calibration.observe(method, draft.confidence, verdict.num_drafted, verdict.num_accepted)
-        expected = self._expected.pop(r.id, None)
-        if expected is not None and method != GRAMMAR_METHOD:
+        granted_at = self._granted_at.pop(r.id, None)
+        if granted_at is not None and method != GRAMMAR_METHOD:  # over the drafts verified (a grammar may cut some)
+            expected = sum(granted_at**i for i in range(1, verdict.num_drafted + 1))
             self.realized.observe(method, expected, verdict.num_accepted)
         # The draft model's KV is valid up to the last accepted draft it ran over; the target's own token
         # (correction or bonus) is run over before the next draft.

@@ -25,8 +25,8 @@ makes up to 48,000 nodes in its own tree, freed when it ends. In Python this is 
 ms per request per drafting step on the demo model (docs/benchmarks.md, "Suffix decoding").
 
 Backends. Where arctic-inference is installed (`suffix_native`: Snowflake's C++ suffix tree, path-compressed,
-children sorted by count), the same drafter runs on it instead, about 20 us per request per step; the Python
-trees here are the fallback without it, and `backend="python"` (or SPECULA_SUFFIX_BACKEND=python) forces them.
+children sorted by count), the same drafter runs on it instead, 30-55 us per request per step as served; the
+Python trees here are the fallback without it, and `backend="python"` (or SPECULA_SUFFIX_BACKEND=python) forces them.
 The two draft alike where the likeliest continuations are unique; `suffix_native` says where they may differ.
 
 Everything is deterministic in the order of the steps, so tensor-parallel ranks draft the same trees without
@@ -292,11 +292,14 @@ class SuffixDrafter:
             local = draft_from(state.local_cursor, k, self.factor, self.offset, self.min_token_prob, self.depth)
             remote = draft_from(state.global_cursor, k, self.factor, self.offset, self.min_token_prob, self.depth)
             best = max(local, remote, key=lambda d: d.score)
-            if not len(best.draft) and self.fallback is not None:
-                drafts.append(self.fallback.propose([r], [k])[0])
-            else:
-                drafts.append(best.draft)
+            drafts.append(best.draft if len(best.draft) else self._fallback(r, k))
         return drafts
+
+    def _fallback(self, r: RequestState, k: int) -> Draft:
+        """The draft of a request neither tree drafts for: prompt lookup's, when it runs behind, else none."""
+        if self.fallback is None:
+            return Draft(torch.empty(0, dtype=torch.long))
+        return self.fallback.propose([r], [k])[0]
 
     def _propose_native(self, requests: Sequence[RequestState], max_tokens: Sequence[int]) -> list[Draft]:
         """`propose` on Arctic Inference's trees (`suffix_native`)."""
@@ -315,11 +318,7 @@ class SuffixDrafter:
             tree = self.cache.trees.get(state.adapter)
             remote = tree.speculate(context, k, *args) if tree is not None else None
             best = suffix_native.best_draft(local, remote, MIN_MATCH)
-            if best is None:
-                drafts.append(self.fallback.propose([r], [k])[0] if self.fallback is not None
-                              else Draft(torch.empty(0, dtype=torch.long)))
-            else:
-                drafts.append(suffix_native.to_draft(best))
+            drafts.append(self._fallback(r, k) if best is None else suffix_native.to_draft(best))
         return drafts
 
     def _sync(self, r: RequestState) -> _RequestState:
