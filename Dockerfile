@@ -22,6 +22,13 @@ ARG CPU_IMAGE=python:3.11-slim-bookworm
 
 FROM ${CPU_IMAGE} AS base-cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# g++ builds the native int8/int4 kernels for the CPU the container runs on, the first time --quantize needs them
+# (kernels/specula_kernels/native.py; without it the worker uses PyTorch's slower kernels). Debian's g++ of the
+# base image's release, unpinned as the CUDA stage's gcc: a pin would break with the next point release.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
 RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --no-cache-dir torch==2.13.0 --index-url ${TORCH_INDEX_URL}

@@ -12,7 +12,7 @@ perplexity over the first `--windows` windows of `--window-tokens` tokens (every
 scored from the prompt log-probabilities of one prefill), and greedy agreement with float32: how many of the
 first `--agreement-tokens` tokens after a held-out code prompt are identical, up to the first difference.
 
-    python benchmark/quantization.py decode --rounds 5
+    python benchmark/quantization.py decode --rounds 5 --pytorch-kernels
     python benchmark/quantization.py accuracy
 """
 
@@ -67,6 +67,15 @@ def run_decode(args) -> dict:
         num_blocks = -(-(args.prompt_tokens + args.new_tokens) // 16)
         generators = {name: load_test_generator(model_dir, num_blocks=num_blocks, **settings)
                       for name, settings in variants(args.group_size, args.bfloat16).items()}
+        if args.pytorch_kernels:  # the quantized formats again, on PyTorch's packed kernels
+            from unittest import mock
+
+            from specula_server.layers import quantization
+            with mock.patch.object(quantization, "_native_kernels", lambda device: None):
+                for name, settings in variants(args.group_size).items():
+                    if settings:
+                        generators[f"{name}, PyTorch kernels"] = load_test_generator(
+                            model_dir, num_blocks=num_blocks, **settings)
         prompt = [1] + [(7 * i) % 400 + 3 for i in range(args.prompt_tokens - 1)]
         device = torch.device("cpu")
         for generator in generators.values():  # warm every path up
@@ -177,6 +186,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=64, help="int4 inputs per scale and zero")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--bfloat16", action="store_true", help="decode: also the whole model in bfloat16")
+    parser.add_argument("--pytorch-kernels", action="store_true",
+                        help="decode: also int8 and int4 on PyTorch's packed kernels instead of the native ones")
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--windows", type=int, default=32)

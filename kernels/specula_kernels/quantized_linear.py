@@ -130,3 +130,48 @@ def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor)
 
 def int4_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), dequantize_int4(q, scale, zero)).to(x.dtype)
+
+
+# Native kernels (`native.py`, `csrc/weight_only.cpp`): float32 activations, weights dequantized in registers.
+
+def pack_int4_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output of `quantize_int4` in the native kernel's layout: (`[out, in / 2]` uint8, for each 32 inputs 16
+    bytes whose low halves hold the first 16 and high halves the next 16; `[out, groups, 2]` (scale, zero) in
+    bfloat16)."""
+    out_features, in_features = q.shape
+    blocks = q.to(torch.uint8).reshape(out_features, in_features // 32, 2, 16)
+    packed = (blocks[:, :, 0] | blocks[:, :, 1] << 4).reshape(out_features, in_features // 2).contiguous()
+    scales_and_zeros = torch.stack([scale, zero], dim=-1).to(KERNEL_DTYPE).contiguous()
+    return packed, scales_and_zeros
+
+
+def _native_call(x: torch.Tensor, out_features: int, call) -> torch.Tensor:
+    x32 = x.float().contiguous()
+    out = torch.empty(x32.shape[0], out_features, dtype=torch.float32)
+    if x32.shape[0]:
+        call(x32, out)
+    return out.to(x.dtype)
+
+
+def int8_linear_native(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x [m, in] @ (q * scale)^T` on the native kernel; `scale` float32 `[out]`."""
+    assert x.dim() == 2 and x.shape[1] == q.shape[1] and q.shape[1] % INT8_IN_MULTIPLE == 0, (x.shape, q.shape)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and q.is_contiguous() and scale.is_contiguous()
+    m, k = x.shape
+    n = q.shape[0]
+    threads = torch.get_num_threads()
+    return _native_call(x, n, lambda x32, out: lib.specula_int8_linear(
+        x32.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), n, out.data_ptr(), threads))
+
+
+def int4_linear_native(lib, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
+                       group_size: int) -> torch.Tensor:
+    """`x [m, in] @ dequantized^T` on the native kernel, for a weight from `pack_int4_native`."""
+    n, half = packed.shape
+    assert x.dim() == 2 and x.shape[1] == 2 * half and half * 2 % group_size == 0 and group_size % 32 == 0
+    assert scales_and_zeros.shape == (n, 2 * half // group_size, 2) and scales_and_zeros.dtype == KERNEL_DTYPE
+    m, k = x.shape
+    threads = torch.get_num_threads()
+    return _native_call(x, n, lambda x32, out: lib.specula_int4_linear(
+        x32.data_ptr(), m, k, packed.data_ptr(), scales_and_zeros.data_ptr(), group_size, n, out.data_ptr(),
+        threads))

@@ -11,10 +11,13 @@ from specula_kernels.quantized_linear import (
     dequantize_int4,
     dequantize_int8,
     int4_linear,
+    int4_linear_native,
     int4_linear_reference,
     int8_linear,
+    int8_linear_native,
     int8_linear_reference,
     pack_int4,
+    pack_int4_native,
     quantize_int4,
     quantize_int8,
 )
@@ -136,3 +139,85 @@ def test_int8_kernel_refuses_widths_it_cannot_read():
     q, scale = quantize_int8(_weight(16, 40))
     with pytest.raises(AssertionError):
         int8_linear(_inputs(1, 40), q, scale.to(KERNEL_DTYPE))
+
+
+# The native kernels (`specula_kernels.native`): float32 activations, so they match the float32 reference to
+# float32 rounding, where PyTorch's kernels round their input and output to bfloat16.
+
+def _native_library():
+    from specula_kernels import native
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    return lib
+
+
+# rows: one, a partial register block, several blocks, past one pass (64 rows); outputs not a multiple of 4
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 9, 70])
+@pytest.mark.parametrize("out_features", [52, 61])
+def test_native_int8_kernel_matches_reference(rows, out_features):
+    lib = _native_library()
+    q, scale = quantize_int8(_weight(out_features, 96))
+    x = _inputs(rows, 96)
+    got = int8_linear_native(lib, x, q, scale)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got, int8_linear_reference(x, q, scale), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 67])
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+def test_native_int4_kernel_matches_reference(rows, group_size):
+    lib = _native_library()
+    q, scale, zero = quantize_int4(_weight(37, 512), group_size)
+    x = _inputs(rows, 512)
+    got = int4_linear_native(lib, x, *pack_int4_native(q, scale, zero), group_size)
+    assert got.shape == (rows, 37)
+    torch.testing.assert_close(got, int4_linear_reference(x, q, scale, zero), rtol=1e-5, atol=1e-5)
+
+
+def test_native_kernels_keep_the_callers_dtype():
+    lib = _native_library()
+    q, scale = quantize_int8(_weight(16, 64))
+    x = _inputs(3, 64).to(torch.bfloat16)
+    got = int8_linear_native(lib, x, q, scale)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, int8_linear_reference(x.float(), q, scale).to(torch.bfloat16))
+
+
+def test_a_rows_native_result_is_the_same_bits_in_any_batch():
+    """Every output is one fixed-order sum, so a verified draft row equals the decode row it stands for."""
+    lib = _native_library()
+    q8, scale = quantize_int8(_weight(70, 256))
+    packed, scales_and_zeros = pack_int4_native(*quantize_int4(_weight(70, 256), 64))
+    x = _inputs(75, 256)
+    for product in (lambda t: int8_linear_native(lib, t, q8, scale),
+                    lambda t: int4_linear_native(lib, t, packed, scales_and_zeros, 64)):
+        whole = product(x)
+        for start, stop in [(0, 1), (5, 6), (3, 10), (60, 75), (0, 64)]:
+            assert torch.equal(product(x[start:stop]), whole[start:stop]), (start, stop)
+
+
+def test_native_kernels_can_be_turned_off(monkeypatch):
+    from specula_kernels import native
+
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setenv("SPECULA_NATIVE_KERNELS", "0")
+    assert native.library() is None
+    assert native.unavailable_reason() == "disabled by SPECULA_NATIVE_KERNELS"
+
+
+def test_a_failing_build_leaves_the_pytorch_kernels_with_the_reason(monkeypatch, tmp_path):
+    from specula_kernels import native
+
+    monkeypatch.setattr(native, "_tried", False)
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setenv("SPECULA_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "false-compiler"))
+    (tmp_path / "false-compiler").write_text('#!/bin/sh\n[ "$1" = --version ] && { echo fake 1.0; exit 0; }\n'
+                                             "echo 'error: no such thing' >&2\nexit 1\n")
+    (tmp_path / "false-compiler").chmod(0o755)
+    assert native.library() is None
+    assert "false-compiler failed: error: no such thing" in native.unavailable_reason()
+    assert not list(tmp_path.glob("*.so"))

@@ -20,6 +20,8 @@ from specula_kernels.quantized_linear import (
 )
 from specula_proto import generate_pb2 as pb
 from specula_server.cli import app
+from specula_kernels import native
+from specula_server.layers import quantization
 from specula_server.layers.quantization import (
     Int4Linear,
     Int8Linear,
@@ -90,6 +92,23 @@ def round_products_to_bfloat16(model: torch.nn.Module) -> torch.nn.Module:
     return model.eval()
 
 
+@pytest.fixture(params=["native", "pytorch"])
+def kernels(request, monkeypatch) -> str:
+    """Which products the quantized layers run on: the native kernels (skipped where they are not built) or
+    PyTorch's packed ones, which round a product's input and output to bfloat16."""
+    if request.param == "native":
+        if native.library() is None:
+            pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    else:
+        monkeypatch.setattr(quantization, "_native_kernels", lambda device: None)
+    return request.param
+
+
+def reference_for(model: torch.nn.Module, kernels: str) -> torch.nn.Module:
+    """transformers (or peft) on the dequantized weights, rounded as the worker's kernels round."""
+    return model.eval() if kernels == "native" else round_products_to_bfloat16(model)
+
+
 @pytest.fixture(scope="module")
 def fake_quantized(model_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fake-quantized")
@@ -114,12 +133,14 @@ def assert_matches_reference(outputs: list[list], reference) -> None:
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_worker_matches_transformers_on_the_quantized_weights(model_dir, fake_quantized, method):
+def test_quantized_worker_matches_transformers_on_the_quantized_weights(model_dir, fake_quantized, method, kernels):
     import transformers
 
     generator = load_test_generator(model_dir, **SETTINGS[method])
+    assert all(getattr(m, "native", None) == (None if kernels == "pytorch" else native.library())
+               for m in generator.model.modules() if isinstance(m, (Int8Linear, Int4Linear)))
     reference = transformers.AutoModelForCausalLM.from_pretrained(fake_quantized[method], dtype=torch.float32)
-    assert_matches_reference(run_prompts(generator), round_products_to_bfloat16(reference))
+    assert_matches_reference(run_prompts(generator), reference_for(reference, kernels))
 
 
 @pytest.mark.parametrize("method,layer_type,weight_dtype", [("int8", Int8Linear, torch.int8),
@@ -131,7 +152,11 @@ def test_every_linear_holds_quantized_weights(model_dir, method, layer_type, wei
     assert all(isinstance(m.linear, layer_type) for m in layers)
     float_names = {n for n, p in model.named_parameters() if p.is_floating_point()}
     assert all("norm" in n or "embed_tokens" in n or n.endswith(".bias") for n in float_names), float_names
-    assert all(b.dtype in (weight_dtype, torch.bfloat16) for n, b in model.named_buffers() if ".linear." in n)
+    weights = {n: b for n, b in model.named_buffers() if n.endswith((".linear.qweight", ".linear.packed"))}
+    assert len(weights) == len(layers) and all(b.dtype == weight_dtype for b in weights.values())
+    scales = [b for n, b in model.named_buffers() if ".linear." in n and n not in weights]
+    nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+    assert nbytes(scales) * 4 <= nbytes(weights.values())  # scales and zeros: at most a fifth of the bytes
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
@@ -148,7 +173,8 @@ def test_two_ranks_match_one_rank_quantized(model_dir, method):
 
 @pytest.mark.parametrize("method,drafter", [("int8", "prompt lookup"), ("int4", "prompt lookup"),
                                             ("int4", "medusa on the base LM head")])
-def test_greedy_output_is_identical_with_speculation_on_a_quantized_base(model_dir, tmp_path, method, drafter):
+def test_greedy_output_is_identical_with_speculation_on_a_quantized_base(model_dir, tmp_path, method, drafter,
+                                                                       kernels):
     plain = load_test_generator(model_dir, **SETTINGS[method])
     speculator = None
     if drafter.startswith("medusa"):  # the LoRAX v2 layout: its heads end in the (quantized) base LM head
@@ -180,10 +206,10 @@ def lora_outputs(model_dir: Path, adapter_root: Path, group=None, **settings) ->
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_lora_on_a_quantized_base_matches_peft_on_the_quantized_weights(model_dir, fake_quantized, adapter_root,
-                                                                        method):
+                                                                        method, kernels):
     with_adapter, without = lora_outputs(model_dir, adapter_root, **SETTINGS[method])
     assert any(token_ids(a) != token_ids(b) for a, b in zip(with_adapter, without))  # the delta is applied
-    reference = round_products_to_bfloat16(load_peft_reference(fake_quantized[method], adapter_root / "lora"))
+    reference = reference_for(load_peft_reference(fake_quantized[method], adapter_root / "lora"), kernels)
     assert_matches_reference(with_adapter, reference)
 
 

@@ -2,8 +2,8 @@
 
 The tensor-parallel linears and the LM head (`tensor_parallel.py`) hand their rank's float slice to
 `build_linear`, which returns the product they call: `DenseLinear` (float weights packed for threads), or
-`Int8Linear` / `Int4Linear`, which quantize the slice at load time and multiply on PyTorch's packed kernels
-(`specula_kernels.quantized_linear`). Every product maps activations `[m, in]` to `[m, out]` in the model's dtype,
+`Int8Linear` / `Int4Linear`, which quantize the slice at load time and multiply on the native weight-only kernels
+(`specula_kernels.native`, CPUs with AVX-512) or else on PyTorch's packed kernels (`specula_kernels.quantized_linear`). Every product maps activations `[m, in]` to `[m, out]` in the model's dtype,
 so what acts on activations around it (LoRA deltas, Medusa heads, speculation, the all-reduce) is unchanged.
 
 Tensor parallelism quantizes exactly as one shard would: every quantized layer's shard holds whole rows (the
@@ -22,13 +22,17 @@ from typing import Any
 
 import torch
 from specula_kernels.linear import default_num_parts, linear, onednn_linear, onednn_pack, onednn_supports, pack_weight
+from specula_kernels import native
 from specula_kernels.quantized_linear import (
     INT4_GROUP_SIZES,
     INT8_IN_MULTIPLE,
     KERNEL_DTYPE,
     int4_linear,
+    int4_linear_native,
     int8_linear,
+    int8_linear_native,
     pack_int4,
+    pack_int4_native,
     quantize_int4,
     quantize_int8,
 )
@@ -85,30 +89,44 @@ class DenseLinear(nn.Module):
         return onednn_linear(x, self.packed) if self.onednn else linear(x, self.weight)
 
 
+def _native_kernels(device: torch.device):
+    """The native weight-only kernels where they serve this device (CPU, built for this machine), else None."""
+    return native.library() if device.type == "cpu" else None
+
+
 class Int8Linear(nn.Module):
-    """int8 weights with one scale per output row."""
+    """int8 weights with one scale per output row; on the native kernels where they are built, else PyTorch's."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         q, scale = quantize_int8(weight)
+        self.native = _native_kernels(weight.device)
         self.register_buffer("qweight", q)  # [out, in] int8
-        self.register_buffer("scale", scale.to(KERNEL_DTYPE))  # [out]
+        # [out]: float32 for the native kernel, bfloat16 for PyTorch's (the same values: they are bfloat16-exact)
+        self.register_buffer("scale", scale if self.native else scale.to(KERNEL_DTYPE))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return int8_linear_native(self.native, x, self.qweight, self.scale)
         return int8_linear(x, self.qweight, self.scale)
 
 
 class Int4Linear(nn.Module):
-    """int4 weights with a scale and a zero per output row and group of `group_size` inputs."""
+    """int4 weights with a scale and a zero per output row and group of `group_size` inputs; on the native
+    kernels where they are built, else PyTorch's (each has its own packed layout)."""
 
     def __init__(self, weight: torch.Tensor, group_size: int) -> None:
         super().__init__()
         self.out_features, self.group_size = weight.shape[0], group_size
-        packed, scales_and_zeros = pack_int4(*quantize_int4(weight, group_size))
-        self.register_buffer("packed", packed)  # the kernel's layout, about [out, in / 2] bytes
-        self.register_buffer("scales_and_zeros", scales_and_zeros)  # [in / group_size, out (padded), 2]
+        self.native = _native_kernels(weight.device)
+        pack = pack_int4_native if self.native else pack_int4
+        packed, scales_and_zeros = pack(*quantize_int4(weight, group_size))
+        self.register_buffer("packed", packed)  # about [out, in / 2] bytes
+        self.register_buffer("scales_and_zeros", scales_and_zeros)  # the scale and zero of each row's groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return int4_linear_native(self.native, x, self.packed, self.scales_and_zeros, self.group_size)
         return int4_linear(x, self.packed, self.scales_and_zeros, self.group_size, self.out_features)
 
 

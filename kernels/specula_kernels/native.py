@@ -1,0 +1,111 @@
+"""Native CPU kernels (`csrc/`), compiled for this machine on first use and loaded with ctypes.
+
+Why by hand: the weight-only int8/int4 products of a decode step must stream weights at the memory's pace, and
+the packed kernels PyTorch ships for them are compute-bound on CPU (docs/benchmarks.md, "Weight-only
+quantization"). The source is plain C++ with vector extensions and OpenMP, built with `-O3 -march=native` by the
+system's C++ compiler into a cache (`$SPECULA_KERNEL_CACHE`, else `~/.cache/specula/kernels`), keyed by the
+source, the compiler and the CPU's feature flags, so a worker compiles it once per machine (a second or two).
+
+Linking: the library asks for `libgomp.so.1`, the soname of the OpenMP runtime PyTorch's x86-64 wheels load, so
+the kernels share PyTorch's threads instead of starting a second pool.
+
+Without a compiler, or with `SPECULA_NATIVE_KERNELS=0`, `library()` returns None and the callers fall back to
+PyTorch's kernels; `unavailable_reason()` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("csrc") / "weight_only.cpp"
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_reason: str | None = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version, _cpu_flags()]).encode())
+    cache = Path(os.environ.get("SPECULA_KERNEL_CACHE") or Path.home() / ".cache" / "specula" / "kernels")
+    target = cache / f"weight_only-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed, so processes building at once never load a half-written file.
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        out = Path(tmp) / target.name
+        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(out)], capture_output=True, text=True)
+        if result.returncode:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(out, target)
+    return target
+
+
+def _load() -> ctypes.CDLL:
+    compiler = _compiler()
+    if compiler is None:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    path = _build(compiler)
+    lib = ctypes.CDLL(str(path))
+    logger.info("native weight-only kernels: %s", path)
+    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.specula_int8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, c_int]
+    lib.specula_int8_linear.restype = None
+    lib.specula_int4_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, c_int]
+    lib.specula_int4_linear.restype = None
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they cannot be built here (logged once, with the reason)."""
+    global _library, _reason, _tried
+    if _tried:
+        return _library
+    with _lock:
+        if not _tried:
+            if os.environ.get("SPECULA_NATIVE_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+                _reason = "disabled by SPECULA_NATIVE_KERNELS"
+            else:
+                try:
+                    _library = _load()
+                except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+                    _reason = str(error)
+                    logger.warning("native weight-only kernels unavailable, using PyTorch's: %s", _reason)
+            _tried = True
+    return _library
+
+
+def unavailable_reason() -> str | None:
+    library()
+    return _reason
