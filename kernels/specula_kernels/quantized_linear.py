@@ -132,17 +132,37 @@ def int4_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return F.linear(x.float(), dequantize_int4(q, scale, zero)).to(x.dtype)
 
 
-# Native kernels (`native.py`, `csrc/weight_only.cpp`): float32 activations, weights dequantized in registers.
+# Native kernels (`native.py`, `csrc/weight_only.cpp`): float32 activations, weights dequantized in registers,
+# stored in blocks of `NATIVE_ROWS` rows interleaved so that each 64-byte line holds the same inputs of a block's
+# rows (output rows padded to a multiple of it with zeros).
+
+NATIVE_ROWS = 4
+
+
+def _interleave(t: torch.Tensor, width: int, fill: int) -> torch.Tensor:
+    """`[out, n]` -> `[ceil(out / 4), n / width, 4, width]`, contiguous, rows past `out` filled with `fill`."""
+    out_features, n = t.shape
+    pad = -out_features % NATIVE_ROWS
+    if pad:
+        t = torch.cat([t, t.new_full((pad, n), fill)])
+    return t.reshape(-1, NATIVE_ROWS, n // width, width).transpose(1, 2).contiguous()
+
+
+def pack_int8_native(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output of `quantize_int8` in the native kernel's layout: (`[ceil(out / 4), in / 16, 4, 16]` int8, the
+    scales as float32 `[out]`)."""
+    return _interleave(q, 16, 0), scale.float().contiguous()
+
 
 def pack_int4_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output of `quantize_int4` in the native kernel's layout: (`[out, in / 2]` uint8, for each 32 inputs 16
-    bytes whose low halves hold the first 16 and high halves the next 16; `[out, groups, 2]` (scale, zero) in
-    bfloat16)."""
+    """The output of `quantize_int4` in the native kernel's layout: (`[ceil(out / 4), in / 32, 4, 16]` uint8, where
+    a row's 16 bytes hold 32 inputs, the first 16 in the low halves and the next 16 in the high halves;
+    `[ceil(out / 4), groups, 4, 2]` (scale, zero) in bfloat16)."""
     out_features, in_features = q.shape
     blocks = q.to(torch.uint8).reshape(out_features, in_features // 32, 2, 16)
-    packed = (blocks[:, :, 0] | blocks[:, :, 1] << 4).reshape(out_features, in_features // 2).contiguous()
-    scales_and_zeros = torch.stack([scale, zero], dim=-1).to(KERNEL_DTYPE).contiguous()
-    return packed, scales_and_zeros
+    pairs = (blocks[:, :, 0] | blocks[:, :, 1] << 4).reshape(out_features, in_features // 2)
+    scales_and_zeros = torch.stack([scale, zero], dim=-1).to(KERNEL_DTYPE).flatten(1)  # [out, groups * 2]
+    return _interleave(pairs, 16, 0x88), _interleave(scales_and_zeros.view(torch.int16), 2, 0).view(KERNEL_DTYPE)
 
 
 def _native_call(x: torch.Tensor, out_features: int, call) -> torch.Tensor:
@@ -153,25 +173,29 @@ def _native_call(x: torch.Tensor, out_features: int, call) -> torch.Tensor:
     return out.to(x.dtype)
 
 
-def int8_linear_native(lib, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """`x [m, in] @ (q * scale)^T` on the native kernel; `scale` float32 `[out]`."""
-    assert x.dim() == 2 and x.shape[1] == q.shape[1] and q.shape[1] % INT8_IN_MULTIPLE == 0, (x.shape, q.shape)
-    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and q.is_contiguous() and scale.is_contiguous()
+def int8_linear_native(lib, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x [m, in] @ (q * scale)^T` on the native kernel, for a weight from `pack_int8_native`."""
+    n = scale.shape[0]
+    blocks, lines, rows, width = packed.shape
+    assert x.dim() == 2 and x.shape[1] == lines * width and (rows, width) == (NATIVE_ROWS, 16), (x.shape, packed.shape)
+    assert packed.dtype == torch.int8 and packed.is_contiguous() and blocks == -(-n // NATIVE_ROWS)
+    assert scale.dtype == torch.float32 and scale.is_contiguous()
     m, k = x.shape
-    n = q.shape[0]
     threads = torch.get_num_threads()
     return _native_call(x, n, lambda x32, out: lib.specula_int8_linear(
-        x32.data_ptr(), m, k, q.data_ptr(), scale.data_ptr(), n, out.data_ptr(), threads))
+        x32.data_ptr(), m, k, packed.data_ptr(), scale.data_ptr(), n, out.data_ptr(), threads))
 
 
-def int4_linear_native(lib, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor,
-                       group_size: int) -> torch.Tensor:
+def int4_linear_native(lib, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
+                       out_features: int) -> torch.Tensor:
     """`x [m, in] @ dequantized^T` on the native kernel, for a weight from `pack_int4_native`."""
-    n, half = packed.shape
-    assert x.dim() == 2 and x.shape[1] == 2 * half and half * 2 % group_size == 0 and group_size % 32 == 0
-    assert scales_and_zeros.shape == (n, 2 * half // group_size, 2) and scales_and_zeros.dtype == KERNEL_DTYPE
+    blocks, lines, rows, width = packed.shape
     m, k = x.shape
+    assert x.dim() == 2 and k == lines * 32 and (rows, width) == (NATIVE_ROWS, 16) and group_size % 32 == 0
+    assert blocks == -(-out_features // NATIVE_ROWS) and packed.is_contiguous()
+    assert scales_and_zeros.shape == (blocks, k // group_size, NATIVE_ROWS, 2)
+    assert scales_and_zeros.dtype == KERNEL_DTYPE and scales_and_zeros.is_contiguous()
     threads = torch.get_num_threads()
-    return _native_call(x, n, lambda x32, out: lib.specula_int4_linear(
-        x32.data_ptr(), m, k, packed.data_ptr(), scales_and_zeros.data_ptr(), group_size, n, out.data_ptr(),
-        threads))
+    return _native_call(x, out_features, lambda x32, out: lib.specula_int4_linear(
+        x32.data_ptr(), m, k, packed.data_ptr(), scales_and_zeros.data_ptr(), group_size, out_features,
+        out.data_ptr(), threads))

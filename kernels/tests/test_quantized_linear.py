@@ -18,6 +18,7 @@ from specula_kernels.quantized_linear import (
     int8_linear_reference,
     pack_int4,
     pack_int4_native,
+    pack_int8_native,
     quantize_int4,
     quantize_int8,
 )
@@ -160,7 +161,7 @@ def test_native_int8_kernel_matches_reference(rows, out_features):
     lib = _native_library()
     q, scale = quantize_int8(_weight(out_features, 96))
     x = _inputs(rows, 96)
-    got = int8_linear_native(lib, x, q, scale)
+    got = int8_linear_native(lib, x, *pack_int8_native(q, scale))
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
     torch.testing.assert_close(got, int8_linear_reference(x, q, scale), rtol=1e-5, atol=1e-5)
 
@@ -171,7 +172,7 @@ def test_native_int4_kernel_matches_reference(rows, group_size):
     lib = _native_library()
     q, scale, zero = quantize_int4(_weight(37, 512), group_size)
     x = _inputs(rows, 512)
-    got = int4_linear_native(lib, x, *pack_int4_native(q, scale, zero), group_size)
+    got = int4_linear_native(lib, x, *pack_int4_native(q, scale, zero), group_size, 37)
     assert got.shape == (rows, 37)
     torch.testing.assert_close(got, int4_linear_reference(x, q, scale, zero), rtol=1e-5, atol=1e-5)
 
@@ -180,7 +181,7 @@ def test_native_kernels_keep_the_callers_dtype():
     lib = _native_library()
     q, scale = quantize_int8(_weight(16, 64))
     x = _inputs(3, 64).to(torch.bfloat16)
-    got = int8_linear_native(lib, x, q, scale)
+    got = int8_linear_native(lib, x, *pack_int8_native(q, scale))
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, int8_linear_reference(x.float(), q, scale).to(torch.bfloat16))
 
@@ -188,11 +189,11 @@ def test_native_kernels_keep_the_callers_dtype():
 def test_a_rows_native_result_is_the_same_bits_in_any_batch():
     """Every output is one fixed-order sum, so a verified draft row equals the decode row it stands for."""
     lib = _native_library()
-    q8, scale = quantize_int8(_weight(70, 256))
+    q8, scale = pack_int8_native(*quantize_int8(_weight(70, 256)))
     packed, scales_and_zeros = pack_int4_native(*quantize_int4(_weight(70, 256), 64))
     x = _inputs(75, 256)
     for product in (lambda t: int8_linear_native(lib, t, q8, scale),
-                    lambda t: int4_linear_native(lib, t, packed, scales_and_zeros, 64)):
+                    lambda t: int4_linear_native(lib, t, packed, scales_and_zeros, 64, 70)):
         whole = product(x)
         for start, stop in [(0, 1), (5, 6), (3, 10), (60, 75), (0, 64)]:
             assert torch.equal(product(x[start:stop]), whole[start:stop]), (start, stop)

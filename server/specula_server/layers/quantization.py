@@ -32,6 +32,7 @@ from specula_kernels.quantized_linear import (
     int8_linear,
     int8_linear_native,
     pack_int4,
+    pack_int8_native,
     pack_int4_native,
     quantize_int4,
     quantize_int8,
@@ -101,9 +102,10 @@ class Int8Linear(nn.Module):
         super().__init__()
         q, scale = quantize_int8(weight)
         self.native = _native_kernels(weight.device)
-        self.register_buffer("qweight", q)  # [out, in] int8
-        # [out]: float32 for the native kernel, bfloat16 for PyTorch's (the same values: they are bfloat16-exact)
-        self.register_buffer("scale", scale if self.native else scale.to(KERNEL_DTYPE))
+        if self.native:  # rows interleaved in blocks of 4; scales in float32 (they are bfloat16-exact)
+            q, scale = pack_int8_native(q, scale)
+        self.register_buffer("qweight", q)  # int8, [out, in] or the native blocks
+        self.register_buffer("scale", scale if self.native else scale.to(KERNEL_DTYPE))  # [out]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
@@ -126,7 +128,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return int4_linear_native(self.native, x, self.packed, self.scales_and_zeros, self.group_size)
+            return int4_linear_native(self.native, x, self.packed, self.scales_and_zeros, self.group_size,
+                                      self.out_features)
         return int4_linear(x, self.packed, self.scales_and_zeros, self.group_size, self.out_features)
 
 
