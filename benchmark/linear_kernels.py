@@ -10,7 +10,13 @@ reported: the median over rounds of the time for all 49 products.
     matmul bf16      bfloat16 weights, plain `x @ W^T`
     onednn bf16      bfloat16 weights in oneDNN's packed layout (only where oneDNN has native bfloat16)
 
+With `--quantized`, also the weight-only formats of `--quantize` (int4 in groups of 64), on the native kernels
+(`specula_kernels.native`, where they build) and on PyTorch's packed kernels:
+
+    int8 native, int4 native, int8 pytorch, int4 pytorch
+
     python benchmark/linear_kernels.py --rows 1 8 32 64 --rounds 15
+    python benchmark/linear_kernels.py --rows 1 8 32 256 --rounds 7 --quantized
 """
 
 from __future__ import annotations
@@ -27,16 +33,44 @@ sys.path[:0] = [str(REPO / p) for p in ("kernels",)]
 
 import torch  # noqa: E402
 
+from specula_kernels import native  # noqa: E402
 from specula_kernels.linear import (  # noqa: E402
     default_num_parts, linear, onednn_linear, onednn_pack, onednn_supports, pack_weight,
 )
+from specula_kernels.quantized_linear import (  # noqa: E402
+    KERNEL_DTYPE, int4_linear, int4_linear_native, int8_linear, int8_linear_native, pack_int4, pack_int4_native,
+    pack_int8_native, quantize_int4, quantize_int8,
+)
+
+GROUP = 64
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 768, 2048, 12, 32000
 SHAPES = [(3 * HIDDEN, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS + [
     (VOCAB, HIDDEN)]
 
 
-def variants() -> dict[str, tuple[torch.dtype, callable, callable]]:
+def quantized_variants() -> dict[str, tuple[torch.dtype, callable, callable]]:
+    out = {}
+    lib = native.library()
+    if lib is not None:
+        out["int8 native"] = (torch.float32, lambda w: pack_int8_native(*quantize_int8(w)),
+                              lambda x, p: int8_linear_native(lib, x, *p))
+        out["int4 native"] = (torch.float32, lambda w: (pack_int4_native(*quantize_int4(w, GROUP)), w.shape[0]),
+                              lambda x, p: int4_linear_native(lib, x, *p[0], GROUP, p[1]))
+    else:
+        print(f"native kernels unavailable: {native.unavailable_reason()}")
+
+    def int8_pytorch(w):
+        q, scale = quantize_int8(w)
+        return q, scale.to(KERNEL_DTYPE)
+
+    out["int8 pytorch"] = (torch.float32, int8_pytorch, lambda x, p: int8_linear(x, *p))
+    out["int4 pytorch"] = (torch.float32, lambda w: (pack_int4(*quantize_int4(w, GROUP)), w.shape[0]),
+                           lambda x, p: int4_linear(x, *p[0], GROUP, p[1]))
+    return out
+
+
+def variants(quantized: bool = False) -> dict[str, tuple[torch.dtype, callable, callable]]:
     """name -> (dtype, pack(weight), product(x, packed))."""
     cpu = torch.device("cpu")
     out = {
@@ -46,6 +80,8 @@ def variants() -> dict[str, tuple[torch.dtype, callable, callable]]:
     }
     if onednn_supports(torch.bfloat16, cpu):
         out["onednn bf16"] = (torch.bfloat16, onednn_pack, onednn_linear)
+    if quantized:
+        out.update(quantized_variants())
     return out
 
 
@@ -54,12 +90,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantized", action="store_true", help="also the int8/int4 weight-only kernels")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen) * 0.02 for o, i in SHAPES]
-    kinds = variants()
+    kinds = variants(args.quantized)
     packed = {name: [pack(w.to(dtype)) for w in weights] for name, (dtype, pack, _) in kinds.items()}
     results: dict[int, dict[str, float]] = {}
     print(f"{len(SHAPES)} products per token, {args.threads} threads, median of {args.rounds} alternating rounds "

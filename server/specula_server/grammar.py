@@ -29,11 +29,13 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import llguidance
 import tokenizers
 import torch
+
+from specula_server.threads import helper_executor
 
 logger = logging.getLogger("specula.grammar")
 
@@ -66,7 +68,7 @@ class GrammarCompiler:
         self._compiled: OrderedDict[str, Future[llguidance.LLMatcher]] = OrderedDict()
         self._lock = threading.Lock()  # the cache
         self._tokenizer_lock = threading.Lock()  # apart: `start` must not wait while the tokenizer is built
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specula-grammar")
+        self._executor = helper_executor("specula-grammar")
 
     def start(self, grammar: str, replay: Sequence[int] = ()) -> RequestGrammar:
         """A request's grammar state; `replay`: tokens it generated before (a resumed request)."""
@@ -209,7 +211,7 @@ class MaskJob:
     of the requests whose grammar failed, by request index (they fail alone).
     """
 
-    _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specula-masks")
+    _executor = helper_executor("specula-masks")
 
     def __init__(self, items: Sequence[tuple[int, RequestGrammar, Sequence[int], Sequence[int]]],
                  vocab_size: int, background: bool = True) -> None:

@@ -33,6 +33,7 @@ from specula_server.adapters.medusa import MedusaHeads, load_medusa
 from specula_server.adapters.sources import AdapterError, detect_adapter_kind, resolve_adapter
 from specula_server.speculation.draft_model import DraftModelDrafter, find_draft_model, load_draft_model
 from specula_server.speculation.drafters import PromptLookupDrafter
+from specula_server.threads import compute_executor, single_threaded
 from specula_server.speculation.medusa import MedusaDrafter
 from specula_server.speculation.suffix import DEFAULT_CACHE_TOKENS, SUFFIX, SuffixDrafter
 from specula_server.speculation.mlp_speculator import (
@@ -217,12 +218,14 @@ def build_drafter(model, adapters: AdapterRegistry, fallback: PromptLookupDrafte
 
 async def serve(config: ServerConfig) -> int:
     """Serves until SIGINT/SIGTERM (exit code 0) or an unrecoverable error (exit code 1)."""
+    single_threaded()  # the event loop's thread; the model computes on `compute` alone (threads.py)
+    compute = compute_executor()
     group = init_distributed(config.rank, config.world_size, config.master_addr, config.master_port,
                              config.torch_device)
     tcp_port = free_tcp_port(config.grpc_host) if config.grpc_host else None
     own_url = f"{config.grpc_host}:{tcp_port}" if tcp_port else config.uds_url(config.rank)
     urls = group.all_gather_object(own_url)  # shards on other nodes are reached over TCP, the others by socket
-    generator, sha = load_generator(config, group)
+    generator, sha = await asyncio.get_running_loop().run_in_executor(compute, load_generator, config, group)
     info = WorkerInfo(
         model_id=config.model_id,
         model_sha=sha,
@@ -243,7 +246,8 @@ async def serve(config: ServerConfig) -> int:
         loop.call_soon_threadsafe(stop.set)
 
     server = grpc.aio.server(interceptors=[ExceptionInterceptor(on_fatal, fault_policy(info))])
-    generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(TextGenerationService(generator, info), server)
+    generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(TextGenerationService(generator, info, compute),
+                                                              server)
     socket_path = f"{config.uds_path}-{config.rank}"
     if is_live_socket(socket_path):  # never take over another server's socket: its router would reach us
         logger.error("%s is in use by another process (a live socket); choose another --uds-path", socket_path)

@@ -23,6 +23,7 @@ from specula_server.adapters.sources import AdapterError
 from specula_server.generator import InvalidRequestError, StepResult, TextGenerator
 from specula_server.params import FinishReason, SamplingParams, StoppingParams
 from specula_server.request import RequestSpec, RequestUpdate, StepOutput, StepPlan, TokenInfo
+from specula_server.threads import compute_executor, run_single_threaded
 from specula_server.warmup import warmup
 
 logger = logging.getLogger("specula.service")
@@ -117,12 +118,13 @@ def fault_policy(info: WorkerInfo) -> Callable[[BaseException], bool]:
 
 
 class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
-    def __init__(self, generator: TextGenerator, info: WorkerInfo) -> None:
+    def __init__(self, generator: TextGenerator, info: WorkerInfo, steps: ThreadPoolExecutor | None = None) -> None:
         self.generator = generator
         self.info = info
         # One thread runs every step, in arrival order: a step queued behind the running one starts the
-        # moment it ends, without a round trip through the event loop (which keeps answering Health).
-        self._steps = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specula-step")
+        # moment it ends, without a round trip through the event loop (which keeps answering Health). It is the
+        # thread the model was loaded on (`threads.py`: one thread of a worker computes on every core).
+        self._steps = steps or compute_executor()
         # gRPC may dispatch two RPCs that arrive together in either order; sequenced steps wait their turn.
         self._next_sequence = 1
         self._turn = asyncio.Condition()
@@ -218,8 +220,8 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
                                           error=f"adapter `{request.adapter_id}`: this worker serves no adapters")
         started = time.perf_counter()
         try:
-            loaded = await asyncio.to_thread(registry.load, request.adapter_id, request.adapter_source or "hub",
-                                             request.api_token or None)
+            loaded = await asyncio.to_thread(run_single_threaded, registry.load, request.adapter_id,
+                                             request.adapter_source or "hub", request.api_token or None)
         except Exception as e:  # a broken adapter fails its own requests, never the worker
             status = e.status if isinstance(e, AdapterError) else 424
             message = str(e) if isinstance(e, AdapterError) else f"adapter `{request.adapter_id}`: {e}"
@@ -230,7 +232,8 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
 
     async def OffloadAdapter(self, request, context):
         registry = self.generator.adapters
-        offloaded = registry is not None and await asyncio.to_thread(registry.offload, request.adapter_id)
+        offloaded = registry is not None and await asyncio.to_thread(run_single_threaded, registry.offload,
+                                                                     request.adapter_id)
         return pb.OffloadAdapterResponse(offloaded=offloaded)
 
 
