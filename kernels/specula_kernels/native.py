@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).with_name("csrc") / "weight_only.cpp"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_BUILD_TIMEOUT_S = 300  # a second or two is usual
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _reason: str | None = None
@@ -55,7 +56,8 @@ def _compiler() -> str | None:
 
 
 def _build(compiler: str) -> Path:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True,
+                             timeout=60).stdout
     key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version, _cpu_flags()]).encode())
     cache = Path(os.environ.get("SPECULA_KERNEL_CACHE") or Path.home() / ".cache" / "specula" / "kernels")
     target = cache / f"weight_only-{key.hexdigest()[:16]}.so"
@@ -65,7 +67,8 @@ def _build(compiler: str) -> Path:
     # Built under a temporary name and renamed, so processes building at once never load a half-written file.
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / target.name
-        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(out)], capture_output=True, text=True)
+        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(out)], capture_output=True, text=True,
+                                timeout=_BUILD_TIMEOUT_S)
         if result.returncode:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
         os.replace(out, target)

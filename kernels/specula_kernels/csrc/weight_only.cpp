@@ -20,8 +20,9 @@
 //         w[n, k] = (q - 8) * scale + zero for k's group.
 // N is padded to a multiple of 4 with zero rows, whose outputs are not written.
 //
-// AVX-512 only (GCC/Clang vector extensions and intrinsics); other CPUs use PyTorch's kernels. An AVX2 build of
-// the same loops measured 2.4x slower than this one on the benchmark VM, no faster than PyTorch's.
+// AVX-512 only (GCC/Clang vector extensions and intrinsics); other CPUs use PyTorch's kernels. An AVX2 variant of
+// the first, row-by-row version of these loops measured 2.4x slower than its AVX-512 build on the benchmark VM,
+// no faster than PyTorch's kernels, and was not kept.
 
 #include <cstdint>
 #include <cstring>
