@@ -545,8 +545,8 @@ def test_prompt_lookup_judged_on_new_text_drafts_again_when_text_repeats(llama_d
 
 def test_confident_drafts_that_fail_stop_being_asked_for(llama_dir, plain):
     """A drafter that claims 0.9 confidence for drafts that are always wrong is verified for fewer drafts at
-    each step, then only for a single-draft probe now and then, and rarely asked (its confidence is judged by
-    what its drafts achieved); the output is the plain one."""
+    each step, then not at all and rarely asked (its confidence is judged by what its drafts achieved); the
+    output is the plain one."""
     spec = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="adaptive")
     cost = StepCostModel(learning=False)  # a draft costs a tenth of a step: worth it above 10% acceptance
     for n in (1, 4, 16, 64):
@@ -566,9 +566,7 @@ def test_confident_drafts_that_fail_stop_being_asked_for(llama_dir, plain):
     asked = [cap for cap in proposals if cap > 0]
     assert len(asked) <= 48, proposals  # 95 decode steps; trusting the confidence, every one was asked
     verified = [o.num_drafted for o in outputs if o.num_drafted]
-    late = [o.num_drafted for o in outputs[-40:] if o.num_drafted]
-    # by then at most a few one-draft probes (the method's records fade while it verifies nothing)
-    assert len(verified) <= 30 and len(late) <= 3 and all(n == 1 for n in late), verified
+    assert len(verified) <= 30 and not any(o.num_drafted for o in outputs[-40:]), verified
 
 
 def test_the_cost_of_a_verifying_step_includes_choosing_its_tokens(llama_dir, monkeypatch):
