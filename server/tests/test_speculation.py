@@ -511,38 +511,6 @@ def test_granted_drafts_are_judged_by_the_tokens_they_were_accepted_for():
     assert choose_draft_lengths([4], [0.6], expensive, "adaptive", [realized.factor("suffix")])[0] >= 1
 
 
-def test_a_method_whose_drafts_are_not_verified_is_trusted_again_in_time():
-    """Steps that verify none of a method's drafts fade its record back toward the estimates: a low factor
-    cannot keep the method from every grant, and so from every chance to be judged again."""
-    realized = RealizedAcceptance()
-    for _ in range(100):
-        realized.observe("ngram", 4.0, 0)
-        realized.observe("suffix", 4.0, 0)
-    assert realized.factor("ngram") < 0.05
-    steps = 0
-    while realized.factor("ngram") < 0.5:
-        realized.drift(verified={"suffix"})  # suffix drafts verified, ngram's not
-        steps += 1
-    assert 50 < steps < 400, steps
-    assert realized.factor("suffix") < 0.05  # a method verified at every step keeps its record
-    realized.drift()
-    assert realized.factor("suffix") < 0.05  # one step fades it a little only
-
-
-def test_prompt_lookup_judged_on_new_text_drafts_again_when_text_repeats(llama_dir):
-    """Prompt lookup granted on text it could not draft for (nothing accepted) is granted again later, once a
-    request repeats its prompt: before, its realized factor stayed where the new text left it."""
-    spec = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="adaptive")
-    realized = spec.speculator.realized
-    for _ in range(200):  # a cold server's first requests: drafts granted, none accepted
-        realized.observe("ngram", 3.0, 0)
-    assert realized.factor("ngram") < 0.05
-    prompt = [1] + [50, 60, 70, 80, 90, 100, 110] * 6  # a repetitive prompt: drafts that are always accepted
-    outputs = generate_alone(spec, make_spec(0, prompt, BlockPool(256, 16), max_new_tokens=200))
-    assert sum(o.num_drafted for o in outputs[-60:]) > 0  # drafting again by the end
-    assert realized.factor("ngram") > 0.5
-
-
 def test_confident_drafts_that_fail_stop_being_asked_for(llama_dir, plain):
     """A drafter that claims 0.9 confidence for drafts that are always wrong is verified for fewer drafts at
     each step, then not at all and rarely asked (its confidence is judged by what its drafts achieved); the

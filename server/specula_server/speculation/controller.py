@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Collection, Sequence
+from typing import Sequence
 
 ACCEPTANCE_DECAY = 0.8  # per drafting step, the weight of earlier trials in the acceptance estimate
 OVERHEAD_DECAY = 0.98  # per declined step, the fraction of the verification cost estimate kept
@@ -154,12 +154,7 @@ class RealizedAcceptance:
     drafts granted at an estimate of 0.6-0.9 were accepted for a third to a half of what was expected, while the
     step costs were predicted within 4%). The ratio of realized to expected tokens measures exactly that
     selection; `factor` scales the expected gains of the method's drafts by it, never above 1 (a method whose
-    drafts do better than expected keeps the estimates as they are).
-
-    A step that verifies no draft of a method fades its record (`drift`), so a method judged on text it could not
-    draft for is tried again later: without it, a low factor kept the method from every grant, and so from every
-    observation that could raise it (prompt lookup, judged on a cold server's first new text, then stayed off for
-    the copy-heavy requests after: 1.0-1.4 tokens per step on the agentic replay where it made 3.6)."""
+    drafts do better than expected keeps the estimates as they are)."""
 
     decay: float = PRIOR_DECAY
     _methods: dict[str, list[float]] = field(default_factory=dict)  # method -> [expected, realized]
@@ -172,13 +167,6 @@ class RealizedAcceptance:
         sums = self._methods.setdefault(method, [0.0, 0.0])
         sums[0] = self.decay * sums[0] + expected
         sums[1] = self.decay * sums[1] + realized
-
-    def drift(self, verified: Collection[str] = ()) -> None:
-        """A step verified drafts of the methods `verified` only: the records of the others fade."""
-        for method, sums in self._methods.items():
-            if method not in verified:
-                sums[0] *= self.decay
-                sums[1] *= self.decay
 
 
 def _line(sums: Sequence[float], min_variance: float) -> tuple[float, float, float] | None:

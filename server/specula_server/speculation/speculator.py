@@ -119,7 +119,6 @@ class Speculator:
         if chosen is None:
             for r in reqs:
                 r.acceptance.observe(0, 0)
-        self.realized.drift(set(chosen.methods) if chosen is not None else ())
         return chosen
 
     def _choose(self, reqs: Sequence[RequestState]) -> DraftPlan | None:
