@@ -68,7 +68,7 @@ def _build(compiler: str) -> Path:
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / target.name
         result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(out)], capture_output=True, text=True,
-                                timeout=_BUILD_TIMEOUT_S)
+                                check=False, timeout=_BUILD_TIMEOUT_S)
         if result.returncode:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
         os.replace(out, target)

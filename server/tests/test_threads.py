@@ -60,8 +60,11 @@ def test_helper_executors_and_run_single_threaded_keep_their_threads_single():
     parallel_op()
     before = thread_count()
     threads.helper_executor("h").submit(lambda: (parallel_op(), print("executor", thread_count() - before))).result()
+    def report():
+        parallel_op()
+        print("to_thread", thread_count() - before)
     async def main():
-        await asyncio.to_thread(threads.run_single_threaded, lambda: print("to_thread", (parallel_op(), thread_count() - before)[1]))
+        await asyncio.to_thread(threads.run_single_threaded, report)
     asyncio.run(main())
     """)
     counts = dict(line.split() for line in out.splitlines())

@@ -3,7 +3,8 @@
 The tensor-parallel linears and the LM head (`tensor_parallel.py`) hand their rank's float slice to
 `build_linear`, which returns the product they call: `DenseLinear` (float weights packed for threads), or
 `Int8Linear` / `Int4Linear`, which quantize the slice at load time and multiply on the native weight-only kernels
-(`specula_kernels.native`, CPUs with AVX-512) or else on PyTorch's packed kernels (`specula_kernels.quantized_linear`). Every product maps activations `[m, in]` to `[m, out]` in the model's dtype,
+(`specula_kernels.native`, CPUs with AVX-512) or else on PyTorch's packed kernels
+(`specula_kernels.quantized_linear`). Every product maps activations `[m, in]` to `[m, out]` in the model's dtype,
 so what acts on activations around it (LoRA deltas, Medusa heads, speculation, the all-reduce) is unchanged.
 
 Tensor parallelism quantizes exactly as one shard would: every quantized layer's shard holds whole rows (the
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from specula_kernels.linear import default_num_parts, linear, onednn_linear, onednn_pack, onednn_supports, pack_weight
 from specula_kernels import native
+from specula_kernels.linear import default_num_parts, linear, onednn_linear, onednn_pack, onednn_supports, pack_weight
 from specula_kernels.quantized_linear import (
     INT4_GROUP_SIZES,
     INT8_IN_MULTIPLE,
@@ -32,8 +33,8 @@ from specula_kernels.quantized_linear import (
     int8_linear,
     int8_linear_native,
     pack_int4,
-    pack_int8_native,
     pack_int4_native,
+    pack_int8_native,
     quantize_int4,
     quantize_int8,
 )
