@@ -3,7 +3,8 @@
 Why by hand: the weight-only int8/int4 products of a decode step must stream weights at the memory's pace, and
 the packed kernels PyTorch ships for them are compute-bound on CPU (docs/benchmarks.md, "Weight-only
 quantization"). The source is plain C++ with vector extensions and OpenMP, built with `-O3 -march=native` by the
-system's C++ compiler into a cache (`$SPECULA_KERNEL_CACHE`, else `~/.cache/specula/kernels`), keyed by the
+system's C++ compiler into a cache (`$SPECULA_KERNEL_CACHE`, else `~/.cache/specula/kernels`, else a temporary
+directory), keyed by the
 source, the compiler and the CPU's feature flags, so a worker compiles it once per machine (a second or two).
 
 Linking: the library asks for `libgomp.so.1`, the soname of the OpenMP runtime PyTorch's x86-64 wheels load, so
@@ -55,15 +56,32 @@ def _compiler() -> str | None:
     return None
 
 
+def _cache_dir() -> Path:
+    """`$SPECULA_KERNEL_CACHE`, else `~/.cache/specula/kernels`; where that cannot be written (a container run as a
+    user without a home), a directory of this user's in the system's temporary directory."""
+    configured = os.environ.get("SPECULA_KERNEL_CACHE")
+    chosen = Path(configured) if configured else Path.home() / ".cache" / "specula" / "kernels"
+    try:
+        chosen.mkdir(parents=True, exist_ok=True)
+        if os.access(chosen, os.W_OK):
+            return chosen
+    except OSError:
+        pass
+    if configured:  # a directory the user named: say so rather than build elsewhere
+        raise RuntimeError(f"SPECULA_KERNEL_CACHE={configured} cannot be written")
+    fallback = Path(tempfile.gettempdir()) / f"specula-kernels-{os.getuid()}"
+    fallback.mkdir(mode=0o700, exist_ok=True)
+    return fallback
+
+
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True,
                              timeout=60).stdout
     key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version, _cpu_flags()]).encode())
-    cache = Path(os.environ.get("SPECULA_KERNEL_CACHE") or Path.home() / ".cache" / "specula" / "kernels")
+    cache = _cache_dir()
     target = cache / f"weight_only-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
-    cache.mkdir(parents=True, exist_ok=True)
     # Built under a temporary name and renamed, so processes building at once never load a half-written file.
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / target.name

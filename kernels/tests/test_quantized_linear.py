@@ -3,6 +3,9 @@ own error bounds against the float weights."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -222,3 +225,28 @@ def test_a_failing_build_leaves_the_pytorch_kernels_with_the_reason(monkeypatch,
     assert native.library() is None
     assert "false-compiler failed: error: no such thing" in native.unavailable_reason()
     assert not list(tmp_path.glob("*.so"))
+
+
+def test_the_kernels_build_in_a_temporary_directory_without_a_writable_home(monkeypatch, tmp_path):
+    from specula_kernels import native
+
+    home = tmp_path / "home"
+    cache = home / ".cache" / "specula" / "kernels"
+    monkeypatch.delenv("SPECULA_KERNEL_CACHE", raising=False)
+    monkeypatch.setattr(native.Path, "home", staticmethod(lambda: home))
+    monkeypatch.setattr(native.tempfile, "gettempdir", lambda: str(tmp_path))
+    real_access = os.access
+    # as a container user whose home cannot be written (the check itself: root may write anywhere)
+    monkeypatch.setattr(native.os, "access", lambda path, mode: Path(path) != cache and real_access(path, mode))
+    assert native._cache_dir() == tmp_path / f"specula-kernels-{os.getuid()}"
+    monkeypatch.setattr(native.os, "access", real_access)
+    assert native._cache_dir() == cache
+
+
+def test_a_kernel_cache_the_user_named_must_be_writable(monkeypatch, tmp_path):
+    from specula_kernels import native
+
+    monkeypatch.setenv("SPECULA_KERNEL_CACHE", str(tmp_path / "file" / "below"))
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(RuntimeError, match="cannot be written"):
+        native._cache_dir()
