@@ -4,8 +4,8 @@ Why by hand: the weight-only int8/int4 products of a decode step must stream wei
 the packed kernels PyTorch ships for them are compute-bound on CPU (docs/benchmarks.md, "Weight-only
 quantization"). The source is plain C++ with vector extensions and OpenMP, built with `-O3 -march=native` by the
 system's C++ compiler into a cache (`$SPECULA_KERNEL_CACHE`, else `~/.cache/specula/kernels`, else a temporary
-directory), keyed by the
-source, the compiler and the CPU's feature flags, so a worker compiles it once per machine (a second or two).
+directory), keyed by the source, the compiler and the CPU's feature flags, so a worker compiles it once per
+machine (a second or two).
 
 Linking: the library asks for `libgomp.so.1`, the soname of the OpenMP runtime PyTorch's x86-64 wheels load, so
 the kernels share PyTorch's threads instead of starting a second pool.
