@@ -168,37 +168,35 @@ def pack_int4_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -
     return _interleave(pairs, 16, 0x88), _interleave(scales_and_zeros.view(torch.int16), 2, 0).view(KERNEL_DTYPE)
 
 
-def _native_call(x: torch.Tensor, out_features: int, call) -> torch.Tensor:
-    x32 = x.float().contiguous()
-    out = torch.empty(x32.shape[0], out_features, dtype=torch.float32)
-    if x32.shape[0]:
-        call(x32, out)
-    return out.to(x.dtype)
-
-
 def int8_linear_native(lib, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """`x [m, in] @ (q * scale)^T` on the native kernel, for a weight from `pack_int8_native`."""
-    n = scale.shape[0]
+    assert x.dim() == 2 and packed.dim() == 4, (x.shape, packed.shape)
+    (m, k), n = x.shape, scale.shape[0]
     blocks, lines, rows, width = packed.shape
-    assert x.dim() == 2 and x.shape[1] == lines * width and (rows, width) == (NATIVE_ROWS, 16), (x.shape, packed.shape)
-    assert packed.dtype == torch.int8 and packed.is_contiguous() and blocks == -(-n // NATIVE_ROWS)
+    assert k == lines * width and (rows, width) == (NATIVE_ROWS, 16) and blocks == -(-n // NATIVE_ROWS)
+    assert packed.dtype == torch.int8 and packed.is_contiguous()
     assert scale.dtype == torch.float32 and scale.is_contiguous()
-    m, k = x.shape
-    threads = torch.get_num_threads()
-    return _native_call(x, n, lambda x32, out: lib.specula_int8_linear(
-        x32.data_ptr(), m, k, packed.data_ptr(), scale.data_ptr(), n, out.data_ptr(), threads))
+    x32 = x.float().contiguous()
+    out = x32.new_empty(m, n)
+    if m:
+        lib.specula_int8_linear(x32.data_ptr(), m, k, packed.data_ptr(), scale.data_ptr(), n, out.data_ptr(),
+                                torch.get_num_threads())
+    return out.to(x.dtype)
 
 
 def int4_linear_native(lib, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
                        out_features: int) -> torch.Tensor:
     """`x [m, in] @ dequantized^T` on the native kernel, for a weight from `pack_int4_native`."""
-    blocks, lines, rows, width = packed.shape
+    assert x.dim() == 2 and packed.dim() == 4, (x.shape, packed.shape)
     m, k = x.shape
-    assert x.dim() == 2 and k == lines * 32 and (rows, width) == (NATIVE_ROWS, 16) and group_size % 32 == 0
+    blocks, lines, rows, width = packed.shape
+    assert k == lines * 32 and (rows, width) == (NATIVE_ROWS, 16) and group_size % 32 == 0
     assert blocks == -(-out_features // NATIVE_ROWS) and packed.is_contiguous()
     assert scales_and_zeros.shape == (blocks, k // group_size, NATIVE_ROWS, 2)
     assert scales_and_zeros.dtype == KERNEL_DTYPE and scales_and_zeros.is_contiguous()
-    threads = torch.get_num_threads()
-    return _native_call(x, out_features, lambda x32, out: lib.specula_int4_linear(
-        x32.data_ptr(), m, k, packed.data_ptr(), scales_and_zeros.data_ptr(), group_size, out_features,
-        out.data_ptr(), threads))
+    x32 = x.float().contiguous()
+    out = x32.new_empty(m, out_features)
+    if m:
+        lib.specula_int4_linear(x32.data_ptr(), m, k, packed.data_ptr(), scales_and_zeros.data_ptr(), group_size,
+                                out_features, out.data_ptr(), torch.get_num_threads())
+    return out.to(x.dtype)

@@ -33,9 +33,9 @@ from specula_server.adapters.medusa import MedusaHeads, load_medusa
 from specula_server.adapters.sources import AdapterError, detect_adapter_kind, resolve_adapter
 from specula_server.speculation.draft_model import DraftModelDrafter, find_draft_model, load_draft_model
 from specula_server.speculation.drafters import PromptLookupDrafter
-from specula_server.threads import compute_executor, single_threaded
 from specula_server.speculation.medusa import MedusaDrafter
 from specula_server.speculation.suffix import DEFAULT_CACHE_TOKENS, SUFFIX, SuffixDrafter
+from specula_server.threads import worker_threads
 from specula_server.speculation.mlp_speculator import (
     MLPSpeculator, MLPSpeculatorDrafter, find_mlp_speculator, load_mlp_speculator,
 )
@@ -218,8 +218,7 @@ def build_drafter(model, adapters: AdapterRegistry, fallback: PromptLookupDrafte
 
 async def serve(config: ServerConfig) -> int:
     """Serves until SIGINT/SIGTERM (exit code 0) or an unrecoverable error (exit code 1)."""
-    single_threaded()  # the event loop's thread; the model computes on `compute` alone (threads.py)
-    compute = compute_executor()
+    compute = worker_threads(asyncio.get_running_loop())  # the model computes on this thread alone (threads.py)
     group = init_distributed(config.rank, config.world_size, config.master_addr, config.master_port,
                              config.torch_device)
     tcp_port = free_tcp_port(config.grpc_host) if config.grpc_host else None

@@ -23,7 +23,7 @@ from specula_server.adapters.sources import AdapterError
 from specula_server.generator import InvalidRequestError, StepResult, TextGenerator
 from specula_server.params import FinishReason, SamplingParams, StoppingParams
 from specula_server.request import RequestSpec, RequestUpdate, StepOutput, StepPlan, TokenInfo
-from specula_server.threads import compute_executor, run_single_threaded
+from specula_server.threads import compute_executor
 from specula_server.warmup import warmup
 
 logger = logging.getLogger("specula.service")
@@ -220,8 +220,8 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
                                           error=f"adapter `{request.adapter_id}`: this worker serves no adapters")
         started = time.perf_counter()
         try:
-            loaded = await asyncio.to_thread(run_single_threaded, registry.load, request.adapter_id,
-                                             request.adapter_source or "hub", request.api_token or None)
+            loaded = await asyncio.to_thread(registry.load, request.adapter_id, request.adapter_source or "hub",
+                                             request.api_token or None)
         except Exception as e:  # a broken adapter fails its own requests, never the worker
             status = e.status if isinstance(e, AdapterError) else 424
             message = str(e) if isinstance(e, AdapterError) else f"adapter `{request.adapter_id}`: {e}"
@@ -232,8 +232,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
 
     async def OffloadAdapter(self, request, context):
         registry = self.generator.adapters
-        offloaded = registry is not None and await asyncio.to_thread(run_single_threaded, registry.offload,
-                                                                     request.adapter_id)
+        offloaded = registry is not None and await asyncio.to_thread(registry.offload, request.adapter_id)
         return pb.OffloadAdapterResponse(offloaded=offloaded)
 
 

@@ -7,21 +7,20 @@ region and must be woken for the next: a decode step of the 134M benchmark model
 and from 22.6 to 26.2 ms (float32) once a second thread had run a single parallel operator.
 
 So a worker runs its model (loading, warm-up, steps) on one thread, `compute_executor()`, and every other thread
-that may touch a tensor (the event loop, adapter loads, grammar helpers) calls `single_threaded()` first, which
-limits the OpenMP regions that thread starts to itself.
+that may touch a tensor calls `single_threaded()` first, which limits the OpenMP regions that thread starts to
+itself: the event loop's thread, the event loop's default executor (`asyncio.to_thread`: adapter loads) and the
+grammar helpers, all made by `helper_executor`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import functools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
 
 import torch
-
-T = TypeVar("T")
 
 
 @functools.cache
@@ -43,10 +42,12 @@ def single_threaded() -> None:
         set_threads(1)
 
 
-def run_single_threaded(fn: Callable[..., T], *args) -> T:
-    """`fn(*args)` on the calling (helper) thread, kept off the compute thread's cores: for `asyncio.to_thread`."""
+def worker_threads(loop: asyncio.AbstractEventLoop) -> ThreadPoolExecutor:
+    """Sets up a worker's threads from its event loop's thread: that thread and the loop's default executor
+    (`asyncio.to_thread`) keep their tensors to themselves. Returns the compute thread."""
     single_threaded()
-    return fn(*args)
+    loop.set_default_executor(helper_executor("specula-helper", max_workers=4))
+    return compute_executor()
 
 
 def compute_executor() -> ThreadPoolExecutor:
@@ -54,6 +55,6 @@ def compute_executor() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="specula-step")
 
 
-def helper_executor(name: str) -> ThreadPoolExecutor:
-    """A one-thread pool for work beside the steps (grammars), whose tensors stay on its own thread."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=single_threaded)
+def helper_executor(name: str, max_workers: int = 1) -> ThreadPoolExecutor:
+    """A pool for work beside the steps, whose threads keep their tensors to themselves."""
+    return ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name, initializer=single_threaded)

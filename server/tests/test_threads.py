@@ -54,18 +54,27 @@ def test_a_single_threaded_helper_starts_no_openmp_team():
     assert counts["plain"] == "2"  # without it, the helper starts a team: one more thread (the check can fail)
 
 
-def test_helper_executors_and_run_single_threaded_keep_their_threads_single():
+def test_a_workers_helpers_keep_their_threads_single_and_the_compute_thread_is_not():
+    """`worker_threads`, as a worker's `serve` calls it: grammar helpers and `asyncio.to_thread` (adapter loads)
+    start no team; the compute thread does."""
     out = _run(PROLOGUE + """
     import asyncio
-    parallel_op()
-    before = thread_count()
-    threads.helper_executor("h").submit(lambda: (parallel_op(), print("executor", thread_count() - before))).result()
-    def report():
-        parallel_op()
-        print("to_thread", thread_count() - before)
     async def main():
-        await asyncio.to_thread(threads.run_single_threaded, report)
+        compute = threads.worker_threads(asyncio.get_running_loop())
+        parallel_op()  # the event loop's own thread
+        before = thread_count()
+        helper = threads.helper_executor("h")  # kept: a pool that is collected ends its thread
+        helper.submit(lambda: (parallel_op(), print("executor", thread_count() - before))).result()
+        def report():
+            parallel_op()
+            print("to_thread", thread_count() - before)
+        await asyncio.to_thread(report)
+        def compute_op():
+            parallel_op()
+            print("compute", thread_count() - before)
+        compute.submit(compute_op).result()
     asyncio.run(main())
     """)
     counts = dict(line.split() for line in out.splitlines())
-    assert counts == {"executor": "1", "to_thread": "1"}, out
+    # one new thread each (the helper itself) and none of their own; the compute thread adds its OpenMP worker
+    assert counts == {"executor": "1", "to_thread": "2", "compute": "4"}, out
