@@ -7,6 +7,7 @@ reported: the median over rounds of the time for all 49 products.
 
     column blocks    float32 weights as one column block per thread, a batched GEMM (`specula_kernels.linear`)
     onednn fp32      float32 weights in oneDNN's packed layout (`onednn_pack`, `onednn_linear`)
+    onednn fp32 hN   the same, packed for N rows instead of `PACK_ROWS_HINT` (with `--pack-hint N ...`)
     matmul bf16      bfloat16 weights, plain `x @ W^T`
     onednn bf16      bfloat16 weights in oneDNN's packed layout (only where oneDNN has native bfloat16)
 
@@ -17,6 +18,7 @@ With `--quantized`, also the weight-only formats of `--quantize` (int4 in groups
 
     python benchmark/linear_kernels.py --rows 1 8 32 64 --rounds 15
     python benchmark/linear_kernels.py --rows 1 8 32 256 --rounds 7 --quantized
+    python benchmark/linear_kernels.py --rows 1 4 8 32 64 --rounds 15 --pack-hint 1 64
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch  # noqa: E402
 
 from specula_kernels import native  # noqa: E402
 from specula_kernels.linear import (  # noqa: E402
-    default_num_parts, linear, onednn_linear, onednn_pack, onednn_supports, pack_weight,
+    PACK_ROWS_HINT, default_num_parts, linear, onednn_linear, onednn_pack, onednn_supports, pack_weight,
 )
 from specula_kernels.quantized_linear import (  # noqa: E402
     KERNEL_DTYPE, int4_linear, int4_linear_native, int8_linear, int8_linear_native, pack_int4, pack_int4_native,
@@ -70,7 +72,11 @@ def quantized_variants() -> dict[str, tuple[torch.dtype, callable, callable]]:
     return out
 
 
-def variants(quantized: bool = False) -> dict[str, tuple[torch.dtype, callable, callable]]:
+def onednn_pack_for(rows: int):
+    return lambda w: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows)
+
+
+def variants(quantized: bool = False, pack_hints: list[int] = ()) -> dict[str, tuple[torch.dtype, callable, callable]]:
     """name -> (dtype, pack(weight), product(x, packed))."""
     cpu = torch.device("cpu")
     out = {
@@ -78,6 +84,9 @@ def variants(quantized: bool = False) -> dict[str, tuple[torch.dtype, callable, 
         "onednn fp32": (torch.float32, onednn_pack, onednn_linear),
         "matmul bf16": (torch.bfloat16, lambda w: w.t().contiguous(), torch.matmul),
     }
+    for hint in pack_hints:
+        if hint != PACK_ROWS_HINT:
+            out[f"onednn fp32 h{hint}"] = (torch.float32, onednn_pack_for(hint), onednn_linear)
     if onednn_supports(torch.bfloat16, cpu):
         out["onednn bf16"] = (torch.bfloat16, onednn_pack, onednn_linear)
     if quantized:
@@ -91,12 +100,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quantized", action="store_true", help="also the int8/int4 weight-only kernels")
+    parser.add_argument("--pack-hint", type=int, nargs="*", default=[],
+                        help=f"also float32 oneDNN weights packed for these row counts (default {PACK_ROWS_HINT})")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen) * 0.02 for o, i in SHAPES]
-    kinds = variants(args.quantized)
+    kinds = variants(args.quantized, args.pack_hint)
     packed = {name: [pack(w.to(dtype)) for w in weights] for name, (dtype, pack, _) in kinds.items()}
     results: dict[int, dict[str, float]] = {}
     print(f"{len(SHAPES)} products per token, {args.threads} threads, median of {args.rounds} alternating rounds "

@@ -85,9 +85,18 @@ def onednn_supports(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+# The row count oneDNN is told to expect when it picks the packed layout (any row count works with any layout).
+# Told 1, it picks a layout for matrix-vector products that float32 batches pay for: measured on the 2-core
+# benchmark VM for the 49 products of the 134M Llama (`benchmark/linear_kernels.py --pack-hint 1 64`), packed for
+# 1 row vs 64 rows, float32: 18.8 vs 19.5 ms at 1 row, 28.5 vs 20.0 at 4 rows (a speculative verify), 28.8 vs
+# 20.4 at 8, 51-59 vs 40-47 at 32, 95 vs 78 at 64. Every hint from 16 to 256 measured alike; bfloat16 did not
+# depend on it.
+PACK_ROWS_HINT = 64
+
+
 def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     """`[out, in]` -> oneDNN's blocked layout for `onednn_linear` (an opaque `torch._mkldnn` tensor)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)  # 1: a hint; any row count works
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), PACK_ROWS_HINT)
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
