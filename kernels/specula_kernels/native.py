@@ -2,7 +2,8 @@
 
 Why by hand: the weight-only int8/int4 products of a decode step must stream weights at the memory's pace, and
 the packed kernels PyTorch ships for them are compute-bound on CPU (docs/benchmarks.md, "Weight-only
-quantization"). The source is plain C++ with vector extensions and OpenMP, built with `-O3 -march=native` by the
+quantization"); decode attention must read the paged KV cache where it lies, where PyTorch's path gathers a
+dense copy first (`csrc/paged_attention.cpp`). The sources are plain C++ with vector extensions and OpenMP, built with `-O3 -march=native` by the
 system's C++ compiler into a cache (`$SPECULA_KERNEL_CACHE`, else `~/.cache/specula/kernels`, else a temporary
 directory), keyed by the source, the compiler and the CPU's feature flags, so a worker compiles it once per
 machine (a second or two).
@@ -28,7 +29,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("csrc") / "weight_only.cpp"
+_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("weight_only.cpp", "paged_attention.cpp"))
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _BUILD_TIMEOUT_S = 300  # a second or two is usual
 _lock = threading.Lock()
@@ -77,15 +78,16 @@ def _cache_dir() -> Path:
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True,
                              timeout=60).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), " ".join(_FLAGS), version, _cpu_flags()]).encode())
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in _SOURCES), " ".join(_FLAGS), version,
+                                     _cpu_flags()]).encode())
     cache = _cache_dir()
-    target = cache / f"weight_only-{key.hexdigest()[:16]}.so"
+    target = cache / f"specula_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     # Built under a temporary name and renamed, so processes building at once never load a half-written file.
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / target.name
-        result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(out)], capture_output=True, text=True,
+        result = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(out)], capture_output=True, text=True,
                                 check=False, timeout=_BUILD_TIMEOUT_S)
         if result.returncode:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -99,12 +101,15 @@ def _load() -> ctypes.CDLL:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     path = _build(compiler)
     lib = ctypes.CDLL(str(path))
-    logger.info("native weight-only kernels: %s", path)
-    i64, ptr, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    logger.info("native kernels: %s", path)
+    i64, ptr, c_int, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.specula_int8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, c_int]
     lib.specula_int8_linear.restype = None
     lib.specula_int4_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, c_int]
     lib.specula_int4_linear.restype = None
+    lib.specula_paged_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, f32,
+                                            ptr, i64, c_int]
+    lib.specula_paged_attention.restype = None
     return lib
 
 
@@ -122,7 +127,7 @@ def library() -> ctypes.CDLL | None:
                     _library = _load()
                 except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                     _reason = str(error)
-                    logger.warning("native weight-only kernels unavailable, using PyTorch's: %s", _reason)
+                    logger.warning("native kernels unavailable, using PyTorch's: %s", _reason)
             _tried = True
     return _library
 

@@ -15,16 +15,30 @@ write and attention converts the gathered context back to the query's dtype. A s
 This one formulation covers prefill, decode, and the verification of speculative drafts: a query row sees
 every key whose position is at most its own (or, for a tree of drafts, the mask the caller builds).
 
-This module is the plain-PyTorch reference and the CPU path. It is written so a GPU kernel with the same
-signature (flash-attn varlen with a block table, or Triton) can replace it without touching callers.
+Two paths, one signature (a GPU kernel, flash-attn varlen with a block table or Triton, can take the same):
+
+- sequences with a few query rows each (decode, verification of drafts: at most `NATIVE_MAX_QUERY`), float32
+  query and cache, on a CPU where the native kernels build: `csrc/paged_attention.cpp`, which reads each visible
+  key and value where it lies in the cache;
+- everything else (prompts, other dtypes and devices): the context gathered into a dense buffer and
+  `scaled_dot_product_attention` over it, the plain-PyTorch reference.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import ctypes
+
 import torch
 import torch.nn.functional as F
+
+from specula_kernels import native
+
+# Query rows per sequence up to which the native kernel attends. It reads a sequence's keys once per query row
+# (from cache after the first), where SDPA's blocked kernel computes many rows' scores as one product: prompts
+# stay on SDPA.
+NATIVE_MAX_QUERY = 16
 
 
 @dataclass
@@ -107,12 +121,50 @@ def paged_attention(
 
     The new tokens' keys and values must already be in the cache (`write_kv_cache`).
     """
+    lib = _native_library(query, key_cache, value_cache)
     if isinstance(inputs, GroupedAttentionInputs):
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         for rows, group in inputs.groups:
-            out[rows] = _attend(query[rows], key_cache, value_cache, group, scale)
+            if lib is not None and group.query_index.shape[1] <= NATIVE_MAX_QUERY:
+                _attend_native(lib, query, key_cache, value_cache, group, scale, out, rows[group.query_index])
+            else:
+                out[rows] = _attend(query[rows], key_cache, value_cache, group, scale)
+        return out
+    if lib is not None and inputs.query_index.shape[1] <= NATIVE_MAX_QUERY:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        _attend_native(lib, query, key_cache, value_cache, inputs, scale, out, inputs.query_index)
         return out
     return _attend(query, key_cache, value_cache, inputs, scale)
+
+
+def _native_library(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor):
+    """The native kernels where they serve this attention (CPU, float32 query and cache, contiguous caches, a
+    head size the kernel's registers hold), else None."""
+    head_dim = query.shape[-1]
+    if (query.device.type != "cpu" or query.dtype != torch.float32 or key_cache.dtype != torch.float32
+            or value_cache.dtype != torch.float32 or head_dim % 16 or head_dim > 256
+            or not (key_cache.is_contiguous() and value_cache.is_contiguous())):
+        return None
+    return native.library()
+
+
+def _attend_native(lib, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                   inputs: PagedAttentionInputs, scale: float, out: torch.Tensor, query_rows: torch.Tensor) -> None:
+    """`_attend` on the native kernel, writing each valid query's row of `out` (`query_rows`: the row of `query`
+    and `out` each padded query stands for, `[num_seqs, max_query]`)."""
+    num_heads, head_dim = query.shape[1:]
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        query = query.contiguous()
+    slots = inputs.context_slots.contiguous()
+    rows = query_rows.contiguous()
+    valid = inputs.query_valid.contiguous()
+    mask = None if inputs.mask is None else inputs.mask.contiguous()
+    num_seqs, max_query = rows.shape
+    lib.specula_paged_attention(
+        query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[1],
+        slots.data_ptr(), num_seqs, slots.shape[1], rows.data_ptr(), valid.data_ptr(), max_query,
+        None if mask is None else mask.data_ptr(), num_heads, head_dim, ctypes.c_float(scale), out.data_ptr(),
+        out.stride(0), torch.get_num_threads())
 
 
 def _attend(

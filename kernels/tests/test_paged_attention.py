@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from specula_kernels import native
+from specula_kernels import paged_attention as paged_attention_module
 from specula_kernels.paged_attention import PagedAttentionInputs, paged_attention, write_kv_cache
 
 
@@ -43,8 +45,18 @@ def build_inputs(spans, slot_tables) -> PagedAttentionInputs:
     return PagedAttentionInputs(slot_mapping, context_slots, query_index, valid, mask)
 
 
+@pytest.fixture(params=["native", "pytorch"])
+def attention_path(request, monkeypatch):
+    """Each test twice: on the native kernel (where it builds) and on the gathered-context SDPA path."""
+    if request.param == "pytorch":
+        monkeypatch.setattr(paged_attention_module, "_native_library", lambda *args: None)
+    elif native.library() is None:
+        pytest.skip("native kernels unavailable here")
+    return request.param
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1)])
-def test_mixed_prefill_and_decode_match_dense(heads, kv_heads):
+def test_mixed_prefill_and_decode_match_dense(heads, kv_heads, attention_path):
     gen = torch.Generator().manual_seed(0)
     head_dim, block_size, num_blocks = 16, 4, 32
     k_cache = torch.zeros(num_blocks * block_size, kv_heads, head_dim)
@@ -80,12 +92,12 @@ def test_single_decoding_sequence_needs_no_mask():
     torch.testing.assert_close(out, dense_reference(q, k_cache[slots], v_cache[slots], start=5))
 
 
-def test_grouped_inputs_equal_one_padded_group():
+def test_grouped_inputs_equal_one_padded_group(attention_path):
     """Attending one-token and multi-token sequences in separate groups gives the padded result."""
     from specula_kernels.paged_attention import GroupedAttentionInputs
 
     gen = torch.Generator().manual_seed(2)
-    heads, kv_heads, head_dim = 4, 2, 8
+    heads, kv_heads, head_dim = 4, 2, 16
     k_cache = torch.randn(64, kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(64, kv_heads, head_dim, generator=gen)
     spans = [(6, 1), (3, 4), (9, 1)]  # decode, verify 3 drafts, decode
@@ -99,3 +111,103 @@ def test_grouped_inputs_equal_one_padded_group():
         (rows_multi, build_inputs([spans[i] for i in multi], [tables[i] for i in multi])),
     ])
     torch.testing.assert_close(paged_attention(q, k_cache, v_cache, grouped, scale=0.3), padded)
+
+
+# --- the native kernel (csrc/paged_attention.cpp) ------------------------------------------------------------------
+
+needs_native = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
+
+
+def random_cache(gen, slots: int, kv_heads: int, head_dim: int):
+    return torch.randn(slots, kv_heads, head_dim, generator=gen), torch.randn(slots, kv_heads, head_dim, generator=gen)
+
+
+@needs_native
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 1)])
+def test_native_matches_dense_reference(heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = random_cache(gen, 200, kv_heads, head_dim)
+    spans = [(9, 1), (40, 1), (5, 3), (0, 1), (17, 16)]  # decode, verify, a first token, the largest native block
+    tables = [torch.randperm(200, generator=gen)[: s + c] for s, c in spans]
+    inputs = build_inputs(spans, tables)
+    assert inputs.query_index.shape[1] <= paged_attention_module.NATIVE_MAX_QUERY
+    q = torch.randn(sum(c for _, c in spans), heads, head_dim, generator=gen)
+    out = paged_attention(q, k_cache, v_cache, inputs, scale=head_dim**-0.5)
+    row = 0
+    for (s, c), table in zip(spans, tables):
+        expected = dense_reference(q[row : row + c], k_cache[table], v_cache[table], s)
+        torch.testing.assert_close(out[row : row + c], expected, rtol=1e-5, atol=1e-5)
+        row += c
+
+
+@needs_native
+def test_native_row_is_the_same_bits_in_any_step():
+    """A query row's output depends on its own query, keys and values only: attended alone (a decode step) or
+    among other sequences with longer contexts, padding and draft rows, the bits are equal."""
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, head_dim = 8, 2, 64
+    k_cache, v_cache = random_cache(gen, 300, kv_heads, head_dim)
+    tables = [torch.randperm(300, generator=gen)[:n] for n in (23, 120, 57)]
+    q = torch.randn(1 + 4 + 1, heads, head_dim, generator=gen)
+    together = paged_attention(q, k_cache, v_cache, build_inputs([(20, 1), (100, 4), (56, 1)], tables), 0.125)
+    # Sequence 1's third draft row (position 102) alone, as the decode step at that position would attend.
+    alone = paged_attention(q[3:4], k_cache, v_cache, build_inputs([(102, 1)], [tables[1]]), 0.125)
+    assert torch.equal(alone[0], together[3])
+    single = PagedAttentionInputs(tables[0][20:21], tables[0][:21].unsqueeze(0), torch.zeros(1, 1, dtype=torch.long),
+                                  torch.ones(1, 1, dtype=torch.bool), None)  # no mask at all
+    assert torch.equal(paged_attention(q[:1], k_cache, v_cache, single, 0.125)[0], together[0])
+
+
+@needs_native
+def test_native_tree_mask_and_groups_match_the_pytorch_path(monkeypatch):
+    from specula_kernels.paged_attention import GroupedAttentionInputs
+
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim = 4, 2, 32
+    k_cache, v_cache = random_cache(gen, 128, kv_heads, head_dim)
+    spans = [(6, 1), (30, 5), (9, 1)]  # decode, a tree of 4 drafts after its root, decode
+    tables = [torch.randperm(128, generator=gen)[: s + c] for s, c in spans]
+    multi = build_inputs([spans[1]], [tables[1]])
+    multi.mask[0, 0, :, 30:35] = torch.tensor([  # root; two children of the root; a child of each child
+        [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]], dtype=torch.bool)
+    grouped = GroupedAttentionInputs(torch.zeros(7, dtype=torch.long), [
+        (torch.tensor([0, 6]), build_inputs([spans[0], spans[2]], [tables[0], tables[2]])),
+        (torch.tensor([1, 2, 3, 4, 5]), multi),
+    ])
+    q = torch.randn(7, heads, head_dim, generator=gen)
+    out = paged_attention(q, k_cache, v_cache, grouped, scale=0.2)
+    monkeypatch.setattr(paged_attention_module, "_native_library", lambda *args: None)
+    torch.testing.assert_close(out, paged_attention(q, k_cache, v_cache, grouped, scale=0.2), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_native_reads_no_masked_slot():
+    """A NaN in a position the mask hides (padding, another request's slot) reaches no row: the kernel skips
+    masked positions rather than weighting them by zero."""
+    gen = torch.Generator().manual_seed(6)
+    k_cache, v_cache = random_cache(gen, 64, 2, 16)
+    spans = [(3, 1), (20, 2)]
+    tables = [torch.arange(0, 4), torch.arange(30, 52)]
+    inputs = build_inputs(spans, tables)
+    inputs.context_slots[0, 4:] = 63  # padding pointing at a slot no sequence owns
+    q = torch.randn(3, 4, 16, generator=gen)
+    clean = paged_attention(q, k_cache, v_cache, inputs, scale=0.25)
+    k_cache[63], v_cache[63] = math.nan, math.nan
+    assert torch.equal(paged_attention(q, k_cache, v_cache, inputs, scale=0.25), clean)
+    assert torch.isfinite(clean).all()
+
+
+def test_prompts_and_other_dtypes_take_the_pytorch_path(monkeypatch):
+    calls = []
+    monkeypatch.setattr(paged_attention_module, "_attend_native", lambda *args: calls.append(args))
+    gen = torch.Generator().manual_seed(7)
+    k_cache, v_cache = random_cache(gen, 64, 2, 16)
+    prompt = build_inputs([(0, paged_attention_module.NATIVE_MAX_QUERY + 1)], [torch.arange(17)])
+    paged_attention(torch.randn(17, 4, 16, generator=gen), k_cache, v_cache, prompt, scale=0.25)
+    decode = build_inputs([(5, 1)], [torch.arange(6)])
+    paged_attention(torch.randn(1, 4, 16, generator=gen).bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), decode,
+                    scale=0.25)
+    paged_attention(torch.randn(1, 4, 8, generator=gen), k_cache[..., :8].contiguous(),
+                    v_cache[..., :8].contiguous(), decode, scale=0.25)  # a head size the kernel does not take
+    assert calls == []

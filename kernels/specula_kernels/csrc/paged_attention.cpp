@@ -1,0 +1,172 @@
+// Attention of a few query rows per sequence (decode, verification of drafts) over a paged KV cache, reading
+// the keys and values where they lie in the cache.
+//
+// The PyTorch path (`paged_attention._attend`) first gathers every sequence's context into a dense buffer, then
+// runs `scaled_dot_product_attention` over it: the context crosses memory three times (read, written, read
+// again), and SDPA's CPU kernel is built for blocks of queries, not the one row a decode step has per sequence.
+// At 32 sequences the two took 16 ms of an 79 ms float32 step of the 134M model (docs/benchmarks.md). Here a
+// thread takes one (sequence, head) at a time and, for each of its query rows, reads each visible key once
+// (a dot product in registers), then each visible value once (a weighted sum in registers).
+//
+// Layouts (float32): query rows `[tokens][heads][head_dim]`, any stride between tokens (the rotated queries are
+// a view into the fused q/k/v output); caches `[slots][kv_heads][head_dim]`; `context_slots [seqs][max_context]`,
+// `query_index [seqs][max_query]` (row of the flat token list), `query_valid [seqs][max_query]`, `mask
+// [seqs][max_query][max_context]` (1 = attend; null = every position), as in `PagedAttentionInputs`. A masked
+// position is skipped, not weighted by zero, so whatever its slot holds never reaches the row.
+//
+// Exactness: a row's output is a fixed-order computation over its own query and visible keys and values (scores
+// in order, the softmax sum in 16 lanes folded in a fixed order, values accumulated in position order), so it
+// does not depend on the other rows, sequences or padding of its step, nor on the threads.
+//
+// AVX-512 only, as the weight-only kernels; head_dim a multiple of 16 up to 256 (the caller checks).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if !defined(__AVX512F__)
+#error "the attention kernel needs AVX-512 (elsewhere the worker uses PyTorch's attention)"
+#endif
+#include <immintrin.h>
+
+static constexpr int kMaxVectors = 16;  // head_dim up to 256
+
+// exp(x) for x <= 0 (scores minus their maximum), Cephes' single-precision polynomial: 2^n * p(r) with
+// r = x - n ln 2 in [-ln2/2, ln2/2]; within 2 ulp of expf. Inputs below -87 give a value under 2^-125, which
+// adds nothing to a sum that holds 1 (the maximum's own term).
+static inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 r2 = _mm512_mul_ps(r, r);
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(y, n);
+}
+
+static constexpr int64_t kAhead = 4;  // positions ahead whose keys (values) are prefetched, for a range of heads
+
+// The lines of one slot's keys or values that query heads [h0, h1) read.
+static inline void prefetch_heads(const float* row, int64_t h0, int64_t h1, int64_t group, int dim) {
+  const char* first = reinterpret_cast<const char*>(row + (h0 / group) * dim);
+  const char* last = reinterpret_cast<const char*>(row + ((h1 - 1) / group + 1) * dim);
+  for (const char* p = first; p < last; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+}
+
+// Softmax weights in place of one head's scores, 16 at a time; masked positions (-inf) become exactly 0. Returns
+// the reciprocal of the weights' sum (their fixed-order sum: 16 lanes, then the lanes folded).
+static float softmax_in_place(float* scores, int64_t context, float best) {
+  const __m512 top = _mm512_set1_ps(best), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; j < context; j += 16) {
+    const __mmask16 lanes = context - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (context - j)) - 1);
+    const __m512 s = _mm512_mask_loadu_ps(minus_inf, lanes, scores + j);
+    const __mmask16 keep = _mm512_cmp_ps_mask(s, minus_inf, _CMP_NEQ_OQ);
+    const __m512 w = _mm512_maskz_mov_ps(keep, exp_nonpositive(_mm512_sub_ps(s, top)));
+    _mm512_mask_storeu_ps(scores + j, lanes, w);
+    total = _mm512_add_ps(total, w);
+  }
+  return 1.0f / _mm512_reduce_add_ps(total);
+}
+
+// One query row, query heads [h0, h1): out[h] = softmax(scale * q[h] . K[h]) V[h] over the visible positions.
+// Positions outer, heads inner, so each visible slot's keys (then values) for these heads are read as one
+// contiguous run of lines, in the order the cache's blocks hold them. `scores`: (h1 - h0) * context floats;
+// `acc`: (h1 - h0) * dim floats.
+static void attend_row(const float* q, const float* keys, const float* values, int64_t slot_stride, int64_t group,
+                       int64_t h0, int64_t h1, const int64_t* slots, const uint8_t* visible, int64_t context,
+                       int vectors, float scale, float* scores, float* acc, float* best, float* out) {
+  const int dim = 16 * vectors;
+  const int64_t heads = h1 - h0;
+  // A range of a slot's heads is a few lines every few KB, which the hardware does not prefetch; a whole slot's
+  // are one contiguous run, which it does.
+  const bool partial = heads * dim < slot_stride * group;
+  const float masked = -std::numeric_limits<float>::infinity();
+  for (int64_t h = 0; h < heads; ++h) best[h] = masked;
+  for (int64_t j = 0; j < context; ++j) {
+    if (visible && !visible[j]) {
+      for (int64_t h = 0; h < heads; ++h) scores[h * context + j] = masked;
+      continue;
+    }
+    if (partial && j + kAhead < context) prefetch_heads(keys + slots[j + kAhead] * slot_stride, h0, h1, group, dim);
+    const float* row = keys + slots[j] * slot_stride;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* k = row + ((h0 + h) / group) * dim;
+      const float* qh = q + (h0 + h) * dim;
+      __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(k));
+      for (int v = 1; v < vectors; ++v) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * v), _mm512_loadu_ps(k + 16 * v), sum);
+      const float s = _mm512_reduce_add_ps(sum) * scale;
+      scores[h * context + j] = s;
+      best[h] = s > best[h] ? s : best[h];
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    if (best[h] == masked) {  // nothing visible (a caller's padding row): zeros, never read
+      std::memset(out + (h0 + h) * dim, 0, sizeof(float) * dim);
+      continue;
+    }
+    best[h] = softmax_in_place(scores + h * context, context, best[h]);  // now the weights' reciprocal sum
+  }
+  std::memset(acc, 0, sizeof(float) * heads * dim);
+  for (int64_t j = 0; j < context; ++j) {
+    if (visible && !visible[j]) continue;  // skipped, not weighted by zero: a NaN there never reaches the row
+    if (partial && j + kAhead < context) prefetch_heads(values + slots[j + kAhead] * slot_stride, h0, h1, group, dim);
+    const float* row = values + slots[j] * slot_stride;
+    for (int64_t h = 0; h < heads; ++h) {
+      const __m512 w = _mm512_set1_ps(scores[h * context + j]);
+      const float* val = row + ((h0 + h) / group) * dim;
+      float* a = acc + h * dim;
+      for (int v = 0; v < vectors; ++v)
+        _mm512_storeu_ps(a + 16 * v, _mm512_fmadd_ps(w, _mm512_loadu_ps(val + 16 * v), _mm512_loadu_ps(a + 16 * v)));
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) {
+    if (best[h] == masked) continue;
+    const __m512 norm = _mm512_set1_ps(best[h]);
+    for (int v = 0; v < vectors; ++v)
+      _mm512_storeu_ps(out + (h0 + h) * dim + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(acc + h * dim + 16 * v), norm));
+  }
+}
+
+extern "C" void specula_paged_attention(const float* query, int64_t query_stride, const float* key_cache,
+                                        const float* value_cache, int64_t num_kv_heads, const int64_t* context_slots,
+                                        int64_t num_seqs, int64_t max_context, const int64_t* query_index,
+                                        const uint8_t* query_valid, int64_t max_query, const uint8_t* mask,
+                                        int64_t num_heads, int64_t head_dim, float scale, float* out,
+                                        int64_t out_stride, int threads) {
+  const int vectors = static_cast<int>(head_dim / 16);
+  const int64_t group = num_heads / num_kv_heads;  // query heads per KV head
+  const int64_t slot_stride = num_kv_heads * head_dim;
+  // A work item is a sequence and a range of its KV heads (with their query heads): all of them when there are
+  // enough sequences to share among the threads, else split so that every thread has several items.
+  int64_t splits = (4 * static_cast<int64_t>(threads) + num_seqs - 1) / num_seqs;
+  splits = splits < 1 ? 1 : (splits > num_kv_heads ? num_kv_heads : splits);
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t most = ((num_kv_heads + splits - 1) / splits) * group;  // query heads of the largest range
+    const size_t context = static_cast<size_t>(max_context > 0 ? max_context : 1);
+    std::vector<float> scores(most * context), acc(most * head_dim), best(most);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_seqs * splits; ++item) {
+      const int64_t s = item / splits, part = item % splits;
+      const int64_t h0 = (part * num_kv_heads / splits) * group, h1 = ((part + 1) * num_kv_heads / splits) * group;
+      const int64_t* slots = context_slots + s * max_context;
+      for (int64_t qi = 0; qi < max_query; ++qi) {
+        if (!query_valid[s * max_query + qi]) continue;
+        const int64_t t = query_index[s * max_query + qi];
+        const uint8_t* visible = mask ? mask + (s * max_query + qi) * max_context : nullptr;
+        attend_row(query + t * query_stride, key_cache, value_cache, slot_stride, group, h0, h1, slots, visible,
+                   max_context, vectors, scale, scores.data(), acc.data(), best.data(), out + t * out_stride);
+      }
+    }
+  }
+}
