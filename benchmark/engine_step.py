@@ -25,6 +25,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization (trees that have it)")
     args = parser.parse_args()
     sys.path[:0] = [str(args.tree.resolve() / p) for p in ("server", "kernels", "proto")]
     import torch
@@ -33,7 +34,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     num_blocks = args.concurrency * 8 + 16
-    generator = load_test_generator(args.model_dir, num_blocks=num_blocks, dtype=args.dtype)
+    settings = {"quantize": args.quantize} if args.quantize else {}
+    generator = load_test_generator(args.model_dir, num_blocks=num_blocks, dtype=args.dtype, **settings)
     pool = BlockPool(num_blocks, 16)
     specs = [make_spec(i, [1] + [(i * 7 + j) % 1000 + 3 for j in range(31)], pool, max_new_tokens=args.steps + 20)
              for i in range(args.concurrency)]
@@ -51,7 +53,7 @@ def main() -> None:
         step()
         times.append(time.perf_counter() - start)
     median = statistics.median(times[10:])
-    print(f"{args.tree}: {args.dtype}, {args.concurrency} sequences, median decode step {median * 1e3:.1f} ms, "
+    print(f"{args.tree}: {args.dtype}{' ' + args.quantize if args.quantize else ''}, {args.concurrency} sequences, median decode step {median * 1e3:.1f} ms, "
           f"{args.concurrency / median:.0f} tokens/s")
 
 

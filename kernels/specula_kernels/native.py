@@ -3,10 +3,11 @@
 Why by hand: the weight-only int8/int4 products of a decode step must stream weights at the memory's pace, and
 the packed kernels PyTorch ships for them are compute-bound on CPU (docs/benchmarks.md, "Weight-only
 quantization"); decode attention must read the paged KV cache where it lies, where PyTorch's path gathers a
-dense copy first (`csrc/paged_attention.cpp`). The sources are plain C++ with vector extensions and OpenMP, built with `-O3 -march=native` by the
-system's C++ compiler into a cache (`$SPECULA_KERNEL_CACHE`, else `~/.cache/specula/kernels`, else a temporary
-directory), keyed by the source, the compiler and the CPU's feature flags, so a worker compiles it once per
-machine (a second or two).
+dense copy first (`csrc/paged_attention.cpp`); and a layer's small operators (norms, rotary, SiLU) cost their
+dispatch more than their arithmetic at a few rows (`csrc/fused.cpp`). The sources are plain C++ with vector
+extensions and OpenMP, built with `-O3 -march=native` by the system's C++ compiler into one library in a cache
+(`$SPECULA_KERNEL_CACHE`, else `~/.cache/specula/kernels`, else a temporary directory), keyed by the sources, the
+compiler and the CPU's feature flags, so a worker compiles it once per machine (a few seconds).
 
 Linking: the library asks for `libgomp.so.1`, the soname of the OpenMP runtime PyTorch's x86-64 wheels load, so
 the kernels share PyTorch's threads instead of starting a second pool.
@@ -29,7 +30,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("weight_only.cpp", "paged_attention.cpp"))
+_SOURCES = tuple(Path(__file__).with_name("csrc") / name
+                 for name in ("weight_only.cpp", "paged_attention.cpp", "fused.cpp"))
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _BUILD_TIMEOUT_S = 300  # a second or two is usual
 _lock = threading.Lock()
@@ -110,6 +112,12 @@ def _load() -> ctypes.CDLL:
     lib.specula_paged_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, f32,
                                             ptr, i64, c_int]
     lib.specula_paged_attention.restype = None
+    lib.specula_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, f32, ptr, i64, c_int]
+    lib.specula_rms_norm.restype = None
+    lib.specula_silu_mul.argtypes = [ptr, i64, i64, i64, ptr, i64, c_int]
+    lib.specula_silu_mul.restype = None
+    lib.specula_rotary_cache.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, c_int]
+    lib.specula_rotary_cache.restype = None
     return lib
 
 

@@ -11,12 +11,10 @@ shards' partial deltas with the base partial sums).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from specula_kernels.paged_attention import (
-    GroupedAttentionInputs, PagedAttentionInputs, paged_attention, write_kv_cache,
-)
+from specula_kernels.fused import add_rms_norm, rms_norm, rotary_and_cache, silu_and_mul
+from specula_kernels.paged_attention import GroupedAttentionInputs, PagedAttentionInputs, paged_attention
 from specula_server.adapters.registry import LoraBatch
 from specula_server.distributed import ShardGroup
 from specula_server.layers.rotary import RotaryEmbedding, apply_rotary
@@ -41,9 +39,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32, then scale in the model dtype (matches the reference implementation).
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(x + delta, norm(x + delta))`, in one pass where the fused kernels serve; `x` may be updated in place."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -80,12 +80,9 @@ class Attention(nn.Module):
         if lora is not None:  # in place, into the fused output's columns
             for name, out in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
                 lora.add(self.index, name, hidden, out)
-        # Queries and keys rotated as one tensor of heads: half the small operations of rotating each.
-        qk = qkv[:, : q_size + kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(qk, cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        write_kv_cache(k, v, kv_cache[0], kv_cache[1], attn.slot_mapping)
+        # Queries and keys rotated as one tensor of heads, keys and values stored in the cache: one call.
+        q = rotary_and_cache(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, kv_cache[0],
+                             kv_cache[1], attn.slot_mapping, apply_rotary)
         out = paged_attention(q, kv_cache[0], kv_cache[1], attn, self.scale).reshape(num_tokens, q_size)
         return self.o_proj(out, None if lora is None else lora.delta(self.index, "o_proj", out))
 
@@ -100,11 +97,12 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear.load(weights, f"{prefix}.down_proj", bias=False, group=group)
 
     def forward(self, x: torch.Tensor, lora: LoraBatch | None = None) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        if lora is not None:
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:  # in place, into the fused output's columns
+            gate, up = gate_up.chunk(2, dim=-1)
             lora.add(self.index, "gate_proj", x, gate)
             lora.add(self.index, "up_proj", x, up)
-        h = F.silu(gate) * up
+        h = silu_and_mul(gate_up)
         return self.down_proj(h, None if lora is None else lora.delta(self.index, "down_proj", h))
 
 
@@ -119,8 +117,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, hidden, cos, sin, kv_cache: KVCache, attn: AttentionInputs,
                 lora: LoraBatch | None = None) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn, lora)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
+        attended = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn, lora)
+        hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, attended)
+        return hidden + self.mlp(normed, lora)
 
 
 class LlamaForCausalLM(nn.Module):

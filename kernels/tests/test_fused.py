@@ -1,0 +1,86 @@
+"""The fused per-layer kernels (`specula_kernels.fused`) against the PyTorch operators they replace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specula_kernels import fused, native
+from specula_kernels.paged_attention import write_kv_cache
+
+needs_native = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
+
+
+def rotate_reference(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+@needs_native
+@pytest.mark.parametrize("rows,dim", [(1, 768), (7, 40), (300, 512)])  # a tail of 8; enough rows for threads
+def test_rms_norm_matches_reference(rows, dim):
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(rows, dim, generator=gen) * 3, torch.randn(dim, generator=gen)
+    torch.testing.assert_close(fused.rms_norm(x, weight, 1e-5), fused.rms_norm_reference(x, weight, 1e-5),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_add_rms_norm_returns_the_sum_and_its_norm():
+    gen = torch.Generator().manual_seed(1)
+    x, delta, weight = (torch.randn(5, 96, generator=gen), torch.randn(5, 96, generator=gen),
+                        torch.randn(96, generator=gen))
+    expected_sum = x + delta
+    total, normed = fused.add_rms_norm(x.clone(), delta, weight, 1e-6)
+    assert torch.equal(total, expected_sum)  # one rounding, as `x + delta`
+    torch.testing.assert_close(normed, fused.rms_norm_reference(expected_sum, weight, 1e-6), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("rows,width", [(1, 2048), (3, 24), (64, 2048)])
+def test_silu_and_mul_matches_reference(rows, width):
+    gen = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(rows, 2 * width, generator=gen) * 4
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])  # exp's clamps at both ends
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(fused.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up,
+                               rtol=1e-5, atol=1e-6)
+
+
+@needs_native
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 12, 64), (8, 2, 32), (4, 1, 128)])
+def test_rotary_and_cache_is_the_pytorch_rotation_bit_for_bit(heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(3)
+    tokens = 9
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    angles = torch.rand(tokens, 1, head_dim // 2, generator=gen) * 6
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
+    sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)
+    slots = torch.randperm(40, generator=gen)[:tokens]
+    caches = [torch.zeros(40, kv_heads, head_dim) for _ in range(4)]
+
+    expected_qk = rotate_reference(qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim), cos, sin)
+    v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
+    write_kv_cache(expected_qk[:, heads:], v, caches[0], caches[1], slots)
+
+    q = fused.rotary_and_cache(qkv.clone(), heads, kv_heads, head_dim, cos, sin, caches[2], caches[3], slots,
+                               rotate_reference)
+    assert torch.equal(q, expected_qk[:, :heads])
+    assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
+
+
+def test_other_dtypes_use_the_pytorch_operators(monkeypatch):
+    monkeypatch.setattr(native, "library", lambda: pytest.fail("native kernels asked for bfloat16"))
+    x, weight = torch.randn(3, 32).bfloat16(), torch.randn(32).bfloat16()
+    assert torch.equal(fused.rms_norm(x, weight, 1e-5), fused.rms_norm_reference(x, weight, 1e-5))
+    gate_up = torch.randn(3, 64).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(fused.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+def test_without_native_kernels_the_results_are_the_reference(monkeypatch):
+    monkeypatch.setattr(native, "library", lambda: None)
+    gen = torch.Generator().manual_seed(4)
+    x, delta, weight = torch.randn(4, 64, generator=gen), torch.randn(4, 64, generator=gen), torch.randn(64)
+    total, normed = fused.add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(total, x + delta) and torch.equal(normed, fused.rms_norm_reference(x + delta, weight, 1e-5))
