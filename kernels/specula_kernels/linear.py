@@ -15,14 +15,15 @@ GEMM's summation order. Measured on the 2-core benchmark machine (12 layers of a
 On CPUs where PyTorch ships oneDNN (every x86 build), the float layers use oneDNN's own packed format instead
 (`onednn_pack` / `onednn_linear`: the weight reordered once at load time into the blocked layout its GEMM
 kernels read, as torch.compile's CPU backend does for frozen weights). Measured on the 2-core benchmark VM for
-the 49 products of one decoded token of the 134M Llama (`benchmark/linear_kernels.py`):
+the 49 products of one decoded token of the 134M Llama (`benchmark/linear_kernels.py --pack-hint 1`):
 
-    rows (sequences in the step)      1      8      32     64
-    float32, column blocks (above)    17.3   35.3   69.4   101.7 ms
-    float32, oneDNN packed            17.0   27.2   49.3   80.6
-    bfloat16, oneDNN packed           9.4    11.9   20.7   35.8     (a CPU with AVX512-BF16)
+    rows (sequences in the step)                1      4      8      32     64
+    float32, column blocks (above)              21.1   40.7   42.9   73.2   121.3 ms
+    float32, oneDNN packed (PACK_ROWS_HINT)     21.4   18.7   20.8   39.5   72.1
+    float32, oneDNN packed for 1 row            21.3   28.9   30.2   54.0   88.7
+    bfloat16, oneDNN packed                     11.2   10.5   11.6   21.1   37.5     (a CPU with AVX512-BF16)
 
-so float32 batches gain up to 1.4x and bfloat16 runs at 1.8-3.4x float32, where bfloat16 through plain
+so float32 batches gain up to 2.2x over the column blocks and bfloat16 runs at 1.8-1.9x float32, where bfloat16 through plain
 `matmul` was slower than float32 (0.94x per decoded token). oneDNN is used for bfloat16 only where it reports
 native support (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`); elsewhere bfloat16 and float16 keep the
 column blocks.
