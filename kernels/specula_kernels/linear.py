@@ -23,10 +23,10 @@ the 49 products of one decoded token of the 134M Llama (`benchmark/linear_kernel
     float32, oneDNN packed for 1 row            21.3   28.9   30.2   54.0   88.7
     bfloat16, oneDNN packed                     11.2   10.5   11.6   21.1   37.5     (a CPU with AVX512-BF16)
 
-so float32 batches gain up to 2.2x over the column blocks and bfloat16 runs at 1.8-1.9x float32, where bfloat16 through plain
-`matmul` was slower than float32 (0.94x per decoded token). oneDNN is used for bfloat16 only where it reports
-native support (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`); elsewhere bfloat16 and float16 keep the
-column blocks.
+so float32 batches gain up to 2.2x over the column blocks and bfloat16 runs at 1.8-1.9x float32, where bfloat16
+through plain `matmul` was slower than float32 (0.94x per decoded token). oneDNN is used for bfloat16 only where
+it reports native support (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`); elsewhere bfloat16 and float16 keep
+the column blocks.
 
 `linear_reference` is the plain definition the packed forms are tested against.
 """

@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name
                  for name in ("weight_only.cpp", "paged_attention.cpp", "fused.cpp"))
+_HEADERS = (Path(__file__).with_name("csrc") / "vector_math.h",)
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _BUILD_TIMEOUT_S = 300  # a second or two is usual
 _lock = threading.Lock()
@@ -80,7 +81,7 @@ def _cache_dir() -> Path:
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True,
                              timeout=60).stdout
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in _SOURCES), " ".join(_FLAGS), version,
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in _SOURCES + _HEADERS), " ".join(_FLAGS), version,
                                      _cpu_flags()]).encode())
     cache = _cache_dir()
     target = cache / f"specula_kernels-{key.hexdigest()[:16]}.so"
@@ -89,8 +90,8 @@ def _build(compiler: str) -> Path:
     # Built under a temporary name and renamed, so processes building at once never load a half-written file.
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / target.name
-        result = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(out)], capture_output=True, text=True,
-                                check=False, timeout=_BUILD_TIMEOUT_S)
+        result = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(out)], capture_output=True,
+                                text=True, check=False, timeout=_BUILD_TIMEOUT_S)
         if result.returncode:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
         os.replace(out, target)

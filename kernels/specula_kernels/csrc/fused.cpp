@@ -11,9 +11,10 @@
 //   specula_rotary_cache    rotates the queries and keys in place in the fused q/k/v rows (rotate-half form),
 //                           then stores the keys and values at their cache slots
 //
-// Rounding: the rotary embedding is the same multiplies and add as `layers.rotary.apply_rotary` (this file is
-// compiled without fused multiply-adds of its own making, by the pragmas below), bit for bit; the norm's mean is a sum in another order than
-// PyTorch's, and SiLU's exponential another polynomial, each within a few units in the last place.
+// Rounding: the rotary embedding is the same multiplies and add as `layers.rotary.apply_rotary`, bit for bit
+// (this file is compiled without fused multiply-adds of the compiler's making, by the pragmas below); the norm's
+// mean is a sum in another order than PyTorch's, and SiLU's exponential another polynomial, each within a few
+// units in the last place.
 
 #include <cmath>
 #include <cstdint>
@@ -24,28 +25,12 @@
 #endif
 #include <immintrin.h>
 
+#include "vector_math.h"
+
 // No contraction of a * b + c into one fused multiply-add, as PyTorch's separate operators round each step
 // (GCC reads the first pragma, Clang the second; the fused multiply-adds written as intrinsics stay).
 #pragma GCC optimize("fp-contract=off")
 #pragma STDC FP_CONTRACT OFF
-
-// exp(x), Cephes' single-precision polynomial as in paged_attention.cpp, over the whole float range: inputs are
-// clamped to [-87, 88], beyond which exp under- or overflows a float anyway.
-static inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
-}
 
 static inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
@@ -89,7 +74,8 @@ extern "C" void specula_silu_mul(const float* gate_up, int64_t in_stride, int64_
     for (int64_t i = 0; i < width; i += 16) {
       const __mmask16 m = tail_mask(width - i);
       const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
-      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      const __m512 negative_exp = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), negative_exp));
       _mm512_mask_storeu_ps(out + r * out_stride + i, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, up + i)));
     }
   }

@@ -4,9 +4,10 @@
 // The PyTorch path (`paged_attention._attend`) first gathers every sequence's context into a dense buffer, then
 // runs `scaled_dot_product_attention` over it: the context crosses memory three times (read, written, read
 // again), and SDPA's CPU kernel is built for blocks of queries, not the one row a decode step has per sequence.
-// At 32 sequences the two took 16 ms of an 79 ms float32 step of the 134M model (docs/benchmarks.md). Here a
-// thread takes one (sequence, head) at a time and, for each of its query rows, reads each visible key once
-// (a dot product in registers), then each visible value once (a weighted sum in registers).
+// At 32 sequences the two took 16 ms of a 79 ms float32 step of the 134M model (docs/benchmarks.md). Here a
+// thread takes a sequence and a range of its heads (all of them when there are sequences enough for the
+// threads) and, for each query row, reads each visible slot's keys for those heads as one contiguous run (dot
+// products), then its values the same way (weighted sums): the context crosses memory once per row.
 //
 // Layouts (float32): query rows `[tokens][heads][head_dim]`, any stride between tokens (the rotated queries are
 // a view into the fused q/k/v output); caches `[slots][kv_heads][head_dim]`; `context_slots [seqs][max_context]`,
@@ -31,27 +32,7 @@
 #endif
 #include <immintrin.h>
 
-static constexpr int kMaxVectors = 16;  // head_dim up to 256
-
-// exp(x) for x <= 0 (scores minus their maximum), Cephes' single-precision polynomial: 2^n * p(r) with
-// r = x - n ln 2 in [-ln2/2, ln2/2]; within 2 ulp of expf. Inputs below -87 give a value under 2^-125, which
-// adds nothing to a sum that holds 1 (the maximum's own term).
-static inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  const __m512 r2 = _mm512_mul_ps(r, r);
-  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, r2, r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(y, n);
-}
+#include "vector_math.h"
 
 static constexpr int64_t kAhead = 4;  // positions ahead whose keys (values) are prefetched, for a range of heads
 
@@ -71,7 +52,7 @@ static float softmax_in_place(float* scores, int64_t context, float best) {
     const __mmask16 lanes = context - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (context - j)) - 1);
     const __m512 s = _mm512_mask_loadu_ps(minus_inf, lanes, scores + j);
     const __mmask16 keep = _mm512_cmp_ps_mask(s, minus_inf, _CMP_NEQ_OQ);
-    const __m512 w = _mm512_maskz_mov_ps(keep, exp_nonpositive(_mm512_sub_ps(s, top)));
+    const __m512 w = _mm512_maskz_mov_ps(keep, exp_ps(_mm512_sub_ps(s, top)));
     _mm512_mask_storeu_ps(scores + j, lanes, w);
     total = _mm512_add_ps(total, w);
   }
@@ -103,7 +84,8 @@ static void attend_row(const float* q, const float* keys, const float* values, i
       const float* k = row + ((h0 + h) / group) * dim;
       const float* qh = q + (h0 + h) * dim;
       __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(k));
-      for (int v = 1; v < vectors; ++v) sum = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * v), _mm512_loadu_ps(k + 16 * v), sum);
+      for (int v = 1; v < vectors; ++v)
+        sum = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * v), _mm512_loadu_ps(k + 16 * v), sum);
       const float s = _mm512_reduce_add_ps(sum) * scale;
       scores[h * context + j] = s;
       best[h] = s > best[h] ? s : best[h];
