@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 
+import httpx
 import pytest
 
 from stack import LauncherProcess, free_port
@@ -48,9 +49,14 @@ def test_a_shard_dying_on_another_node_stops_the_group(two_nodes):
     assert generate(node0.url, PROMPTS[0], max_new_tokens=4).status_code == 200
     os.kill(node1.children()["shard-1"], signal.SIGKILL)
     assert node1.wait(60) == 1  # its launcher saw its shard die
-    # Node 0 finds out at its next step: the request fails, and its shard (a collective's peer is gone) and then
-    # its launcher stop with an error rather than serve a group that cannot answer.
-    response = generate(node0.url, PROMPTS[1], max_new_tokens=4)
-    assert response.status_code >= 400
+    # Node 0 finds out at its next step at the latest: the request fails, and its shard (a collective's peer is
+    # gone) and then its launcher stop with an error rather than serve a group that cannot answer. It may also
+    # find out before that request (the router's connection to shard 1 closing) and be gone already.
+    try:
+        response = generate(node0.url, PROMPTS[1], max_new_tokens=4)
+    except httpx.ConnectError:
+        pass  # already stopped: what follows checks how
+    else:
+        assert response.status_code >= 400
     assert node0.wait(120) != 0
     assert "exited unexpectedly" in node0.output(tail=None)
