@@ -1,5 +1,5 @@
 """A decoder layer's small operations, one call each: RMS norm (with the residual add before it), SiLU times
-up, and the rotary embedding with the KV cache write.
+up, and the rotary embedding (`apply_rotary`) with the KV cache write.
 
 On a CPU where the native kernels build (`native.py`, `csrc/fused.cpp`) and for float32 rows, each is one pass
 in C++; elsewhere (other dtypes, accelerators, `SPECULA_NATIVE_KERNELS=0`) the PyTorch operators they stand for,
@@ -68,15 +68,24 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_dim] (queries and keys may come as one tensor: the rotation is per head).
+
+    The rotate-half form `x * cos + cat(-x2, x1) * sin`, with the sign folded into the table (`sin` is
+    `cat(-sin1, sin2)`, `layers.rotary.RotaryEmbedding.tables`): `cat(x2, x1) * sin` equals
+    `cat(-x2, x1) * cat(sin1, sin2)` bit for bit, one operation fewer."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
 def rotary_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
                      sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     slot_mapping: torch.Tensor, rotate) -> torch.Tensor:
+                     slot_mapping: torch.Tensor) -> torch.Tensor:
     """The fused q/k/v rows `[tokens, (heads + 2 * kv_heads) * head_dim]`: queries and keys rotated (`cos`, `sin`
     as `RotaryEmbedding.tables` gives them, `[tokens, 1, head_dim]`), keys and values stored at `slot_mapping` in
-    the caches. Returns the rotated queries, `[tokens, heads, head_dim]`.
-
-    `rotate(x, cos, sin)` is the PyTorch rotation the other path uses (`layers.rotary.apply_rotary`); the native
-    one rounds exactly as it does."""
+    the caches. Returns the rotated queries, `[tokens, heads, head_dim]`. The native rotation rounds exactly as
+    `apply_rotary`, the other path's."""
     tokens = qkv.shape[0]
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     cos2, sin2 = cos.reshape(tokens, head_dim), sin.reshape(tokens, head_dim)
@@ -84,7 +93,7 @@ def rotary_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_
     if (lib is None or qkv.dim() != 2 or head_dim > 1024 or head_dim % 2 or not key_cache.is_contiguous()
             or not value_cache.is_contiguous()):
         qk = qkv[:, : q_size + kv_size].view(tokens, num_heads + num_kv_heads, head_dim)
-        qk = rotate(qk, cos, sin)
+        qk = apply_rotary(qk, cos, sin)
         v = qkv[:, q_size + kv_size :].view(tokens, num_kv_heads, head_dim)
         write_kv_cache(qk[:, num_heads:], v, key_cache, value_cache, slot_mapping)
         return qk[:, :num_heads]

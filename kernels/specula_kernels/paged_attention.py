@@ -126,7 +126,11 @@ def paged_attention(
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         for rows, group in inputs.groups:
             if lib is not None and group.query_index.shape[1] <= NATIVE_MAX_QUERY:
-                _attend_native(lib, query, key_cache, value_cache, group, scale, out, rows[group.query_index])
+                # Each padded query's row of the whole step: the same for every layer, so mapped once per step.
+                step_rows = group.workspace.get("native.rows")
+                if step_rows is None:
+                    step_rows = group.workspace["native.rows"] = rows[group.query_index].contiguous()
+                _attend_native(lib, query, key_cache, value_cache, group, scale, out, step_rows)
             else:
                 out[rows] = _attend(query[rows], key_cache, value_cache, group, scale)
         return out

@@ -11,11 +11,6 @@ from specula_kernels.paged_attention import write_kv_cache
 needs_native = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
 
 
-def rotate_reference(x, cos, sin):
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([x[..., half:], x[..., :half]], dim=-1) * sin
-
-
 @needs_native
 @pytest.mark.parametrize("rows,dim", [(1, 768), (7, 40), (300, 512)])  # a tail of 8; enough rows for threads
 def test_rms_norm_matches_reference(rows, dim):
@@ -59,12 +54,11 @@ def test_rotary_and_cache_is_the_pytorch_rotation_bit_for_bit(heads, kv_heads, h
     slots = torch.randperm(40, generator=gen)[:tokens]
     caches = [torch.zeros(40, kv_heads, head_dim) for _ in range(4)]
 
-    expected_qk = rotate_reference(qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim), cos, sin)
+    expected_qk = fused.apply_rotary(qkv[:, : (heads + kv_heads) * head_dim].view(tokens, -1, head_dim), cos, sin)
     v = qkv[:, (heads + kv_heads) * head_dim :].view(tokens, kv_heads, head_dim)
     write_kv_cache(expected_qk[:, heads:], v, caches[0], caches[1], slots)
 
-    q = fused.rotary_and_cache(qkv.clone(), heads, kv_heads, head_dim, cos, sin, caches[2], caches[3], slots,
-                               rotate_reference)
+    q = fused.rotary_and_cache(qkv.clone(), heads, kv_heads, head_dim, cos, sin, caches[2], caches[3], slots)
     assert torch.equal(q, expected_qk[:, :heads])
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
 

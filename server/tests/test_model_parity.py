@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 
+from specula_kernels import native
 from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, step, token_ids
 
 PROMPTS = [
@@ -32,8 +33,19 @@ def reference_greedy(model, prompt: list[int], num_new: int) -> tuple[list[int],
     return tokens, logprobs
 
 
+@pytest.fixture(params=["native", "pytorch"])
+def kernels(request, monkeypatch):
+    """The forward on the native kernels (decode attention in place, fused layer operations; skipped where they
+    are not built) or on PyTorch's operators alone."""
+    if request.param == "native" and native.library() is None:
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    if request.param == "pytorch":
+        monkeypatch.setattr(native, "library", lambda: None)
+    return request.param
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "llama31"])
-def test_greedy_tokens_and_logprobs_match_transformers(model_dirs, kind):
+def test_greedy_tokens_and_logprobs_match_transformers(model_dirs, kind, kernels):
     model_dir = model_dirs[kind]
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     generator = load_test_generator(model_dir)

@@ -48,23 +48,13 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim / 2]
         emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
         self.register_buffer("cos", emb.cos().to(device=device, dtype=dtype), persistent=False)
-        # The sine with its first half negated: `apply_rotary` then needs no negation of its own (exact: a sign).
+        # The sine with its first half negated: `specula_kernels.fused.apply_rotary` then needs no negation of its
+        # own (exact: a sign).
         sin = emb.sin()
         sin[:, : head_dim // 2].neg_()
         self.register_buffer("sin", sin.to(device=device, dtype=dtype), persistent=False)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and the half-negated sin (see `apply_rotary`) for the step's positions, `[num_tokens, 1,
-        head_dim]`, shared by every layer."""
+        """cos and the half-negated sin (see `specula_kernels.fused.apply_rotary`) for the step's positions,
+        `[num_tokens, 1, head_dim]`, shared by every layer."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, num_heads, head_dim] (queries and keys may come as one tensor: the rotation is per head).
-
-    The rotate-half form `x * cos + cat(-x2, x1) * sin`, with the sign folded into the table (`sin` is
-    `cat(-sin1, sin2)`): `cat(x2, x1) * sin` equals `cat(-x2, x1) * cat(sin1, sin2)` bit for bit, one
-    operation fewer."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin

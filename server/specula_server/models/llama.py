@@ -17,7 +17,7 @@ from specula_kernels.fused import add_rms_norm, rms_norm, rotary_and_cache, silu
 from specula_kernels.paged_attention import GroupedAttentionInputs, PagedAttentionInputs, paged_attention
 from specula_server.adapters.registry import LoraBatch
 from specula_server.distributed import ShardGroup
-from specula_server.layers.rotary import RotaryEmbedding, apply_rotary
+from specula_server.layers.rotary import RotaryEmbedding
 from specula_server.layers.tensor_parallel import (
     ColumnParallelLinear,
     ParallelLMHead,
@@ -76,13 +76,12 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         if lora is not None:  # in place, into the fused output's columns
-            for name, out in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+            for name, out in zip(("q_proj", "k_proj", "v_proj"), qkv.split([q_size, kv_size, kv_size], dim=-1)):
                 lora.add(self.index, name, hidden, out)
         # Queries and keys rotated as one tensor of heads, keys and values stored in the cache: one call.
         q = rotary_and_cache(qkv, self.num_heads, self.num_kv_heads, self.head_dim, cos, sin, kv_cache[0],
-                             kv_cache[1], attn.slot_mapping, apply_rotary)
+                             kv_cache[1], attn.slot_mapping)
         out = paged_attention(q, kv_cache[0], kv_cache[1], attn, self.scale).reshape(num_tokens, q_size)
         return self.o_proj(out, None if lora is None else lora.delta(self.index, "o_proj", out))
 
