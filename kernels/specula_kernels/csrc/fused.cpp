@@ -11,7 +11,7 @@
 //   specula_rotary_cache    rotates the queries and keys in place in the fused q/k/v rows (rotate-half form),
 //                           then stores the keys and values at their cache slots
 //
-// Rounding: the rotary embedding is the same multiplies and add as `layers.rotary.apply_rotary`, bit for bit
+// Rounding: the rotary embedding is the same multiplies and add as `fused.apply_rotary`, bit for bit
 // (this file is compiled without fused multiply-adds of the compiler's making, by the pragmas below); the norm's
 // mean is a sum in another order than PyTorch's, and SiLU's exponential another polynomial, each within a few
 // units in the last place.
