@@ -73,8 +73,9 @@ def main(
              "its bundled family: draft-model, mlp-speculator or medusa."),
     suffix_cache_tokens: int = typer.Option(
         100_000, envvar="SUFFIX_CACHE_TOKENS",
-        help="With --speculator suffix: output tokens of finished requests each shard keeps in its global suffix "
-             "trees (all adapters together; the oldest request's leave first)."),
+        help="With --speculator suffix: tokens of finished requests each shard keeps in its global suffix trees "
+             "(their outputs, each after the last 24 tokens of its prompt; all adapters together; the oldest "
+             "request's leave first)."),
     draft_tree_width: int = typer.Option(
         1, envvar="DRAFT_TREE_WIDTH",
         help="Candidates per Medusa head or MLP speculator stage: 1 verifies the top-1 chain, more verify a tree "

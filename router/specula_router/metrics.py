@@ -117,7 +117,8 @@ class Metrics:
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)")
         self.prefix_cache_blocks = gauge("prefix_cache_blocks", "KV blocks holding a reusable prefix")
         self.suffix_cache_tokens = gauge("suffix_cache_tokens",
-                                         "Output tokens in the global suffix trees of suffix decoding, per shard")
+                                         "Tokens in the global suffix trees of suffix decoding (outputs, each after "
+                                         "its prompt's last 24), per shard")
         self.suffix_cache_nodes = gauge("suffix_cache_nodes",
                                         "Nodes of the global suffix trees of suffix decoding, per shard")
         # What the workers run, as labels of a constant 1 (as vLLM's `cache_config_info`): set once from Info.

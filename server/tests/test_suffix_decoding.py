@@ -63,8 +63,11 @@ def test_a_second_identical_request_drafts_the_first_ones_answer(llama_dir, plai
     assert sum(o.num_accepted for o in second) > sum(o.num_accepted for o in first)
     assert len(second) < len(first)  # fewer steps: the answer comes back several tokens per step
     assert {o.draft_method for o in second if o.num_drafted} == {"suffix"}
+    # From its first decode step: the cached answer follows the prompt's end it shares with the first request.
+    assert second[1].num_drafted == 4 and second[1].num_accepted == 4
     cache = generator.speculation.drafter.fallback.cache
-    assert cache.num_tokens == 64 and not generator.speculation.drafter.fallback._requests
+    # Each answer with its prompt (5 tokens, shorter than the trees' depth) before it.
+    assert cache.num_tokens == 2 * (5 + 32) and not generator.speculation.drafter.fallback._requests
 
 
 def test_sampling_distribution_is_preserved_with_suffix_trees(llama_dir):

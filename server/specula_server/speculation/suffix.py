@@ -12,9 +12,9 @@ continuations (SuffixDecoding, Oliaro et al., 2025; the method of Snowflake's Ar
 
 Two trees per request are consulted, and the one whose draft has the higher expected number of accepted tokens
 (the sum of its nodes' path probabilities) wins: the request's own (prompt and output so far), and the global
-tree of its adapter (outputs of recent finished requests of the same adapter; an adapter's outputs never draft
-for another adapter or the base model). The global trees hold at most `cache_tokens` output tokens in all; the
-oldest request's output leaves first.
+tree of its adapter (outputs of recent finished requests of the same adapter, each after the last `depth` tokens
+of its prompt; an adapter's outputs never draft for another adapter or the base model). The global trees hold at
+most `cache_tokens` tokens in all; the oldest request's output leaves first.
 
 Cost. Appending a token to a sequence extends the `depth` suffixes that end at it: O(depth) per token, whatever
 the sequence's length. Each request keeps a cursor per tree (the nodes of its current suffixes), so matching
@@ -346,11 +346,16 @@ class SuffixDrafter:
 
     def release(self, request: RequestState) -> None:
         """The request left the worker: its own tree goes; a request that finished adds its output to its
-        adapter's global tree."""
+        adapter's global tree, led in by the last `depth` tokens of its prompt.
+
+        The lead-in is what lets a request that ends its prompt as an earlier one did (a retry, a regeneration
+        after feedback) draft that answer from its first decode step: with the output alone, the first tokens
+        of the answer must be generated one step at a time before the suffix matches anything, and a match of
+        m tokens earns m drafts at most (`factor * match_len`), so the drafts grow over several steps."""
         self._requests.pop(request.id, None)
-        if request.is_finished:
-            output = request.token_ids[request.prompt_len : request.num_tokens].tolist()
-            self.cache.add(request.spec.adapter_id, output)
+        if request.is_finished and request.num_tokens > request.prompt_len:
+            start = max(request.prompt_len - self.depth, 0)
+            self.cache.add(request.spec.adapter_id, request.token_ids[start : request.num_tokens].tolist())
 
 
 def resolve_backend(backend: str = "auto") -> str:
