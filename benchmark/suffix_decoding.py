@@ -18,7 +18,9 @@ Workloads:
 
 Reports generated tokens/s and tokens per decode step per setting and concurrency, the ratios, a second
 identical request's time against the first's (concurrency 1, greedy, suffix as served), and what suffix
-drafting costs per request per step.
+drafting costs per request per step. `--unscored` adds `ngram-unscored` and `both-unscored` to the turns: the
+same drafters with the controller's scoring of declined drafts off (`SpeculationConfig.score_declined`), to
+measure what the scoring brings.
 
     python benchmark/suffix_decoding.py --json benchmark/results/suffix_decoding.json
 """
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 import statistics
 import sys
 import tempfile
@@ -46,6 +49,7 @@ from specula_server.testing.worker import BlockPool, generate_alone, load_test_g
 from specula_server.warmup import calibrate_step_cost  # noqa: E402
 
 SETTINGS = ("off", "ngram", "suffix", "both")
+UNSCORED = ("ngram-unscored", "both-unscored")  # --unscored: without scoring declined drafts
 
 
 def suffix_drafter(generator) -> SuffixDrafter | None:
@@ -55,10 +59,15 @@ def suffix_drafter(generator) -> SuffixDrafter | None:
 
 
 def load(model_dir: Path, name: str, tokens: int, blocks: int, dtype: str, device: str):
+    unscored = name.endswith("-unscored")
+    name = name.removesuffix("-unscored")
     extra = {} if name == "off" else {"speculative_tokens": tokens, "speculation_mode": "adaptive"}
     if name in ("suffix", "both"):
         extra["speculator"] = "suffix"
     generator = load_test_generator(model_dir, num_blocks=blocks, dtype=dtype, device=device, **extra)
+    if unscored:
+        generator.speculation = replace(generator.speculation, score_declined=False)
+        generator.speculator.config = generator.speculation
     if name == "suffix":
         suffix_drafter(generator).fallback = None  # suffix trees alone
     if generator.speculation is not None:
@@ -142,6 +151,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (novel, agentic writes)")
     parser.add_argument("--suffix-backend", choices=["auto", "native", "python"], default="auto",
                         help="suffix trees: Arctic Inference's C++ (native, the default where installed) or Python")
+    parser.add_argument("--unscored", action="store_true",
+                        help="also run ngram and both without the controller's scoring of declined drafts")
     add_run_arguments(parser)
     args = parser.parse_args()
     args.min_requests = 4 * args.min_sessions
@@ -155,8 +166,9 @@ def main() -> None:
 
     tokenizer = Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
     blocks = max(args.concurrency) * 40 + 64
+    names = SETTINGS + (UNSCORED if args.unscored else ())
     generators = {name: load(args.model_dir, name, args.speculative_tokens, blocks, dtype, args.device)
-                  for name in SETTINGS}
+                  for name in names}
     draft_ns = [0, 0]  # suffix drafting: nanoseconds, requests drafted for
     original = SuffixDrafter.propose
 
@@ -187,6 +199,9 @@ def main() -> None:
                     row[f"{name}_vs_off"] = paired_ratio(samples[name], samples["off"])
                 row["suffix_vs_ngram"] = paired_ratio(samples["suffix"], samples["ngram"])
                 row["both_vs_ngram"] = paired_ratio(samples["both"], samples["ngram"])
+                for name in UNSCORED if args.unscored else ():
+                    scored = name.removesuffix("-unscored")
+                    row[f"{scored}_vs_unscored"] = paired_ratio(samples[scored], samples[name])
                 results.append(row)
                 print(json.dumps(row), flush=True)
         retry = {}
@@ -203,6 +218,13 @@ def main() -> None:
               f"{r['suffix_vs_off']:.2f}x | {r['both_vs_off']:.2f}x | {r['suffix_vs_ngram']:.2f}x | "
               f"{r['both_vs_ngram']:.2f}x | {r['ngram_tokens_per_step']:.2f} / {r['suffix_tokens_per_step']:.2f} / "
               f"{r['both_tokens_per_step']:.2f} |")
+    if args.unscored:
+        print("\n| workload | c | ngram / unscored | both / unscored | tokens/step unscored (ngram / both) |")
+        print("|---|---|---|---|---|")
+        for r in results:
+            print(f"| {r['workload']} | {r['concurrency']} | {r['ngram_vs_unscored']:.2f}x | "
+                  f"{r['both_vs_unscored']:.2f}x | {r['ngram-unscored_tokens_per_step']:.2f} / "
+                  f"{r['both-unscored_tokens_per_step']:.2f} |")
     if retry:
         print("\nsecond identical request vs the first, alone (time ratio): "
               + ", ".join(f"{k} {v:.2f}x" for k, v in retry.items()))

@@ -39,6 +39,9 @@ from specula_server.speculation.verify import Verdict, verify
 logger = logging.getLogger("specula.speculation")
 
 GRAMMAR_METHOD = "grammar"  # drafts of the tokens a request's grammar forces (see `grammar.py`)
+# A request whose acceptance estimate is below the drafting bar is still asked for drafts at every this many
+# generated tokens, not to verify them but to score them against the token that comes (`_score_declined`).
+PROBE_INTERVAL = 8
 
 
 @dataclass(frozen=True)
@@ -48,13 +51,16 @@ class SpeculationConfig:
     `draft_model`, when the server drafts with a draft model, is that drafter (also reachable through
     `drafter`, which may be a composite): the generator sizes and allocates its KV cache beside the target's
     and asks it for the tokens of the pending drafts it proposed. `grammar_drafts`: constrained requests draft the
-    tokens their grammar forces (see `grammar.py`); off only to measure what they bring."""
+    tokens their grammar forces (see `grammar.py`); `score_declined`: drafts the controller declines are scored
+    against the token that comes, and requests below the drafting bar are probed (`Speculator._score_declined`).
+    Both are off only to measure what they bring."""
 
     drafter: Drafter
     max_tokens: int
     mode: str = "adaptive"  # "adaptive" (draft lengths follow acceptance and load) or "fixed"
     draft_model: DraftModelDrafter | None = None
     grammar_drafts: bool = True
+    score_declined: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0 or self.mode not in ("adaptive", "fixed"):
@@ -74,6 +80,16 @@ class DraftPlan:
         return [len(d) + 1 for d in self.drafts]
 
 
+@dataclass(frozen=True)
+class _DeclinedDraft:
+    """A proposal the controller did not verify: its first token, proposed for `position` of the request."""
+
+    position: int
+    token: int
+    method: str
+    confidence: float | None
+
+
 class Speculator:
     def __init__(self, config: SpeculationConfig, max_positions: int,
                  agreed_seconds: Callable[[int], float]) -> None:
@@ -85,6 +101,7 @@ class Speculator:
         self.calibration = ConfidenceCalibration()  # what a confident drafter's drafts achieve, by confidence
         self.realized = RealizedAcceptance()  # granted drafts' accepted tokens against what was expected
         self._granted_at: dict[int, float] = {}  # request id -> the acceptance its draft was granted at this step
+        self._declined: dict[int, _DeclinedDraft] = {}  # request id -> its last proposal that was not verified
         self._declined_in_a_row = 0  # adaptive: steps whose drafts were all declined, since one verified
         self._steps_without_proposals = 0  # adaptive: plain steps left before drafts are proposed again
 
@@ -95,6 +112,7 @@ class Speculator:
     def release(self, r: RequestState) -> None:
         """`r` left the worker (finished, failed, cancelled or preempted): drafters that keep state per request
         (suffix decoding) let it go, and learn from its output when it finished."""
+        self._declined.pop(r.id, None)
         release = getattr(self.config.drafter, "release", None)
         if release is not None:
             release(r)
@@ -115,6 +133,7 @@ class Speculator:
     def plan(self, reqs: Sequence[RequestState]) -> DraftPlan | None:
         """propose → choose lengths → draft pending tokens; None when this step verifies nothing (a plain
         step, at a plain step's cost: each request's acceptance estimate then drifts back to the prior)."""
+        self._score_declined(reqs)
         chosen = self._choose(reqs)
         if chosen is None:
             for r in reqs:
@@ -138,7 +157,9 @@ class Speculator:
         # match); requests' own estimates decide for the others.
         confident = {m: self.calibration.ceiling(m) > bar for m in set(methods)} if getattr(
             drafter, "confident", False) else {}
-        caps = [0 if f or backing_off else self.draft_cap(r) if a > bar or confident.get(m, False) else 0
+        probing = self.config.score_declined
+        caps = [0 if f or backing_off else self.draft_cap(r)
+                if a > bar or confident.get(m, False) or probing and r.num_generated % PROBE_INTERVAL == 0 else 0
                 for r, a, f, m in zip(reqs, acceptance, forced, methods)]
         for m, asked in confident.items():
             if not asked:
@@ -155,6 +176,10 @@ class Speculator:
         lengths = choose_draft_lengths([p.available for p in proposals], acceptance, self.step_cost,
                                        self.config.mode, realism)
         self._granted_at = {r.id: a for r, a, k in zip(reqs, acceptance, lengths) if k}
+        if probing:  # declined drafts, to score against the requests' next tokens (`_score_declined`)
+            for r, p, k, f, m in zip(reqs, proposals, lengths, forced, methods):
+                if k == 0 and len(p) and p.q is None and not f:
+                    self._declined[r.id] = _DeclinedDraft(r.num_tokens, int(p.tokens[0]), m, p.confidence)
         if not any(lengths):  # nothing worth verifying
             if any(p.available for p in proposals):
                 self.step_cost.declined()
@@ -169,6 +194,31 @@ class Speculator:
             logger.exception("drafting failed; this step verifies no drafts")
             return None
         return DraftPlan(drafts, [m if len(d) else "" for m, d in zip(methods, drafts)])
+
+    def _score_declined(self, reqs: Sequence[RequestState]) -> None:
+        """Each request's last declined proposal, against the token the request went on with: one trial of
+        whether its first draft would have been accepted, for the request's estimate, its method's prior and,
+        for a draft with a confidence, its calibration.
+
+        Estimates otherwise learn only from verified drafts, and a request or method whose estimate fell below
+        what a draft costs was never verified again: an agent replay that opens with new text, where prompt
+        lookup's drafts fail, left prompt lookup off for the copy-heavy requests that followed. Scoring a
+        declined draft costs nothing (the token is the one the step sampled anyway), and the trial is the one
+        verification would have made: a deterministic draft token is accepted exactly when it equals the token
+        the target chooses at its position, greedy or sampled. Requests below the drafting bar are asked for
+        drafts every `PROBE_INTERVAL` tokens for this alone, so an estimate that fell below it can rise again."""
+        if not self._declined:
+            return
+        for r in reqs:
+            declined = self._declined.get(r.id)
+            if declined is None or r.num_tokens <= declined.position:
+                continue
+            del self._declined[r.id]
+            accepted = int(int(r.token_ids[declined.position]) == declined.token)
+            r.acceptance.observe(1, accepted)
+            self.acceptance_priors.observe(declined.method, 1, accepted)
+            if declined.confidence is not None:
+                self.calibration.observe(declined.method, declined.confidence, 1, accepted)
 
     def _forced(self, reqs: Sequence[RequestState]) -> list[list[int]]:
         """Per request, the tokens its grammar forces from here, up to its draft cap ([] when unconstrained)."""
