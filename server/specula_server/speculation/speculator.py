@@ -161,9 +161,11 @@ class Speculator:
                  for r, a, f, m in zip(reqs, acceptance, forced, methods)]
         # Requests below the bar whose method's prior is below it too, asked only to score their drafts
         # (`_score_probes`): never granted, so their declined drafts say nothing of what verifying costs and do
-        # not count as declined steps.
-        probed = [probing and not (ask or f or backing_off) and p <= bar and r.num_generated % PROBE_INTERVAL == 0
-                  for r, ask, f, p in zip(reqs, asked, forced, priors)]
+        # not count as declined steps. Not for a drafter with confidences: its calibration's drift is its way
+        # back (and its drafts are granted on their confidence, not on the request's estimate).
+        probed = [probing and m not in confident and not (ask or f or backing_off) and p <= bar
+                  and r.num_generated % PROBE_INTERVAL == 0
+                  for r, ask, f, p, m in zip(reqs, asked, forced, priors, methods)]
         caps = [self.draft_cap(r) if ask or probe else 0 for r, ask, probe in zip(reqs, asked, probed)]
         for m, worth_asking in confident.items():
             if not worth_asking:
