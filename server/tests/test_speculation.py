@@ -426,6 +426,29 @@ def test_a_spike_in_verification_overhead_does_not_stop_speculation_for_good():
     assert 0 < steps < 200
 
 
+def test_a_pause_inside_one_verifying_step_does_not_enter_the_fit_whole():
+    """Once verifying has a fit, a step timed across a pause counts as at most twice the prediction (plus a
+    quarter of a plain step): drafts keep paying the step after it. A real rise in cost is still learned within
+    a few steps."""
+    cost = StepCostModel()
+    for n in (1, 4, 16, 64):
+        cost.anchor(n, 0.004 + 0.0001 * n)
+    for _ in range(30):
+        cost.observe(64, 0.014)
+    for d in (60, 100, 80, 120) * 3:  # verifying d drafts adds 2 ms + 0.05 ms per draft
+        cost.observe_speculative(64, 0.014 + 0.002 + 0.00005 * d, d)
+    assert all(k > 0 for k in choose_draft_lengths([6] * 64, [0.8] * 64, cost, "adaptive"))
+    assert all(k > 0 for k in choose_draft_lengths([6] * 64, [0.6] * 64, cost, "adaptive"))
+    cost.observe_speculative(64, 0.014 + 0.050, 100)  # paused 50 ms, all of it kept under four plain steps
+    v0, per_draft = cost.verification_cost()
+    assert v0 + per_draft * 100 < 0.010, (v0, per_draft)  # 7 ms predicted before; 14 ms if taken whole
+    assert all(k > 0 for k in choose_draft_lengths([6] * 64, [0.6] * 64, cost, "adaptive"))
+    for _ in range(8):  # verifying really costs 20 ms more now
+        cost.observe_speculative(64, 0.014 + 0.020 + 0.00005 * 100, 100)
+    v0, per_draft = cost.verification_cost()
+    assert v0 + per_draft * 100 > 0.015, (v0, per_draft)
+
+
 def test_anchors_timed_on_a_slower_machine_do_not_keep_copying_requests_from_drafting():
     """Calibration forwards timed while the machine was 5x slower: a borrowed per-token slope steeper than
     the plain steps allow, and a per-draft prior that puts the bar above any request. Declines wear the

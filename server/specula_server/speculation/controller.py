@@ -40,6 +40,10 @@ ACCEPTANCE_DECAY = 0.8  # per drafting step, the weight of earlier trials in the
 OVERHEAD_DECAY = 0.98  # per declined step, the fraction of the verification cost estimate kept
 VERIFY_DECAY = 0.9  # per verifying step, the weight of earlier steps in the verification cost fit
 MAX_EXTRA_STEPS = 4.0  # a step's measured verification cost counts as at most this many plain forwards (spikes)
+# Once the verification cost has a fit, a step's measured excess counts as at most this many times what the fit
+# predicts, plus `OUTLIER_SLACK` of a plain step (a pause of the machine inside one verifying step).
+OUTLIER_FACTOR = 2.0
+OUTLIER_SLACK = 0.25
 PRIOR_DECAY = 0.98  # per verified request, the weight of earlier ones in a method's acceptance prior
 MAX_PROPOSAL_BACKOFF = 7  # most plain steps in a row without proposing drafts, after repeated declines
 RETRY_DRIFT = 0.02  # per step without drafts, the fraction of the evidence forgotten (back toward the prior)
@@ -229,6 +233,13 @@ class StepCostModel:
             return
         plain = self.plain(num_sequences)
         extra = min(max(seconds - plain, 0.0), MAX_EXTRA_STEPS * plain)
+        fitted = self._fitted_verification()
+        if fitted is not None:
+            # A step timed across a pause would enter the fit at up to four plain steps and, decaying by
+            # VERIFY_DECAY per verifying step, keep every draft below the bar for hundreds of steps: each
+            # verifying step restores the trust that declines wear down. A real rise in cost is still learned,
+            # each step's sample doubling what the fit predicted.
+            extra = min(extra, OUTLIER_FACTOR * (fitted[0] + fitted[1] * num_drafts) + OUTLIER_SLACK * plain)
         self._verify = [VERIFY_DECAY * a + x for a, x in zip(self._verify, _point(num_drafts, extra))]
         self._trust = 1.0
 
@@ -279,15 +290,22 @@ class StepCostModel:
         no verifying step has been measured, so an estimate that went too high is measured again later rather
         than switching speculation off for good."""
         prior = self.token_cost()
-        line = _line(self._verify, 0.5)
-        if line is None:  # nothing measured yet: the prior, worn down by declines until drafts are tried
+        fitted = self._fitted_verification()
+        if fitted is None:  # nothing measured yet: the prior, worn down by declines until drafts are tried
             return 0.0, self._trust * prior
+        v0, c = fitted
+        return self._trust * v0, min(c, prior) + self._trust * max(c - prior, 0.0)
+
+    def _fitted_verification(self) -> tuple[float, float] | None:
+        """(v0, c) as fitted on the verifying steps, before declines scale it down; None before any."""
+        line = _line(self._verify, 0.5)
+        if line is None:
+            return None
         mean_d, mean_v, slope = line
         # Draft counts that did not vary give no slope: the prior, but never more per draft than the measured
         # excess itself (anchors timed on a slower machine would otherwise keep the bar above every request).
-        c = max(slope, 0.0) if slope == slope else min(prior, mean_v / max(mean_d, 1.0))
-        v0 = max(mean_v - c * mean_d, 0.0)
-        return self._trust * v0, min(c, prior) + self._trust * max(c - prior, 0.0)
+        c = max(slope, 0.0) if slope == slope else min(self.token_cost(), mean_v / max(mean_d, 1.0))
+        return max(mean_v - c * mean_d, 0.0), c
 
     @property
     def overhead(self) -> float:
