@@ -18,9 +18,7 @@ Workloads:
 
 Reports generated tokens/s and tokens per decode step per setting and concurrency, the ratios, a second
 identical request's time against the first's (concurrency 1, greedy, suffix as served), and what suffix
-drafting costs per request per step. `--without-probes` adds `ngram-noprobes` and `both-noprobes` to the turns:
-the same drafters without the controller's probes of requests below the drafting bar
-(`SpeculationConfig.probes`), to measure what the probes bring.
+drafting costs per request per step.
 
     python benchmark/suffix_decoding.py --json benchmark/results/suffix_decoding.json
 """
@@ -29,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import replace
 import statistics
 import sys
 import tempfile
@@ -49,7 +46,6 @@ from specula_server.testing.worker import BlockPool, generate_alone, load_test_g
 from specula_server.warmup import calibrate_step_cost  # noqa: E402
 
 SETTINGS = ("off", "ngram", "suffix", "both")
-NO_PROBES = ("ngram-noprobes", "both-noprobes")  # --without-probes
 
 
 def suffix_drafter(generator) -> SuffixDrafter | None:
@@ -59,15 +55,10 @@ def suffix_drafter(generator) -> SuffixDrafter | None:
 
 
 def load(model_dir: Path, name: str, tokens: int, blocks: int, dtype: str, device: str):
-    no_probes = name.endswith("-noprobes")
-    name = name.removesuffix("-noprobes")
     extra = {} if name == "off" else {"speculative_tokens": tokens, "speculation_mode": "adaptive"}
     if name in ("suffix", "both"):
         extra["speculator"] = "suffix"
     generator = load_test_generator(model_dir, num_blocks=blocks, dtype=dtype, device=device, **extra)
-    if no_probes:
-        generator.speculation = replace(generator.speculation, probes=False)
-        generator.speculator.config = generator.speculation
     if name == "suffix":
         suffix_drafter(generator).fallback = None  # suffix trees alone
     if generator.speculation is not None:
@@ -154,8 +145,6 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (novel, agentic writes)")
     parser.add_argument("--suffix-backend", choices=["auto", "native", "python"], default="auto",
                         help="suffix trees: Arctic Inference's C++ (native, the default where installed) or Python")
-    parser.add_argument("--without-probes", action="store_true",
-                        help="also run ngram and both without the controller's probes (SpeculationConfig.probes)")
     add_run_arguments(parser)
     args = parser.parse_args()
     args.min_requests = 4 * args.min_sessions
@@ -169,9 +158,8 @@ def main() -> None:
 
     tokenizer = Tokenizer.from_file(str(args.model_dir / "tokenizer.json"))
     blocks = max(args.concurrency) * 40 + 64
-    names = SETTINGS + (NO_PROBES if args.without_probes else ())
     generators = {name: load(args.model_dir, name, args.speculative_tokens, blocks, dtype, args.device)
-                  for name in names}
+                  for name in SETTINGS}
     draft_ns = [0, 0]  # suffix drafting: nanoseconds, requests drafted for
     original = SuffixDrafter.propose
 
@@ -202,9 +190,6 @@ def main() -> None:
                     row[f"{name}_vs_off"] = paired_ratio(samples[name], samples["off"])
                 row["suffix_vs_ngram"] = paired_ratio(samples["suffix"], samples["ngram"])
                 row["both_vs_ngram"] = paired_ratio(samples["both"], samples["ngram"])
-                for name in NO_PROBES if args.without_probes else ():
-                    probed = name.removesuffix("-noprobes")
-                    row[f"{probed}_vs_noprobes"] = paired_ratio(samples[probed], samples[name])
                 results.append(row)
                 print(json.dumps(row), flush=True)
         retry = {}
@@ -221,14 +206,6 @@ def main() -> None:
               f"{r['suffix_vs_off']:.2f}x | {r['both_vs_off']:.2f}x | {r['suffix_vs_ngram']:.2f}x | "
               f"{r['both_vs_ngram']:.2f}x | {r['ngram_tokens_per_step']:.2f} / {r['suffix_tokens_per_step']:.2f} / "
               f"{r['both_tokens_per_step']:.2f} |")
-    if args.without_probes:
-        print("\n| workload | c | ngram / without probes | both / without probes | tokens/step without probes "
-              "(ngram / both) |")
-        print("|---|---|---|---|---|")
-        for r in results:
-            print(f"| {r['workload']} | {r['concurrency']} | {r['ngram_vs_noprobes']:.2f}x | "
-                  f"{r['both_vs_noprobes']:.2f}x | {r['ngram-noprobes_tokens_per_step']:.2f} / "
-                  f"{r['both-noprobes_tokens_per_step']:.2f} |")
     if retry:
         print("\nsecond identical request vs the first, alone (time ratio): "
               + ", ".join(f"{k} {v:.2f}x" for k, v in retry.items()))

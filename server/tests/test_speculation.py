@@ -560,38 +560,6 @@ def test_confident_drafts_that_fail_stop_being_asked_for(llama_dir, plain):
     assert len(verified) <= 30 and not any(o.num_drafted for o in outputs[-40:]), verified
 
 
-def test_a_method_below_the_drafting_bar_drafts_again_once_its_declined_drafts_would_have_been_accepted(
-        llama_dir, plain):
-    """A method whose record fell below what a draft costs (its drafts failed earlier, on other text) is still
-    asked now and then, and its declined drafts are scored against the tokens that came: once they would have
-    been accepted, its drafts are verified again. Before, the record only learned from verified drafts, and a
-    method below the bar stayed off for good."""
-    prompt = PROMPTS[3]
-    expected = token_ids(run(plain, prompt, max_new_tokens=48))
-    spec = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="adaptive")
-    cost = StepCostModel(learning=False)  # a draft costs a tenth of a step: worth it above 10% acceptance
-    for n in (1, 4, 16, 64):
-        cost.anchor(n, 0.004 + 0.0004 * n)
-    spec.step_cost = cost
-    for _ in range(300):  # prompt lookup's drafts failed on everything before this request
-        spec.acceptance_priors.observe("ngram", 4, 0)
-    assert spec.acceptance_priors.value("ngram") < drafting_bar(1, cost)
-    asked = []
-
-    def propose(reqs, caps):  # the drafts this request's answer would accept
-        asked.extend(r.num_generated for r, cap in zip(reqs, caps) if cap)
-        return [Draft(torch.tensor(expected[r.num_generated : r.num_generated + cap], dtype=torch.long))
-                for r, cap in zip(reqs, caps)]
-
-    spec.speculation.drafter.propose = propose
-    outputs = run(spec, prompt, max_new_tokens=48)
-    assert token_ids(outputs) == expected
-    verified = [o.num_drafted for o in outputs if o.num_drafted]
-    assert asked[0] == 8 and sum(verified) >= 30, (asked, verified)  # the first probe, then drafting
-    assert all(o.num_accepted == o.num_drafted for o in outputs)
-    assert spec.acceptance_priors.value("ngram") > drafting_bar(1, cost)
-
-
 def test_the_cost_of_a_verifying_step_includes_choosing_its_tokens(llama_dir, monkeypatch):
     """Drawing and checking a token at every verified position is part of what drafts cost: a verifying step
     is timed up to its accepted tokens, as a plain step is up to its sampled ones. With the acceptance made

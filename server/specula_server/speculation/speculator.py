@@ -39,9 +39,6 @@ from specula_server.speculation.verify import Verdict, verify
 logger = logging.getLogger("specula.speculation")
 
 GRAMMAR_METHOD = "grammar"  # drafts of the tokens a request's grammar forces (see `grammar.py`)
-# A request below the drafting bar whose method's prior is below it too is still asked for drafts at every this
-# many generated tokens, not to verify them but to score them against the token that comes (`_score_probes`).
-PROBE_INTERVAL = 8
 
 
 @dataclass(frozen=True)
@@ -51,16 +48,13 @@ class SpeculationConfig:
     `draft_model`, when the server drafts with a draft model, is that drafter (also reachable through
     `drafter`, which may be a composite): the generator sizes and allocates its KV cache beside the target's
     and asks it for the tokens of the pending drafts it proposed. `grammar_drafts`: constrained requests draft the
-    tokens their grammar forces (see `grammar.py`); `probes`: requests below the drafting bar are asked for
-    drafts now and then, to score them against the token that comes (`Speculator._score_probes`). Both are off
-    only to measure what they bring."""
+    tokens their grammar forces (see `grammar.py`); off only to measure what they bring."""
 
     drafter: Drafter
     max_tokens: int
     mode: str = "adaptive"  # "adaptive" (draft lengths follow acceptance and load) or "fixed"
     draft_model: DraftModelDrafter | None = None
     grammar_drafts: bool = True
-    probes: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 0 or self.mode not in ("adaptive", "fixed"):
@@ -80,14 +74,6 @@ class DraftPlan:
         return [len(d) + 1 for d in self.drafts]
 
 
-@dataclass(frozen=True)
-class _Probe:
-    """A draft asked for only to be scored (`Speculator._score_probes`): its first token, for `position`."""
-
-    position: int
-    token: int
-
-
 class Speculator:
     def __init__(self, config: SpeculationConfig, max_positions: int,
                  agreed_seconds: Callable[[int], float]) -> None:
@@ -99,7 +85,6 @@ class Speculator:
         self.calibration = ConfidenceCalibration()  # what a confident drafter's drafts achieve, by confidence
         self.realized = RealizedAcceptance()  # granted drafts' accepted tokens against what was expected
         self._granted_at: dict[int, float] = {}  # request id -> the acceptance its draft was granted at this step
-        self._probes: dict[int, _Probe] = {}  # request id -> its draft asked for only to be scored
         self._declined_in_a_row = 0  # adaptive: steps whose drafts were all declined, since one verified
         self._steps_without_proposals = 0  # adaptive: plain steps left before drafts are proposed again
 
@@ -110,7 +95,6 @@ class Speculator:
     def release(self, r: RequestState) -> None:
         """`r` left the worker (finished, failed, cancelled or preempted): drafters that keep state per request
         (suffix decoding) let it go, and learn from its output when it finished."""
-        self._probes.pop(r.id, None)
         release = getattr(self.config.drafter, "release", None)
         if release is not None:
             release(r)
@@ -131,7 +115,6 @@ class Speculator:
     def plan(self, reqs: Sequence[RequestState]) -> DraftPlan | None:
         """propose → choose lengths → draft pending tokens; None when this step verifies nothing (a plain
         step, at a plain step's cost: each request's acceptance estimate then drifts back to the prior)."""
-        self._score_probes(reqs)
         chosen = self._choose(reqs)
         if chosen is None:
             for r in reqs:
@@ -148,27 +131,17 @@ class Speculator:
                 return None
         drafter = self.config.drafter
         methods = [GRAMMAR_METHOD if f else drafter.method_for(r) for r, f in zip(reqs, forced)]
-        priors = [self.acceptance_priors.value(m) for m in methods]
-        acceptance = [r.acceptance.estimate(p) for r, p in zip(reqs, priors)]
+        acceptance = [r.acceptance.estimate(self.acceptance_priors.value(m)) for r, m in zip(reqs, methods)]
         bar = drafting_bar(len(reqs), self.step_cost) if self.adaptive else -1.0
         # A drafter whose drafts say how likely they are is asked for every request while drafts of some
         # confidence have lately been accepted above the bar (a request's own record says little of its next
         # match); requests' own estimates decide for the others.
         confident = {m: self.calibration.ceiling(m) > bar for m in set(methods)} if getattr(
             drafter, "confident", False) else {}
-        probing = self.config.probes
-        asked = [not (f or backing_off) and (a > bar or confident.get(m, False))
-                 for r, a, f, m in zip(reqs, acceptance, forced, methods)]
-        # Requests below the bar whose method's prior is below it too, asked only to score their drafts
-        # (`_score_probes`): never granted, so their declined drafts say nothing of what verifying costs and do
-        # not count as declined steps. Not for a drafter with confidences: its calibration's drift is its way
-        # back (and its drafts are granted on their confidence, not on the request's estimate).
-        probed = [probing and m not in confident and not (ask or f or backing_off) and p <= bar
-                  and r.num_generated % PROBE_INTERVAL == 0
-                  for r, ask, f, p, m in zip(reqs, asked, forced, priors, methods)]
-        caps = [self.draft_cap(r) if ask or probe else 0 for r, ask, probe in zip(reqs, asked, probed)]
-        for m, worth_asking in confident.items():
-            if not worth_asking:
+        caps = [0 if f or backing_off else self.draft_cap(r) if a > bar or confident.get(m, False) else 0
+                for r, a, f, m in zip(reqs, acceptance, forced, methods)]
+        for m, asked in confident.items():
+            if not asked:
                 self.calibration.drift(m)
         try:
             proposals = drafter.propose(reqs, caps)
@@ -182,11 +155,8 @@ class Speculator:
         lengths = choose_draft_lengths([p.available for p in proposals], acceptance, self.step_cost,
                                        self.config.mode, realism)
         self._granted_at = {r.id: a for r, a, k in zip(reqs, acceptance, lengths) if k}
-        for r, p, probe in zip(reqs, proposals, probed):  # scored against their next tokens (`_score_probes`)
-            if probe and len(p) and p.q is None:
-                self._probes[r.id] = _Probe(r.num_tokens, int(p.tokens[0]))
         if not any(lengths):  # nothing worth verifying
-            if any(p.available for p, probe in zip(proposals, probed) if not probe):
+            if any(p.available for p in proposals):
                 self.step_cost.declined()
                 self._declined_in_a_row += 1
                 self._steps_without_proposals = proposal_backoff(self._declined_in_a_row)
@@ -199,39 +169,6 @@ class Speculator:
             logger.exception("drafting failed; this step verifies no drafts")
             return None
         return DraftPlan(drafts, [m if len(d) else "" for m, d in zip(methods, drafts)])
-
-    def _score_probes(self, reqs: Sequence[RequestState]) -> None:
-        """Each probed request's draft against the token the request went on with: one trial, in the request's
-        own acceptance estimate, of whether its first draft token would have been accepted. A probe is a request
-        below the drafting bar whose method's prior is below it too, asked for drafts every `PROBE_INTERVAL`
-        generated tokens for this alone (a draft below the bar is never granted). While the prior is above the
-        bar nothing is probed: a request's estimate drifts back toward the prior on plain steps, and it is
-        asked again from there.
-
-        Estimates otherwise learn only from verified drafts, and a request below the bar is never verified:
-        once a method's prior (its record over all requests) fell below the bar, every new request started
-        there and stayed, and the method was off for good. An agent replay that opens with new text, where
-        prompt lookup's drafts fail, left prompt lookup off for the copy-heavy rewrites that followed. Scoring
-        costs no forward (the token is the one the step chose anyway), and it is the trial verification would
-        have made: a deterministic draft token is accepted exactly when it equals the target's token at its
-        position, greedy or sampled. A request whose trials lift it above the bar is verified again, and its
-        method's prior learns from those verifications.
-
-        Only probes are scored. Scoring every declined draft (also those of requests above the bar that lost
-        to better ones under load) made such requests wait for evidence where they used to drift back toward
-        the prior and try again: prompt lookup on the agentic replay at 16 and 64 streams verified 2.5 and 1.9
-        tokens per step instead of 3.0 and 2.7 (and counted in the prior too, the copy workload at 16 and 64
-        streams fell from 5.1 tokens per step to 3.4-4.0). Probing every request below the bar, whatever its
-        method's prior, cost the agentic replay's first pass some failed verifications (2.99-3.31 tokens per
-        step against 3.37-3.41 in two of three runs)."""
-        if not self._probes:
-            return
-        for r in reqs:
-            probe = self._probes.get(r.id)
-            if probe is None or r.num_tokens <= probe.position:
-                continue
-            del self._probes[r.id]
-            r.acceptance.observe(1, int(int(r.token_ids[probe.position]) == probe.token))
 
     def _forced(self, reqs: Sequence[RequestState]) -> list[list[int]]:
         """Per request, the tokens its grammar forces from here, up to its draft cap ([] when unconstrained)."""
