@@ -233,12 +233,12 @@ class StepCostModel:
             return
         plain = self.plain(num_sequences)
         extra = min(max(seconds - plain, 0.0), MAX_EXTRA_STEPS * plain)
-        fitted = self._fitted_verification()
+        fitted = self._fitted_verification(self.token_cost())
         if fitted is not None:
-            # A step timed across a pause would enter the fit at up to four plain steps and, decaying by
-            # VERIFY_DECAY per verifying step, keep every draft below the bar for hundreds of steps: each
-            # verifying step restores the trust that declines wear down. A real rise in cost is still learned,
-            # each step's sample doubling what the fit predicted.
+            # A step timed across a pause would otherwise enter the fit at up to four plain steps and, decaying
+            # by VERIFY_DECAY per verifying step, raise the price of every draft for a dozen verifying steps (one
+            # 50 ms pause at 64 sequences doubled the predicted cost of 100 drafts). A real rise in cost is still
+            # learned, each step's sample allowed up to double what the fit predicted.
             extra = min(extra, OUTLIER_FACTOR * (fitted[0] + fitted[1] * num_drafts) + OUTLIER_SLACK * plain)
         self._verify = [VERIFY_DECAY * a + x for a, x in zip(self._verify, _point(num_drafts, extra))]
         self._trust = 1.0
@@ -290,21 +290,22 @@ class StepCostModel:
         no verifying step has been measured, so an estimate that went too high is measured again later rather
         than switching speculation off for good."""
         prior = self.token_cost()
-        fitted = self._fitted_verification()
+        fitted = self._fitted_verification(prior)
         if fitted is None:  # nothing measured yet: the prior, worn down by declines until drafts are tried
             return 0.0, self._trust * prior
         v0, c = fitted
         return self._trust * v0, min(c, prior) + self._trust * max(c - prior, 0.0)
 
-    def _fitted_verification(self) -> tuple[float, float] | None:
-        """(v0, c) as fitted on the verifying steps, before declines scale it down; None before any."""
+    def _fitted_verification(self, prior: float) -> tuple[float, float] | None:
+        """(v0, c) as fitted on the verifying steps, before declines scale it down (`prior`: `token_cost()`);
+        None before any."""
         line = _line(self._verify, 0.5)
         if line is None:
             return None
         mean_d, mean_v, slope = line
         # Draft counts that did not vary give no slope: the prior, but never more per draft than the measured
         # excess itself (anchors timed on a slower machine would otherwise keep the bar above every request).
-        c = max(slope, 0.0) if slope == slope else min(self.token_cost(), mean_v / max(mean_d, 1.0))
+        c = max(slope, 0.0) if slope == slope else min(prior, mean_v / max(mean_d, 1.0))
         return max(mean_v - c * mean_d, 0.0), c
 
     @property
