@@ -560,6 +560,41 @@ def test_confident_drafts_that_fail_stop_being_asked_for(llama_dir, plain):
     assert len(verified) <= 30 and not any(o.num_drafted for o in outputs[-40:]), verified
 
 
+def test_a_cost_fit_that_withholds_every_draft_wears_off(llama_dir, plain):
+    """A verification cost fitted far too high (one step's excess read as a per-draft cost) puts the bar above
+    every request and above the best a confident drafter's drafts achieved, so it is not even asked for drafts.
+    Those steps count as declined: the fitted excess fades, drafts are asked for within some steps, and once
+    measured at what they really cost they keep being verified. Before, nothing was proposed, so nothing was
+    declined, and the bar stayed where one step had put it."""
+    spec = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="adaptive")
+    spec.speculator.agreed_seconds = lambda nanoseconds: 0.010  # every step takes 10 ms, verifying or not
+    cost = StepCostModel()
+    for n in (1, 4, 16, 64):
+        cost.anchor(n, 0.004 + 0.0001 * n)
+    for _ in range(20):
+        cost.observe(1, 0.010)
+    for d in (3, 1) * 3:  # read as 11 ms per draft: the bar is 1.1
+        cost.observe_speculative(1, 0.010 + 0.011 * d, d)
+    spec.step_cost = cost
+    assert drafting_bar(1, cost) > 1.0
+    prompt = PROMPTS[3]
+    expected = token_ids(run(plain, prompt, max_new_tokens=64))
+    for _ in range(20):  # its confident drafts were accepted in full
+        spec.speculator.calibration.observe("ngram", 0.95, 4, 4)
+
+    def propose(reqs, caps):  # the plain output's next tokens, confidently
+        return [Draft(torch.tensor(expected[r.num_generated:r.num_generated + cap]), confidence=0.95)
+                for r, cap in zip(reqs, caps)]
+
+    spec.speculation.drafter.propose = propose
+    spec.speculation.drafter.confident = True
+    outputs = run(spec, prompt, max_new_tokens=64)
+    assert token_ids(outputs) == expected
+    verifying = [i for i, o in enumerate(outputs) if o.num_drafted]
+    assert verifying and verifying[0] < 30, verifying
+    assert len(verifying) >= 8 and verifying[-1] >= len(outputs) - 2, verifying  # once measured, drafts pay
+
+
 def test_the_cost_of_a_verifying_step_includes_choosing_its_tokens(llama_dir, monkeypatch):
     """Drawing and checking a token at every verified position is part of what drafts cost: a verifying step
     is timed up to its accepted tokens, as a plain step is up to its sampled ones. With the acceptance made

@@ -143,6 +143,11 @@ class Speculator:
         for m, asked in confident.items():
             if not asked:
                 self.calibration.drift(m)
+        if self.adaptive and not any(caps) and not any(forced) and any(self.draft_cap(r) for r in reqs):
+            # The bar withheld every draft: a declined step for the cost model too. Its fitted excess fades
+            # until drafts are asked for and measured again; else one step that fitted the cost of a draft
+            # too high kept the bar above every request (and a confident drafter's ceiling) for good.
+            self.step_cost.declined()
         try:
             proposals = drafter.propose(reqs, caps)
         except Exception:  # drafts only ever save time: a drafter's failure must not fail the requests
