@@ -232,8 +232,6 @@ class TextGenerator:
                 continue
             self.requests[r.id] = r
             chunks[r.id] = spec.prefill_until or r.num_tokens
-        if plan.new and self.speculator is not None:
-            self.speculator.requests_joined()
         timings = StepTimings()
         decoding = []
         for r in [r for r in self.requests.values() if not r.is_prefilling and r.id not in self._waiting]:

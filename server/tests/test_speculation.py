@@ -498,6 +498,35 @@ def test_repeated_declines_back_off_proposing_drafts(llama_dir, plain):
     assert all(cap > 0 for cap in proposals)  # every proposal had drafts to offer, all declined
 
 
+def test_while_backing_off_only_requests_at_their_first_decode_step_are_asked(llama_dir):
+    """Under load a request joins at almost every step. Backing off after declines, the drafter is asked for
+    the newcomer at its first decode step, not for the requests it already declined (asking everyone at every
+    join left the back-off almost no step at 64 streams)."""
+    spec = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="adaptive")
+    cost = StepCostModel()
+    for n in (1, 4, 16, 64):
+        cost.anchor(n, 0.004 + 0.0001 * n)
+    cost.observe_speculative(1, 10.0, 4)  # verifying costs four plain steps: 4 drafts can never pay for it
+    cost.learning = False
+    spec.step_cost = cost
+    asked: list[list[int]] = []
+
+    def propose(reqs, caps):
+        asked.append([r.id for r, cap in zip(reqs, caps) if cap > 0])
+        return [Draft(torch.full((cap,), 7)) for cap in caps]
+
+    spec.speculation.drafter.propose = propose
+    pool = BlockPool(256, 16)
+    one_step(spec, new=[make_spec(0, PROMPTS[0], pool, max_new_tokens=40)])
+    for _ in range(12):  # declined at once, then backing off: 1 in 8 steps at most asks
+        one_step(spec)
+    asked.clear()
+    one_step(spec, new=[make_spec(1, PROMPTS[1], pool, max_new_tokens=40)])  # prefill: not yet decoding
+    one_step(spec)  # the newcomer's first decode step
+    one_step(spec)
+    assert asked == [[1]], asked  # request 0 still backing off (5 of its 7 steps without proposals done)
+
+
 def test_confidences_are_calibrated_by_what_their_drafts_achieved():
     calibration = ConfidenceCalibration()
     assert calibration.value("suffix", 0.65) == 0.65 and calibration.ceiling("suffix") == 1.0  # nothing known

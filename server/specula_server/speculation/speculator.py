@@ -87,6 +87,7 @@ class Speculator:
         self._granted_at: dict[int, float] = {}  # request id -> the acceptance its draft was granted at this step
         self._declined_in_a_row = 0  # adaptive: steps whose drafts were all declined, since one verified
         self._steps_without_proposals = 0  # adaptive: plain steps left before drafts are proposed again
+        self._offered: set[int] = set()  # requests that have had a decode step able to propose for them
 
     @property
     def adaptive(self) -> bool:
@@ -95,13 +96,10 @@ class Speculator:
     def release(self, r: RequestState) -> None:
         """`r` left the worker (finished, failed, cancelled or preempted): drafters that keep state per request
         (suffix decoding) let it go, and learn from its output when it finished."""
+        self._offered.discard(r.id)
         release = getattr(self.config.drafter, "release", None)
         if release is not None:
             release(r)
-
-    def requests_joined(self) -> None:
-        """New requests may have drafts that pay: propose again at once."""
-        self._declined_in_a_row = self._steps_without_proposals = 0
 
     def draft_cap(self, r: RequestState) -> int:
         """Most drafts `r` may verify: its own cap, what it may still emit, and the positions it owns."""
@@ -123,12 +121,17 @@ class Speculator:
 
     def _choose(self, reqs: Sequence[RequestState]) -> DraftPlan | None:
         forced = self._forced(reqs)
+        # While backing off, the drafter is asked only for requests at their first decode step (new requests
+        # may have drafts that pay; they join at almost every step under load, and asking everyone then, as
+        # was done, left the back-off nearly no step at 64 streams); forced tokens cost nothing to propose.
         backing_off = self.adaptive and self._steps_without_proposals > 0
-        if backing_off:  # the drafter is not asked; forced tokens cost nothing to propose
+        newcomers = [r.id not in self._offered for r in reqs]
+        if backing_off:
             self._steps_without_proposals -= 1
-            if not any(forced):
+            if not any(forced) and not any(newcomers):
                 self.step_cost.declined()
                 return None
+        self._offered.update(r.id for r in reqs)
         drafter = self.config.drafter
         methods = [GRAMMAR_METHOD if f else drafter.method_for(r) for r, f in zip(reqs, forced)]
         acceptance = [r.acceptance.estimate(self.acceptance_priors.value(m)) for r, m in zip(reqs, methods)]
@@ -138,16 +141,18 @@ class Speculator:
         # match); requests' own estimates decide for the others.
         confident = {m: self.calibration.ceiling(m) > bar for m in set(methods)} if getattr(
             drafter, "confident", False) else {}
-        caps = [0 if f or backing_off else self.draft_cap(r) if a > bar or confident.get(m, False) else 0
-                for r, a, f, m in zip(reqs, acceptance, forced, methods)]
+        caps = [0 if f or (backing_off and not new) else self.draft_cap(r) if a > bar or confident.get(m, False)
+                else 0 for r, a, f, m, new in zip(reqs, acceptance, forced, methods, newcomers)]
         for m, asked in confident.items():
             if not asked:
                 self.calibration.drift(m)
-        if self.adaptive and not any(caps) and not any(forced) and any(self.draft_cap(r) for r in reqs):
-            # The bar withheld every draft: a declined step for the cost model too. Its fitted excess fades
-            # until drafts are asked for and measured again; else one step that fitted the cost of a draft
-            # too high kept the bar above every request (and a confident drafter's ceiling) for good.
-            self.step_cost.declined()
+        if not any(caps) and not any(forced):  # nobody is asked: a plain step
+            if self.adaptive and (backing_off or any(self.draft_cap(r) for r in reqs)):
+                # The bar withheld every draft: a declined step for the cost model too. Its fitted excess fades
+                # until drafts are asked for and measured again; else one step that fitted the cost of a draft
+                # too high kept the bar above every request (and a confident drafter's ceiling) for good.
+                self.step_cost.declined()
+            return None
         try:
             proposals = drafter.propose(reqs, caps)
         except Exception:  # drafts only ever save time: a drafter's failure must not fail the requests
@@ -161,12 +166,16 @@ class Speculator:
                                        self.config.mode, realism)
         self._granted_at = {r.id: a for r, a, k in zip(reqs, acceptance, lengths) if k}
         if not any(lengths):  # nothing worth verifying
-            if any(p.available for p in proposals):
+            if backing_off or any(p.available for p in proposals):
                 self.step_cost.declined()
+            # Asking costs time whether or not drafts come back (a suffix tree's lookup for 64 requests is
+            # 4% of a step with nothing to copy): a step that asked and verified nothing backs off too.
+            if any(caps):
                 self._declined_in_a_row += 1
-                self._steps_without_proposals = proposal_backoff(self._declined_in_a_row)
+                if not backing_off:  # newcomers asked while backing off do not prolong it
+                    self._steps_without_proposals = proposal_backoff(self._declined_in_a_row)
             return None
-        self._declined_in_a_row = 0
+        self._declined_in_a_row = self._steps_without_proposals = 0
         try:
             drafts = self._draft_pending(reqs, [p.truncated(k) for p, k in zip(proposals, lengths)])
             drafts = [d if r.grammar is None or f else within_grammar(r, d) for r, d, f in zip(reqs, drafts, forced)]
