@@ -17,8 +17,10 @@ Workloads:
 - `copy` and `novel`: `benchmark/speculation.py`'s (an edit task alone; sampling new code at temperature 1).
 
 Reports generated tokens/s and tokens per decode step per setting and concurrency, the ratios, a second
-identical request's time against the first's (concurrency 1, greedy, suffix as served), and what suffix
-drafting costs per request per step.
+identical request's time against the first's (concurrency 1, greedy, in the worker, prefix caching aside),
+and what suffix drafting costs per request per step. With `--served-retry N`, also the second identical request
+through the HTTP API of launched servers (off, and `--speculator suffix`), where prefix caching spares the retry
+its prefill too.
 
     python benchmark/suffix_decoding.py --json benchmark/results/suffix_decoding.json
 """
@@ -134,6 +136,58 @@ def retry_speedup(generator, requests: list[dict], count: int, repeats: int = 3)
     return statistics.median(ratios)
 
 
+KINDS = ("write", "retry", "rewrite", "regenerate")  # an agentic session's requests, in order
+
+
+def tokens_per_step_by_kind(generator, requests: list[dict], sessions: int) -> dict[str, float]:
+    """The concurrency-1 replay (`requests` grouped one session at a time), each request alone: tokens per
+    step (prefill included) of each kind of request, over all sessions. Tells which requests a drafter speeds."""
+    forget(generator)
+    tokens, steps = [0] * len(KINDS), [0] * len(KINDS)
+    for i in range(sessions):
+        for k in range(len(KINDS)):
+            request = requests[4 * i + k]
+            spec = make_spec(0, request["ids"], BlockPool(generator.kv_cache.num_blocks, generator.block_size),
+                             max_new_tokens=request["max_new_tokens"], ignore_eos_token=False)
+            outputs = generate_alone(generator, spec)
+            tokens[k] += sum(len(o.tokens) for o in outputs)
+            steps[k] += len(outputs)
+    return {kind: t / max(n, 1) for kind, t, n in zip(KINDS, tokens, steps)}
+
+
+def served_retry(model_dir: Path, sessions: int, new_tokens: int, speculative_tokens: int, seed: int
+                 ) -> dict[str, float]:
+    """A second identical request against the first, through the HTTP API of a launched server (prefix caching
+    on, as by default): median over `sessions` distinct code prompts of the first request's seconds over its
+    retry's, for a server without speculation (`off`: what prefix caching alone saves the retry) and one with
+    `--speculator suffix` (`both`, as served). Greedy, stopping at EOS or `new_tokens`; both requests of a pair
+    must generate the same text."""
+    import httpx
+    from http_load import served
+
+    prompts = code_corpus.held_out_code(sessions, num_chars=300, seed=seed)
+    servers = {"off": [], "both": ["--speculator", "suffix", "--speculative-tokens", str(speculative_tokens)]}
+    medians = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in servers.items():
+            with served(model_dir, Path(tmp), extra) as url, httpx.Client(timeout=600) as client:
+                def generate(prompt: str) -> tuple[float, str]:
+                    start = time.perf_counter()
+                    r = client.post(f"{url}/generate", json={"inputs": prompt,
+                                                             "parameters": {"max_new_tokens": new_tokens}})
+                    r.raise_for_status()
+                    return time.perf_counter() - start, r.json()["generated_text"]
+
+                generate("def warm_up():")
+                ratios = []
+                for prompt in prompts:
+                    (first, text), (retry, again) = generate(prompt), generate(prompt)
+                    assert text == again, "a retry answered differently"
+                    ratios.append(first / retry)
+                medians[name] = statistics.median(ratios)
+    return medians
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", type=Path, default=DEMO_MODEL)
@@ -145,6 +199,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (novel, agentic writes)")
     parser.add_argument("--suffix-backend", choices=["auto", "native", "python"], default="auto",
                         help="suffix trees: Arctic Inference's C++ (native, the default where installed) or Python")
+    parser.add_argument("--served-retry", type=int, default=0, metavar="SESSIONS",
+                        help="also time a second identical request through the HTTP API of launched servers, over "
+                             "this many prompts (prefix caching on, as served)")
     add_run_arguments(parser)
     args = parser.parse_args()
     args.min_requests = 4 * args.min_sessions
@@ -192,11 +249,18 @@ def main() -> None:
                 row["both_vs_ngram"] = paired_ratio(samples["both"], samples["ngram"])
                 results.append(row)
                 print(json.dumps(row), flush=True)
-        retry = {}
+        retry, by_kind = {}, {}
         if "agentic" in args.workload:
             requests = agentic_requests(generators["off"], tokenizer, args.min_sessions, args.seed, 1, args.new_tokens)
             retry = {name: retry_speedup(generators[name], requests, args.min_sessions) for name in SETTINGS}
             print(json.dumps({"retry_speedup": retry}), flush=True)
+            by_kind = {name: tokens_per_step_by_kind(generators[name], requests, args.min_sessions)
+                       for name in SETTINGS}
+            print(json.dumps({"tokens_per_step_by_kind": by_kind}), flush=True)
+    served = {}
+    if args.served_retry:
+        served = served_retry(args.model_dir, args.served_retry, args.new_tokens, args.speculative_tokens, args.seed)
+        print(json.dumps({"served_retry_speedup": served}), flush=True)
     cost_us = draft_ns[0] / max(draft_ns[1], 1) / 1e3
     print("\n| workload | c | off tok/s | ngram | suffix | both | suffix/ngram | both/ngram | tokens/step "
           "(ngram / suffix / both) |")
@@ -209,12 +273,23 @@ def main() -> None:
     if retry:
         print("\nsecond identical request vs the first, alone (time ratio): "
               + ", ".join(f"{k} {v:.2f}x" for k, v in retry.items()))
+    if by_kind:
+        print("\nagentic replay, one request at a time: tokens per step by kind of request")
+        print("| setting | " + " | ".join(KINDS) + " |")
+        print("|---|" + "---|" * len(KINDS))
+        for name, row in by_kind.items():
+            print(f"| {name} | " + " | ".join(f"{row[k]:.2f}" for k in KINDS) + " |")
+    if served:
+        print("second identical request vs the first, through the HTTP API (prefix caching on): "
+              + ", ".join(f"{k} {v:.2f}x" for k, v in served.items()))
     backend = suffix_drafter(generators["suffix"]).backend
     print(f"suffix drafting ({backend} trees): {cost_us:.0f} us per request per drafting step")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
                                          "results": results, "retry_speedup": retry,
+                                         "served_retry_speedup": served,
+                                         "tokens_per_step_by_kind": by_kind,
                                          "suffix_draft_us_per_request": cost_us}, indent=2))
 
 
