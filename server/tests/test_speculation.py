@@ -449,6 +449,27 @@ def test_a_pause_inside_one_verifying_step_does_not_enter_the_fit_whole():
     assert v0 + per_draft * 100 > 0.015, (v0, per_draft)
 
 
+def test_verifying_steps_count_what_they_add_to_a_plain_step_as_it_is_known_now():
+    """Load rises from 4 to 64 streams and the first steps at 64 verify: their excess is taken over a plain step
+    fitted at 4 streams (an underestimate), but once plain steps at 64 are measured, the verification cost is
+    what verifying adds to those, and drafts that pay are granted again. Excesses fixed when measured kept the
+    estimate's error in v0, above a whole plain step."""
+    cost = StepCostModel()
+    for n in (1, 4, 16, 64):
+        cost.anchor(n, 0.004 + 0.00005 * n)
+    for _ in range(30):  # 4 streams: 5 ms steps
+        cost.observe(4, 0.005)
+    assert cost.plain(64) < 0.009
+    for d in (40, 80, 60) * 2:  # at 64 streams: a 14 ms plain step, and verifying adds 1 ms + 0.03 ms a draft
+        cost.observe_speculative(64, 0.014 + 0.001 + 0.00003 * d, d)
+    for s in (64, 60, 62) * 10:  # plain steps at 64 streams
+        cost.observe(s, 0.014 - 0.0001 * (64 - s))
+    assert math.isclose(cost.plain(64), 0.014, rel_tol=0.02)
+    v0, per_draft = cost.verification_cost()
+    assert v0 + 60 * per_draft < 0.005, (v0, per_draft)  # 2.8 ms; fixed when measured, 8.8 ms
+    assert all(k > 0 for k in choose_draft_lengths([6] * 64, [0.7] * 64, cost, "adaptive"))
+
+
 def test_anchors_timed_on_a_slower_machine_do_not_keep_copying_requests_from_drafting():
     """Calibration forwards timed while the machine was 5x slower: a borrowed per-token slope steeper than
     the plain steps allow, and a per-draft prior that puts the bar above any request. Declines wear the

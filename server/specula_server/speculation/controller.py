@@ -204,7 +204,8 @@ class StepCostModel:
     `P` is a recency-weighted least-squares line over plain decode steps (`decay` per step). When S has not
     varied lately the slope comes from the anchors (warmup forwards over 1..64 tokens of one sequence, which
     also stand in for `P` before any decode step). `V` is fitted the same way on the steps that verify, over
-    their excess `seconds - P(S)` (capped at a few plain steps, so a pause does not read as a cost). When draft
+    their excess `seconds - P(S)`, with `P` as it is fitted when the cost is used, not when the step ran (capped
+    at a few plain steps, so a pause does not read as a cost). When draft
     counts have not varied, `c` is the anchors' cost of a token and the rest of the excess is `v0`; before any
     verifying step, the same prior with `v0 = 0`.
     """
@@ -214,7 +215,8 @@ class StepCostModel:
     learning: bool = True  # False: the anchors alone (a fixed cost profile, e.g. for reproducible tests)
     _anchors: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, N, T, N*N, N*T
     _plain: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, S, T, S*S, S*T
-    _verify: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, d, V, d*d, d*V
+    # weight, d, T, d*d, d*T, S, d*S over verifying steps (T: the step's seconds as counted, after the caps)
+    _verify: list[float] = field(default_factory=lambda: [0.0] * 7)
     _trust: float = 1.0  # decays on declined steps, back to 1 on a measured one
 
     def anchor(self, num_tokens: int, seconds: float) -> None:
@@ -240,7 +242,8 @@ class StepCostModel:
             # 50 ms pause at 64 sequences doubled the predicted cost of 100 drafts). A real rise in cost is still
             # learned, each step's sample allowed up to double what the fit predicted.
             extra = min(extra, OUTLIER_FACTOR * (fitted[0] + fitted[1] * num_drafts) + OUTLIER_SLACK * plain)
-        self._verify = [VERIFY_DECAY * a + x for a, x in zip(self._verify, _point(num_drafts, extra))]
+        point = (*_point(num_drafts, plain + extra), float(num_sequences), float(num_drafts) * num_sequences)
+        self._verify = [VERIFY_DECAY * a + x for a, x in zip(self._verify, point)]
         self._trust = 1.0
 
     def declined(self) -> None:
@@ -299,9 +302,16 @@ class StepCostModel:
     def _fitted_verification(self, prior: float) -> tuple[float, float] | None:
         """(v0, c) as fitted on the verifying steps, before declines scale it down (`prior`: `token_cost()`);
         None before any."""
-        line = _line(self._verify, 0.5)
-        if line is None:
+        weight, sum_d, sum_t, sum_dd, sum_dt, sum_s, sum_ds = self._verify
+        if weight <= 0:
             return None
+        # The excess V = T - P(S) over the plain step as it is fitted now, not as it was when the step ran: the
+        # first verifying steps at a new load were measured against a plain cost fitted at the old one (at 64
+        # streams after a lighter load, 4.7 ms for a 8.8 ms step), and their whole error stayed in v0, above a
+        # plain step, until enough declines wore it down (70 steps of an agentic replay without drafts).
+        p0, p1 = self.coefficients()
+        line = _line((weight, sum_d, sum_t - p0 * weight - p1 * sum_s, sum_dd, sum_dt - p0 * sum_d - p1 * sum_ds),
+                     0.5)
         mean_d, mean_v, slope = line
         # Draft counts that did not vary give no slope: the prior, but never more per draft than the measured
         # excess itself (anchors timed on a slower machine would otherwise keep the bar above every request).
