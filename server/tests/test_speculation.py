@@ -412,11 +412,20 @@ def test_a_draft_is_priced_apart_from_a_sequence():
     assert choose_draft_lengths([16] * 32, [0.2] * 32, cost, "adaptive") == [0] * 32  # v0 is not covered
 
 
+def expensive_verification(cost: StepCostModel, num_drafts: int, steps: int = 20) -> None:
+    """Verifying steps that each take seconds: the fit, which lets each step's sample double its prediction at
+    most, reaches four plain steps of fixed cost (the most a sample counts for)."""
+    for _ in range(steps):
+        cost.observe_speculative(1, 10.0, num_drafts)
+
+
 def test_a_spike_in_verification_overhead_does_not_stop_speculation_for_good():
     cost = StepCostModel()
     for n in (1, 4, 16, 64):
         cost.anchor(n, 0.004 + 0.0001 * n)
-    cost.observe_speculative(1, 10.0, 6)  # one step paused for seconds: the overhead estimate jumps
+    cost.observe_speculative(1, 10.0, 6)  # the first verifying step paused for seconds: counted near the prior
+    assert choose_draft_lengths([6], [0.85], cost, "adaptive") == [6]
+    expensive_verification(cost, 6)  # every step did: the overhead estimate is past what drafts can pay
     assert choose_draft_lengths([6], [0.85], cost, "adaptive") == [0]
     # Declined steps bring it back until drafting is tried (and measured) again.
     steps = 0
@@ -501,7 +510,7 @@ def test_repeated_declines_back_off_proposing_drafts(llama_dir, plain):
     cost = StepCostModel()
     for n in (1, 4, 16, 64):
         cost.anchor(n, 0.004 + 0.0001 * n)
-    cost.observe_speculative(1, 10.0, 4)  # verifying costs four plain steps: 4 drafts can never pay for it
+    expensive_verification(cost, 4)  # verifying costs four plain steps: 4 drafts can never pay for it
     cost.learning = False  # and stays so
     spec.step_cost = cost
     proposals = []
@@ -527,7 +536,7 @@ def test_while_backing_off_only_requests_at_their_first_decode_step_are_asked(ll
     cost = StepCostModel()
     for n in (1, 4, 16, 64):
         cost.anchor(n, 0.004 + 0.0001 * n)
-    cost.observe_speculative(1, 10.0, 4)  # verifying costs four plain steps: 4 drafts can never pay for it
+    expensive_verification(cost, 4)  # verifying costs four plain steps: 4 drafts can never pay for it
     cost.learning = False
     spec.step_cost = cost
     asked: list[list[int]] = []
@@ -623,8 +632,8 @@ def test_a_cost_fit_that_withholds_every_draft_wears_off(llama_dir, plain):
         cost.anchor(n, 0.004 + 0.0001 * n)
     for _ in range(20):
         cost.observe(1, 0.010)
-    for d in (3, 1) * 3:  # read as 11 ms per draft: the bar is 1.1
-        cost.observe_speculative(1, 0.010 + 0.011 * d, d)
+    for d in (3, 1) * 10:  # read as 12 ms per draft: the bar is 1.2, once the fit has grown to it
+        cost.observe_speculative(1, 0.010 + 0.012 * d, d)
     spec.step_cost = cost
     assert drafting_bar(1, cost) > 1.0
     prompt = PROMPTS[3]

@@ -235,13 +235,15 @@ class StepCostModel:
             return
         plain = self.plain(num_sequences)
         extra = min(max(seconds - plain, 0.0), MAX_EXTRA_STEPS * plain)
-        fitted = self._fitted_verification(self.token_cost())
-        if fitted is not None:
-            # A step timed across a pause would otherwise enter the fit at up to four plain steps and, decaying
-            # by VERIFY_DECAY per verifying step, raise the price of every draft for a dozen verifying steps (one
-            # 50 ms pause at 64 sequences doubled the predicted cost of 100 drafts). A real rise in cost is still
-            # learned, each step's sample allowed up to double what the fit predicted.
-            extra = min(extra, OUTLIER_FACTOR * (fitted[0] + fitted[1] * num_drafts) + OUTLIER_SLACK * plain)
+        prior = self.token_cost()
+        # A step timed across a pause would otherwise enter the fit at up to four plain steps and, decaying by
+        # VERIFY_DECAY per verifying step, raise the price of every draft for a dozen verifying steps (one 50 ms
+        # pause at 64 sequences doubled the predicted cost of 100 drafts). A real rise in cost is still learned,
+        # each step's sample allowed up to double what the fit predicted. Before any fit the prediction is the
+        # prior (no fixed part): a first verifying step that ran slow alone (15 ms where plain steps took 9, at
+        # the start of an agentic replay at 64 streams) was the whole fit, and kept drafts off for 60 steps.
+        v0, c = self._fitted_verification(prior) or (0.0, prior)
+        extra = min(extra, OUTLIER_FACTOR * (v0 + c * num_drafts) + OUTLIER_SLACK * plain)
         point = (*_point(num_drafts, plain + extra), float(num_sequences), float(num_drafts) * num_sequences)
         self._verify = [VERIFY_DECAY * a + x for a, x in zip(self._verify, point)]
         self._trust = 1.0
