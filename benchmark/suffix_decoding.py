@@ -18,7 +18,8 @@ Workloads:
 
 Reports generated tokens/s and tokens per decode step per setting and concurrency, the ratios, a second
 identical request's time against the first's (concurrency 1, greedy, in the worker, prefix caching aside),
-and what suffix drafting costs per request per step. With `--served-retry N`, also the second identical request
+what suffix drafting costs per request it drafts for, and the share of each setting's time its speculator
+takes (choosing, drafting, letting requests go; on novel text, what speculation costs where nothing verifies). With `--served-retry N`, also the second identical request
 through the HTTP API of launched servers (off, and `--speculator suffix`), where prefix caching spares the retry
 its prefill too.
 
@@ -37,11 +38,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from speculation import (  # noqa: E402
-    DEMO_MODEL, add_run_arguments, paired_ratio, side_by_side, workload_requests,
+    DEMO_MODEL, add_run_arguments, paired_ratio, run_continuous, side_by_side, workload_requests,
 )
 
 import torch  # noqa: E402
 
+from specula_server.speculation.speculator import Speculator  # noqa: E402
 from specula_server.speculation.suffix import SuffixDrafter  # noqa: E402
 from specula_server.testing import code_corpus  # noqa: E402
 from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec  # noqa: E402
@@ -224,10 +226,38 @@ def main() -> None:
         start = time.perf_counter_ns()
         out = original(self, requests, max_tokens)
         draft_ns[0] += time.perf_counter_ns() - start
-        draft_ns[1] += len(requests)
+        draft_ns[1] += sum(1 for k in max_tokens if k > 0)
         return out
 
     SuffixDrafter.propose = timed
+    # Per setting, the seconds of its turns and of its speculator's own work in them (choosing drafts, drafting,
+    # and letting finished requests go): on novel text, where nothing is verified, that work is what speculation
+    # costs, measured without the turn-to-turn noise of the machine that a throughput ratio carries.
+    names = {id(g): name for name, g in generators.items()}
+    turn_s: dict[str, float] = {}
+    speculator_s: dict[str, float] = {}
+
+    def timed_turn(generator, *turn_args):
+        start = time.perf_counter()
+        out = run_continuous(generator, *turn_args)
+        name = names[id(generator)]
+        turn_s[name] = turn_s.get(name, 0.0) + time.perf_counter() - start
+        return out
+
+    def timing(method):
+        def timed_method(self, *method_args):
+            start = time.perf_counter()
+            try:
+                return method(self, *method_args)
+            finally:
+                generator = next((g for g in generators.values() if g.speculator is self), None)
+                if generator is not None:
+                    name = names[id(generator)]
+                    speculator_s[name] = speculator_s.get(name, 0.0) + time.perf_counter() - start
+        return timed_method
+
+    Speculator.plan, Speculator.release = timing(Speculator.plan), timing(Speculator.release)
+    side_by_side.__globals__["run_continuous"] = timed_turn  # the turns side_by_side runs
     results = []
     with tempfile.TemporaryDirectory():
         for workload in args.workload:
@@ -237,9 +267,13 @@ def main() -> None:
                     requests = agentic_requests(generators["off"], tokenizer, sessions, args.seed, c, args.new_tokens)
                 else:
                     requests = workload_requests(workload, args.model_dir, 4 * sessions, args)
+                turn_s.clear()
+                speculator_s.clear()
                 samples = side_by_side(generators, requests, c, args.rounds, args.speculative_tokens + 1,
                                        continuous=True, before=forget)
                 row = {"workload": workload, "concurrency": c, "requests": len(requests)}
+                for name in SETTINGS[1:]:
+                    row[f"{name}_speculator_share"] = speculator_s.get(name, 0.0) / turn_s[name]
                 for name, values in samples.items():
                     row[f"{name}_tok_s"] = statistics.median(v[0] for v in values)
                     row[f"{name}_tokens_per_step"] = statistics.median(v[1] for v in values)
@@ -263,13 +297,14 @@ def main() -> None:
         print(json.dumps({"served_retry_speedup": served}), flush=True)
     cost_us = draft_ns[0] / max(draft_ns[1], 1) / 1e3
     print("\n| workload | c | off tok/s | ngram | suffix | both | suffix/ngram | both/ngram | tokens/step "
-          "(ngram / suffix / both) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "(ngram / suffix / both) | speculator's share of the time (ngram / suffix / both) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['workload']} | {r['concurrency']} | {r['off_tok_s']:.0f} | {r['ngram_vs_off']:.2f}x | "
               f"{r['suffix_vs_off']:.2f}x | {r['both_vs_off']:.2f}x | {r['suffix_vs_ngram']:.2f}x | "
               f"{r['both_vs_ngram']:.2f}x | {r['ngram_tokens_per_step']:.2f} / {r['suffix_tokens_per_step']:.2f} / "
-              f"{r['both_tokens_per_step']:.2f} |")
+              f"{r['both_tokens_per_step']:.2f} | "
+              + " / ".join(f"{100 * r[f'{name}_speculator_share']:.1f}%" for name in SETTINGS[1:]) + " |")
     if retry:
         print("\nsecond identical request vs the first, alone (time ratio): "
               + ", ".join(f"{k} {v:.2f}x" for k, v in retry.items()))
@@ -283,7 +318,7 @@ def main() -> None:
         print("second identical request vs the first, through the HTTP API (prefix caching on): "
               + ", ".join(f"{k} {v:.2f}x" for k, v in served.items()))
     backend = suffix_drafter(generators["suffix"]).backend
-    print(f"suffix drafting ({backend} trees): {cost_us:.0f} us per request per drafting step")
+    print(f"suffix drafting ({backend} trees): {cost_us:.0f} us per request drafted for")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},

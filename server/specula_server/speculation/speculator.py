@@ -150,8 +150,12 @@ class Speculator:
             if self.adaptive and (backing_off or any(self.draft_cap(r) for r in reqs)):
                 # The bar withheld every draft: a declined step for the cost model too. Its fitted excess fades
                 # until drafts are asked for and measured again; else one step that fitted the cost of a draft
-                # too high kept the bar above every request (and a confident drafter's ceiling) for good.
+                # too high kept the bar above every request (and a confident drafter's ceiling) for good. It
+                # backs off as a decline does: deciding so for every request is itself 1-2% of a step.
                 self.step_cost.declined()
+                if not backing_off:
+                    self._declined_in_a_row += 1
+                    self._steps_without_proposals = proposal_backoff(self._declined_in_a_row)
             return None
         try:
             proposals = drafter.propose(reqs, caps)
