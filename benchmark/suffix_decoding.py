@@ -138,6 +138,15 @@ def retry_speedup(generator, requests: list[dict], count: int, repeats: int = 3)
     return statistics.median(ratios)
 
 
+def spread(requests: list[dict], tokens: int, seed: int) -> None:
+    """Gives each request its own length, within `tokens` of its own (seeded, the same for every setting)."""
+    import random
+
+    rng = random.Random(seed)
+    for r in requests:
+        r["max_new_tokens"] = max(1, r["max_new_tokens"] + rng.randint(-tokens, tokens))
+
+
 KINDS = ("write", "retry", "rewrite", "regenerate")  # an agentic session's requests, in order
 
 
@@ -201,6 +210,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens per request (novel, agentic writes)")
     parser.add_argument("--suffix-backend", choices=["auto", "native", "python"], default="auto",
                         help="suffix trees: Arctic Inference's C++ (native, the default where installed) or Python")
+    parser.add_argument("--novel-spread", type=int, default=0, metavar="TOKENS",
+                        help="novel requests generate --new-tokens give or take up to this many (seeded): without "
+                             "it, every request of a turn ends at the same step unless drafts were accepted, so "
+                             "requests without speculation join and prefill in batches of c, and with it one by one")
     parser.add_argument("--served-retry", type=int, default=0, metavar="SESSIONS",
                         help="also time a second identical request through the HTTP API of launched servers, over "
                              "this many prompts (prefix caching on, as served)")
@@ -267,6 +280,8 @@ def main() -> None:
                     requests = agentic_requests(generators["off"], tokenizer, sessions, args.seed, c, args.new_tokens)
                 else:
                     requests = workload_requests(workload, args.model_dir, 4 * sessions, args)
+                    if workload == "novel" and args.novel_spread:
+                        spread(requests, args.novel_spread, args.seed)
                 turn_s.clear()
                 speculator_s.clear()
                 samples = side_by_side(generators, requests, c, args.rounds, args.speculative_tokens + 1,
