@@ -336,7 +336,8 @@ def drafting_bar(batch_size: int, cost: StepCostModel) -> float:
 
 def proposal_backoff(declined_in_a_row: int) -> int:
     """Plain steps to run without proposing drafts after `declined_in_a_row` steps that asked for drafts and
-    verified none (all declined, or none proposed): 0, 1, 3, then 7 at most, until a step verifies drafts.
+    verified none (all declined, or none proposed) or whose bar withheld every draft: 0, 1, 3, then 7 at most,
+    until a step verifies drafts.
     Meanwhile requests at their first decode step are still asked (the speculator's newcomers).
 
     Proposing costs something even when nothing is verified: every request's prompt lookup and the choice
