@@ -18,12 +18,14 @@ Workloads:
 
 Reports generated tokens/s and tokens per decode step per setting and concurrency, the ratios, a second
 identical request's time against the first's (concurrency 1, greedy, in the worker, prefix caching aside),
-what suffix drafting costs per request it drafts for, and the share of each setting's time its speculator
-takes (choosing, drafting, letting requests go; on novel text, what speculation costs where nothing verifies). With `--served-retry N`, also the second identical request
-through the HTTP API of launched servers (off, and `--speculator suffix`), where prefix caching spares the retry
-its prefill too.
+tokens per step by kind of agentic request, what suffix drafting costs per request it drafts for, and the share
+of each setting's time its speculator takes (choosing, drafting, letting requests go: on novel text, what
+speculation costs where nothing verifies). With `--served-retry N`, also the second identical request through
+the HTTP API of launched servers (off, and `--speculator suffix`), where prefix caching spares the retry its
+prefill too. `--novel-spread` gives novel requests different lengths.
 
-    python benchmark/suffix_decoding.py --json benchmark/results/suffix_decoding.json
+    python benchmark/suffix_decoding.py --suffix-backend native --concurrency 1 4 16 64 --served-retry 8 \
+        --json benchmark/results/suffix_decoding.json
 """
 
 from __future__ import annotations

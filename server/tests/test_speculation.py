@@ -529,9 +529,9 @@ def test_repeated_declines_back_off_proposing_drafts(llama_dir, plain):
 
 
 def test_while_backing_off_only_requests_at_their_first_decode_step_are_asked(llama_dir):
-    """Under load a request joins at almost every step. Backing off after declines, the drafter is asked for
-    the newcomer at its first decode step, not for the requests it already declined (asking everyone at every
-    join left the back-off almost no step at 64 streams)."""
+    """Backing off after declines, the drafter is asked for a newcomer at its first decode step, not for the
+    requests whose drafts it kept declining (asking everyone whenever a request joined ended the back-off at
+    every join, and under load one joins at most steps)."""
     spec = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="adaptive")
     cost = StepCostModel()
     for n in (1, 4, 16, 64):
