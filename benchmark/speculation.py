@@ -155,19 +155,21 @@ def run_continuous(generator, requests: list[dict], concurrency: int, seed: int,
 
 
 def side_by_side(generators: dict, requests: list[dict], concurrency: int, rounds: int,
-                 lookahead: int, continuous: bool = False, before=None) -> dict[str, list[tuple[float, float]]]:
+                 lookahead: int, continuous: bool = False, before=None, run=None
+                 ) -> dict[str, list[tuple[float, float]]]:
     """Per setting and round: (generated tokens/s, tokens per request per decode step).
 
     The settings take turns batch by batch, in an order that rotates from one batch to the next, so a change
     in the machine's speed (these machines drift by tens of percent over minutes) hits them all alike; a
     round's figure sums its batches. Each batch sees the same prompts and sampling seeds in every setting.
     `continuous`: each turn runs 4 x `concurrency` requests with `concurrency` in flight (`run_continuous`)
-    instead of one batch run to completion. `before(generator)`, when given, runs before each turn (untimed).
+    instead of one batch run to completion. `before(generator)`, when given, runs before each turn (untimed);
+    `run`, when given, runs each turn in place of `run_continuous` / `run_requests` (with their arguments).
     """
     names = list(generators)
     samples = {name: [] for name in names}
     span = 4 * concurrency if continuous else concurrency
-    run = run_continuous if continuous else run_requests
+    run = run or (run_continuous if continuous else run_requests)
     for r in range(rounds):
         totals = {name: [0.0, 0, 0] for name in names}
         for turn, first in enumerate(range(0, len(requests), span)):

@@ -79,10 +79,15 @@ def forget(generator) -> None:
         drafter.cache.__init__(drafter.cache.cache_tokens, drafter.cache.depth)
 
 
-def answer(generator, ids: list[int], max_new_tokens: int) -> list[int]:
+def alone(generator, ids: list[int], max_new_tokens: int):
+    """One request run to completion alone, stopping at EOS or `max_new_tokens`: its output of every step."""
     spec = make_spec(0, ids, BlockPool(generator.kv_cache.num_blocks, generator.block_size),
                      max_new_tokens=max_new_tokens, ignore_eos_token=False)
-    return [t.id for o in generate_alone(generator, spec) for t in o.tokens]
+    return generate_alone(generator, spec)
+
+
+def answer(generator, ids: list[int], max_new_tokens: int) -> list[int]:
+    return [t.id for o in alone(generator, ids, max_new_tokens) for t in o.tokens]
 
 
 def agentic_requests(plain, tokenizer, sessions: int, seed: int, concurrency: int, new_tokens: int) -> list[dict]:
@@ -131,10 +136,8 @@ def retry_speedup(generator, requests: list[dict], count: int, repeats: int = 3)
         for _ in range(repeats):
             forget(generator)
             for k, request in enumerate((first, retry)):
-                spec = make_spec(0, request["ids"], BlockPool(generator.kv_cache.num_blocks, generator.block_size),
-                                 max_new_tokens=request["max_new_tokens"], ignore_eos_token=False)
                 start = time.perf_counter()
-                generate_alone(generator, spec)
+                alone(generator, request["ids"], request["max_new_tokens"])
                 times[k].append(time.perf_counter() - start)
         ratios.append(statistics.median(times[0]) / statistics.median(times[1]))
     return statistics.median(ratios)
@@ -160,9 +163,7 @@ def tokens_per_step_by_kind(generator, requests: list[dict], sessions: int) -> d
     for i in range(sessions):
         for k in range(len(KINDS)):
             request = requests[4 * i + k]
-            spec = make_spec(0, request["ids"], BlockPool(generator.kv_cache.num_blocks, generator.block_size),
-                             max_new_tokens=request["max_new_tokens"], ignore_eos_token=False)
-            outputs = generate_alone(generator, spec)
+            outputs = alone(generator, request["ids"], request["max_new_tokens"])
             tokens[k] += sum(len(o.tokens) for o in outputs)
             steps[k] += len(outputs)
     return {kind: t / max(n, 1) for kind, t, n in zip(KINDS, tokens, steps)}
@@ -249,6 +250,7 @@ def main() -> None:
     # and letting finished requests go): on novel text, where nothing is verified, that work is what speculation
     # costs, measured without the turn-to-turn noise of the machine that a throughput ratio carries.
     names = {id(g): name for name, g in generators.items()}
+    speculator_names = {id(g.speculator): name for name, g in generators.items() if g.speculator is not None}
     turn_s: dict[str, float] = {}
     speculator_s: dict[str, float] = {}
 
@@ -265,14 +267,11 @@ def main() -> None:
             try:
                 return method(self, *method_args)
             finally:
-                generator = next((g for g in generators.values() if g.speculator is self), None)
-                if generator is not None:
-                    name = names[id(generator)]
-                    speculator_s[name] = speculator_s.get(name, 0.0) + time.perf_counter() - start
+                name = speculator_names[id(self)]
+                speculator_s[name] = speculator_s.get(name, 0.0) + time.perf_counter() - start
         return timed_method
 
     Speculator.plan, Speculator.release = timing(Speculator.plan), timing(Speculator.release)
-    side_by_side.__globals__["run_continuous"] = timed_turn  # the turns side_by_side runs
     results = []
     with tempfile.TemporaryDirectory():
         for workload in args.workload:
@@ -287,7 +286,7 @@ def main() -> None:
                 turn_s.clear()
                 speculator_s.clear()
                 samples = side_by_side(generators, requests, c, args.rounds, args.speculative_tokens + 1,
-                                       continuous=True, before=forget)
+                                       continuous=True, before=forget, run=timed_turn)
                 row = {"workload": workload, "concurrency": c, "requests": len(requests)}
                 for name in SETTINGS[1:]:
                     row[f"{name}_speculator_share"] = speculator_s.get(name, 0.0) / turn_s[name]

@@ -87,7 +87,6 @@ class Speculator:
         self._granted_at: dict[int, float] = {}  # request id -> the acceptance its draft was granted at this step
         self._declined_in_a_row = 0  # adaptive: steps whose drafts were all declined, since one verified
         self._steps_without_proposals = 0  # adaptive: plain steps left before drafts are proposed again
-        self._offered: set[int] = set()  # requests that have had a decode step able to propose for them
 
     @property
     def adaptive(self) -> bool:
@@ -96,7 +95,6 @@ class Speculator:
     def release(self, r: RequestState) -> None:
         """`r` left the worker (finished, failed, cancelled or preempted): drafters that keep state per request
         (suffix decoding) let it go, and learn from its output when it finished."""
-        self._offered.discard(r.id)
         release = getattr(self.config.drafter, "release", None)
         if release is not None:
             release(r)
@@ -121,17 +119,17 @@ class Speculator:
 
     def _choose(self, reqs: Sequence[RequestState]) -> DraftPlan | None:
         forced = self._forced(reqs)
-        # While backing off, the drafter is asked only for requests at their first decode step (new requests
-        # may have drafts that pay; asking everyone whenever one joined, as was done, ended the back-off at
-        # every join); forced tokens cost nothing to propose.
+        # While backing off, the drafter is asked only for requests at their first decode step, the one after
+        # the prefill sampled their first token (new requests may have drafts that pay; asking everyone
+        # whenever one joined, as was done, ended the back-off at every join); forced tokens cost nothing to
+        # propose.
         backing_off = self.adaptive and self._steps_without_proposals > 0
-        newcomers = [r.id not in self._offered for r in reqs]
+        newcomers = [r.num_generated <= 1 for r in reqs] if backing_off else [True] * len(reqs)
         if backing_off:
             self._steps_without_proposals -= 1
             if not any(forced) and not any(newcomers):
                 self.step_cost.declined()
                 return None
-        self._offered.update(r.id for r in reqs)
         drafter = self.config.drafter
         methods = [GRAMMAR_METHOD if f else drafter.method_for(r) for r, f in zip(reqs, forced)]
         acceptance = [r.acceptance.estimate(self.acceptance_priors.value(m)) for r, m in zip(reqs, methods)]
@@ -141,8 +139,8 @@ class Speculator:
         # match); requests' own estimates decide for the others.
         confident = {m: self.calibration.ceiling(m) > bar for m in set(methods)} if getattr(
             drafter, "confident", False) else {}
-        caps = [0 if f or (backing_off and not new) else self.draft_cap(r) if a > bar or confident.get(m, False)
-                else 0 for r, a, f, m, new in zip(reqs, acceptance, forced, methods, newcomers)]
+        caps = [0 if f or not new else self.draft_cap(r) if a > bar or confident.get(m, False) else 0
+                for r, a, f, m, new in zip(reqs, acceptance, forced, methods, newcomers)]
         for m, asked in confident.items():
             if not asked:
                 self.calibration.drift(m)
@@ -154,9 +152,7 @@ class Speculator:
                 # backs off as a decline does: deciding so for every request at every step cost prompt lookup
                 # 1.1% of a novel-text turn at 16 streams, 0.6% with the back-off.
                 self.step_cost.declined()
-                if not backing_off:
-                    self._declined_in_a_row += 1
-                    self._steps_without_proposals = proposal_backoff(self._declined_in_a_row)
+                self._verified_nothing(backing_off)
             return None
         try:
             proposals = drafter.propose(reqs, caps)
@@ -177,9 +173,7 @@ class Speculator:
             # off too (on novel text at 64 streams the suffix drafter, proposing nothing, was asked at 174 of
             # 251 steps; now at 18-36).
             if any(caps):
-                self._declined_in_a_row += 1
-                if not backing_off:  # newcomers asked while backing off do not prolong it
-                    self._steps_without_proposals = proposal_backoff(self._declined_in_a_row)
+                self._verified_nothing(backing_off)
             return None
         self._declined_in_a_row = self._steps_without_proposals = 0
         try:
@@ -189,6 +183,13 @@ class Speculator:
             logger.exception("drafting failed; this step verifies no drafts")
             return None
         return DraftPlan(drafts, [m if len(d) else "" for m, d in zip(methods, drafts)])
+
+    def _verified_nothing(self, backing_off: bool) -> None:
+        """A step that could have drafted verified nothing: the back-off grows (newcomers asked while backing
+        off do not prolong it)."""
+        self._declined_in_a_row += 1
+        if not backing_off:
+            self._steps_without_proposals = proposal_backoff(self._declined_in_a_row)
 
     def _forced(self, reqs: Sequence[RequestState]) -> list[list[int]]:
         """Per request, the tokens its grammar forces from here, up to its draft cap ([] when unconstrained)."""
