@@ -100,6 +100,9 @@ class Draft:
         return seen
 
 
+NO_DRAFT = Draft(torch.empty(0, dtype=torch.long))  # shared by every request without drafts (never changed in place)
+
+
 class Drafter(Protocol):
     """Proposes draft tokens. Deterministic drafters (no draft distribution q) are verified exactly by
     sampling the target at every position and keeping drafts while they match; drafts that carry the

@@ -25,7 +25,7 @@ import torch
 
 from specula_server.adapters.medusa import LMHead, MedusaHeads
 from specula_server.request import RequestState
-from specula_server.speculation.drafters import Draft, Drafter
+from specula_server.speculation.drafters import NO_DRAFT, Draft, Drafter
 
 
 def best_first_tree(logprobs: torch.Tensor, token_ids: torch.Tensor, budget: int) -> Draft:
@@ -101,7 +101,7 @@ class MedusaDrafter:
             if heads is None or r.last_hidden is None:
                 others.append(i)
             elif max_tokens[i] <= 0:
-                drafts[i] = Draft(torch.empty(0, dtype=torch.long))
+                drafts[i] = NO_DRAFT
             else:
                 groups.setdefault(id(heads), (heads, []))[1].append(i)
         for heads, members in groups.values():
@@ -114,7 +114,7 @@ class MedusaDrafter:
                 drafts[i] = best_first_tree(values[:, j], indices[:, j], max_tokens[i])
         if others:
             if self.fallback is None:
-                proposed = [Draft(torch.empty(0, dtype=torch.long)) for _ in others]
+                proposed = [NO_DRAFT] * len(others)
             else:
                 proposed = self.fallback.propose([requests[i] for i in others], [max_tokens[i] for i in others])
             for i, draft in zip(others, proposed):

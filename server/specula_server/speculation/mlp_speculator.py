@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from specula_server.request import RequestState
-from specula_server.speculation.drafters import Draft, Drafter
+from specula_server.speculation.drafters import NO_DRAFT, Draft, Drafter
 
 if TYPE_CHECKING:
     from specula_server.models.config import ModelConfig
@@ -324,7 +324,7 @@ class MLPSpeculatorDrafter:
         return self.fallback.method_for(request) if self.fallback is not None else "none"
 
     def propose(self, requests: Sequence[RequestState], max_tokens: Sequence[int]) -> list[Draft]:
-        drafts: list[Draft] = [Draft(torch.empty(0, dtype=torch.long)) for _ in requests]
+        drafts: list[Draft] = [NO_DRAFT] * len(requests)
         members = [i for i, r in enumerate(requests) if r.last_hidden is not None and max_tokens[i] > 0]
         others = [i for i, r in enumerate(requests) if r.last_hidden is None]
         if members:
@@ -384,7 +384,7 @@ class MLPSpeculatorDrafter:
             kept_scores.append(score)
             state = state.index_select(0, rows.to(device))
         if not kept_tokens:
-            return [Draft(torch.empty(0, dtype=torch.long)) for _ in requests]
+            return [NO_DRAFT] * len(requests)
         all_tokens, all_parents = torch.cat(kept_tokens), torch.cat(kept_parents)
         all_owners, all_scores = torch.cat(kept_owners), torch.cat(kept_scores)
         # The budget best nodes of each request: score desc, ties to the shallower (earlier) node, so parents

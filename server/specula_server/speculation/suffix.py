@@ -45,7 +45,7 @@ import torch
 
 from specula_server.request import RequestState
 from specula_server.speculation import suffix_native
-from specula_server.speculation.drafters import Draft
+from specula_server.speculation.drafters import NO_DRAFT, Draft
 
 SUFFIX = "suffix"  # the --speculator value that selects this drafter
 DEFAULT_DEPTH = 24
@@ -169,7 +169,7 @@ def draft_from(cursor: list[_Node], max_tokens: int, factor: float, offset: floa
         if cursor[match_len].children:
             break
     else:  # a single token's continuations are too many to scan and too weak to draft
-        return SuffixDraft(Draft(torch.empty(0, dtype=torch.long)), 0.0)
+        return SuffixDraft(NO_DRAFT, 0.0)
     budget = min(max_tokens, int(factor * match_len + offset))
     tokens: list[int] = []
     parents: list[int] = []
@@ -199,7 +199,7 @@ def draft_from(cursor: list[_Node], max_tokens: int, factor: float, offset: floa
         score -= negative
         push_children(node, -negative, len(tokens) - 1)
     if not tokens:
-        return SuffixDraft(Draft(torch.empty(0, dtype=torch.long)), 0.0)
+        return SuffixDraft(NO_DRAFT, 0.0)
     chain = all(p == i - 1 for i, p in enumerate(parents))
     # What the controller is told: how often each step of the likeliest path was taken, shrunk by one unseen
     # alternative (one observation says 1/2, not certainty).
@@ -286,7 +286,7 @@ class SuffixDrafter:
         drafts = []
         for r, k in zip(requests, max_tokens):
             if k <= 0:  # not drafting this step: its trees catch up on the tokens when it next does
-                drafts.append(Draft(torch.empty(0, dtype=torch.long)))
+                drafts.append(NO_DRAFT)
                 continue
             state = self._sync(r)
             local = draft_from(state.local_cursor, k, self.factor, self.offset, self.min_token_prob, self.depth)
@@ -298,16 +298,16 @@ class SuffixDrafter:
     def _fallback(self, r: RequestState, k: int) -> Draft:
         """The draft of a request neither tree drafts for: prompt lookup's, when it runs behind, else none."""
         if self.fallback is None:
-            return Draft(torch.empty(0, dtype=torch.long))
+            return NO_DRAFT
         return self.fallback.propose([r], [k])[0]
 
     def _propose_native(self, requests: Sequence[RequestState], max_tokens: Sequence[int]) -> list[Draft]:
         """`propose` on Arctic Inference's trees (`suffix_native`)."""
-        drafts = []
+        drafts = [NO_DRAFT] * len(requests)
+        undrafted: list[int] = []  # requests neither tree drafts for: prompt lookup's turn, in one call
         args = (self.factor, self.offset, self.min_token_prob, True)
-        for r, k in zip(requests, max_tokens):
+        for i, (r, k) in enumerate(zip(requests, max_tokens)):
             if k <= 0:  # not drafting this step: its tree catches up on the tokens when it next does
-                drafts.append(Draft(torch.empty(0, dtype=torch.long)))
                 continue
             state = self._requests.get(r.id)
             if state is None:
@@ -318,7 +318,14 @@ class SuffixDrafter:
             tree = self.cache.trees.get(state.adapter)
             remote = tree.speculate(context, k, *args) if tree is not None else None
             best = suffix_native.best_draft(local, remote, MIN_MATCH)
-            drafts.append(self._fallback(r, k) if best is None else suffix_native.to_draft(best))
+            if best is None:
+                undrafted.append(i)
+            else:
+                drafts[i] = suffix_native.to_draft(best)
+        if undrafted and self.fallback is not None:
+            proposed = self.fallback.propose([requests[i] for i in undrafted], [max_tokens[i] for i in undrafted])
+            for i, draft in zip(undrafted, proposed):
+                drafts[i] = draft
         return drafts
 
     def _sync(self, r: RequestState) -> _RequestState:
