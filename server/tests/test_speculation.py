@@ -557,6 +557,34 @@ def test_while_backing_off_only_requests_at_their_first_decode_step_are_asked(ll
     assert asked == [[1]], asked  # request 0 still backing off (5 of its 7 steps without proposals done)
 
 
+@pytest.mark.parametrize("ask_ms", [0.0, 1.2])
+def test_the_back_off_grows_past_eight_steps_only_where_asking_costs_more_than_its_budget(llama_dir, plain, ask_ms):
+    """A drafter whose drafts are always declined is asked 1 step in 8 when asking is cheap; when every ask
+    takes 1.2 ms (under the anchors a plain step takes 4.1 ms: 0.29 of a step per ask), the back-off keeps
+    doubling, so asking stays near its budget (`ASK_BUDGET`) of the time. The output is the plain one."""
+    spec = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="adaptive")
+    cost = StepCostModel()
+    for n in (1, 4, 16, 64):
+        cost.anchor(n, 0.004 + 0.0001 * n)
+    expensive_verification(cost, 4)  # 4 drafts never pay for verifying
+    cost.learning = False
+    spec.step_cost = cost
+    now = [0]
+    spec.speculator.clock = lambda: now[0]  # the time asking takes is what the drafter says
+    asked = []
+
+    def propose(reqs, caps):
+        now[0] += int(ask_ms * 1e6)
+        asked.append(len(asked))
+        return [Draft(torch.full((cap,), 7)) for cap in caps]
+
+    spec.speculation.drafter.propose = propose
+    outputs = run(spec, PROMPTS[0], max_new_tokens=100)
+    assert token_ids(outputs) == token_ids(run(plain, PROMPTS[0], max_new_tokens=100))
+    # 99 decode steps: asked at steps 1, 2, 4, 8, then 1 in 8 (15 asks); or at 1, 2, 4, 8, 16, 32, 64 (7).
+    assert len(asked) == (15 if ask_ms == 0 else 7), asked
+
+
 def test_confidences_are_calibrated_by_what_their_drafts_achieved():
     calibration = ConfidenceCalibration()
     assert calibration.value("suffix", 0.65) == 0.65 and calibration.ceiling("suffix") == 1.0  # nothing known

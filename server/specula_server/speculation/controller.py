@@ -33,6 +33,7 @@ of a method's drafts are scaled by what its granted drafts were accepted for aga
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -45,7 +46,11 @@ MAX_EXTRA_STEPS = 4.0  # a step's measured verification cost counts as at most t
 OUTLIER_FACTOR = 2.0
 OUTLIER_SLACK = 0.25
 PRIOR_DECAY = 0.98  # per verified request, the weight of earlier ones in a method's acceptance prior
-MAX_PROPOSAL_BACKOFF = 7  # most plain steps in a row without proposing drafts, after repeated declines
+MAX_PROPOSAL_BACKOFF = 7  # most plain steps in a row without proposing drafts, after repeated declines...
+# ...unless asking costs more: fruitless asks may take `ASK_BUDGET` of the time (`proposal_backoff`)
+ASK_BUDGET = 0.005
+LONGEST_PROPOSAL_BACKOFF = 63
+ASK_COST_DECAY = 0.7  # per fruitless ask of every request, the weight of earlier ones in its measured cost
 RETRY_DRIFT = 0.02  # per step without drafts, the fraction of the evidence forgotten (back toward the prior)
 
 
@@ -334,16 +339,22 @@ def drafting_bar(batch_size: int, cost: StepCostModel) -> float:
     return batch_size * cost.verification_cost()[1] / cost.plain(batch_size)
 
 
-def proposal_backoff(declined_in_a_row: int) -> int:
+def proposal_backoff(declined_in_a_row: int, ask_cost: float = 0.0) -> int:
     """Plain steps to run without proposing drafts after `declined_in_a_row` steps that asked for drafts and
-    verified none (all declined, or none proposed) or whose bar withheld every draft: 0, 1, 3, then 7 at most,
-    until a step verifies drafts. Meanwhile requests at their first decode step are still asked.
+    verified none (all declined, or none proposed) or whose bar withheld every draft: 0, 1, 3, then 7 at most
+    (more where asking is dear, below), until a step verifies drafts. Meanwhile requests at their first decode step are still asked.
 
     Proposing costs something even when nothing is verified: every request's prompt lookup and the choice
     itself, about 30 microseconds per request on the 2-core benchmark machine, 2-3% of a step at concurrency
     32 with nothing to copy, where nearly every step used to propose and then decline. Each skipped step still
-    counts as declined for the verification cost estimate, so probing happens as often as before."""
-    return min(2 ** max(declined_in_a_row - 1, 0), MAX_PROPOSAL_BACKOFF + 1) - 1
+    counts as declined for the verification cost estimate, so probing happens as often as before.
+
+    `ask_cost`: what asking every request costs, in plain steps (measured on fruitless asks). Where one ask in 8
+    steps would cost more than `ASK_BUDGET` of the time, the back-off goes on doubling (15, 31, ...) up to the
+    length that keeps it there: suffix trees on novel text at 64 streams cost a fifth of a step per ask on the
+    benchmark machine, 2.5% of the time at one ask in 8."""
+    longest = max(MAX_PROPOSAL_BACKOFF, min(math.ceil(ask_cost / ASK_BUDGET) - 1, LONGEST_PROPOSAL_BACKOFF))
+    return min(2 ** max(declined_in_a_row - 1, 0), longest + 1) - 1
 
 
 def choose_draft_lengths(

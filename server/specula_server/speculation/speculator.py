@@ -24,6 +24,7 @@ from specula_server.kv_cache import KVCache
 from specula_server.request import RequestState
 from specula_server.sampling import Sampler
 from specula_server.speculation.controller import (
+    ASK_COST_DECAY,
     AcceptancePriors,
     ConfidenceCalibration,
     RealizedAcceptance,
@@ -87,6 +88,8 @@ class Speculator:
         self._granted_at: dict[int, float] = {}  # request id -> the acceptance its draft was granted at this step
         self._declined_in_a_row = 0  # adaptive: steps whose drafts were all declined, since one verified
         self._steps_without_proposals = 0  # adaptive: plain steps left before drafts are proposed again
+        self._ask_cost: float | None = None  # adaptive: what a fruitless ask costs, in plain steps (decayed)
+        self.clock = time.perf_counter_ns  # times asking (a test's own clock can stand in)
 
     @property
     def adaptive(self) -> bool:
@@ -154,6 +157,7 @@ class Speculator:
                 self.step_cost.declined()
                 self._verified_nothing(backing_off)
             return None
+        asked_at = self.clock()
         try:
             proposals = drafter.propose(reqs, caps)
         except Exception:  # drafts only ever save time: a drafter's failure must not fail the requests
@@ -173,7 +177,7 @@ class Speculator:
             # off too (on novel text at 64 streams the suffix drafter, proposing nothing, was asked at 174 of
             # 251 steps; now at 18-36).
             if any(caps):
-                self._verified_nothing(backing_off)
+                self._verified_nothing(backing_off, self.clock() - asked_at, len(reqs))
             return None
         self._declined_in_a_row = self._steps_without_proposals = 0
         try:
@@ -184,12 +188,18 @@ class Speculator:
             return None
         return DraftPlan(drafts, [m if len(d) else "" for m, d in zip(methods, drafts)])
 
-    def _verified_nothing(self, backing_off: bool) -> None:
+    def _verified_nothing(self, backing_off: bool, asked_ns: int | None = None, num_sequences: int = 0) -> None:
         """A step that could have drafted verified nothing: the back-off grows (newcomers asked while backing
-        off do not prolong it)."""
+        off do not prolong it). `asked_ns`: how long asking took, when every request could be asked; in plain
+        steps of this batch, it sets how far the back-off may grow (`proposal_backoff`)."""
         self._declined_in_a_row += 1
-        if not backing_off:
-            self._steps_without_proposals = proposal_backoff(self._declined_in_a_row)
+        if backing_off:
+            return
+        if asked_ns is not None:
+            cost = self.agreed_seconds(asked_ns) / max(self.step_cost.plain(num_sequences), 1e-6)
+            earlier = cost if self._ask_cost is None else self._ask_cost
+            self._ask_cost = ASK_COST_DECAY * earlier + (1 - ASK_COST_DECAY) * cost
+        self._steps_without_proposals = proposal_backoff(self._declined_in_a_row, self._ask_cost or 0.0)
 
     def _forced(self, reqs: Sequence[RequestState]) -> list[list[int]]:
         """Per request, the tokens its grammar forces from here, up to its draft cap ([] when unconstrained)."""
