@@ -342,7 +342,8 @@ def drafting_bar(batch_size: int, cost: StepCostModel) -> float:
 def proposal_backoff(declined_in_a_row: int, ask_cost: float = 0.0) -> int:
     """Plain steps to run without proposing drafts after `declined_in_a_row` steps that asked for drafts and
     verified none (all declined, or none proposed) or whose bar withheld every draft: 0, 1, 3, then 7 at most
-    (more where asking is dear, below), until a step verifies drafts. Meanwhile requests at their first decode step are still asked.
+    (more where asking is dear, below), until a step verifies drafts. Meanwhile requests at their first decode
+    step are still asked.
 
     Proposing costs something even when nothing is verified: every request's prompt lookup and the choice
     itself, about 30 microseconds per request on the 2-core benchmark machine, 2-3% of a step at concurrency
