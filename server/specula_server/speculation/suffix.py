@@ -25,7 +25,7 @@ makes up to 48,000 nodes in its own tree, freed when it ends. In Python this is 
 ms per request per drafting step on the demo model (docs/benchmarks.md, "Suffix decoding").
 
 Backends. Where arctic-inference is installed (`suffix_native`: Snowflake's C++ suffix tree, path-compressed,
-children sorted by count), the same drafter runs on it instead, 30-55 us per request per step as served; the
+children sorted by count), the same drafter runs on it instead, 30-66 us per request per step as served; the
 Python trees here are the fallback without it, and `backend="python"` (or SPECULA_SUFFIX_BACKEND=python) forces them.
 The two draft alike where the likeliest continuations are unique; `suffix_native` says where they may differ.
 
