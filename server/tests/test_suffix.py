@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from specula_server.speculation import suffix_native
+from specula_server.speculation.drafters import PromptLookupDrafter
 from specula_server.speculation.suffix import (
     MIN_MATCH, GlobalSuffixCache, SuffixDrafter, SuffixTree, draft_from, follow, resolve_backend,
 )
@@ -160,6 +161,23 @@ def test_a_request_drafts_from_its_own_context_as_it_grows(backend):
     assert drafter.propose([r], [4])[0].tokens.tolist() == [4, 1, 2]
     drafter.release(r)  # not finished: nothing enters the global cache
     assert drafter.cache.num_tokens == 0 and not drafter._requests
+
+
+def test_a_batch_drafts_as_each_request_alone_with_prompt_lookup_behind(backend):
+    """Prompt lookup is asked once per step for the requests neither tree drafts for; each request still gets
+    the draft it would alone."""
+    def requests():
+        return [FakeRequest(0, [1, 2, 3, 4, 1, 2], prompt_len=6),  # its own tree drafts [3, 4]
+                FakeRequest(1, [7, 8, 9, 7], prompt_len=4),  # a 1-token match: prompt lookup's [8, 9, 7]
+                FakeRequest(2, [5, 6], prompt_len=2),  # nothing to draft from
+                FakeRequest(3, [1, 2, 3, 1, 2], prompt_len=5)]  # not drafting this step
+    caps = [4, 3, 4, 0]
+    batched = SuffixDrafter(fallback=PromptLookupDrafter(), depth=8, backend=backend)
+    alone = SuffixDrafter(fallback=PromptLookupDrafter(), depth=8, backend=backend)
+    drafts = batched.propose(requests(), caps)
+    assert [d.tokens.tolist() for d in drafts] == [
+        alone.propose([r], [k])[0].tokens.tolist() for r, k in zip(requests(), caps)]
+    assert [d.tokens.tolist() for d in drafts] == [[3, 4], [8, 9, 7], [], []]
 
 
 def test_a_long_run_of_distinct_requests_keeps_the_cache_bounded(backend):

@@ -281,52 +281,38 @@ class SuffixDrafter:
         return self.name
 
     def propose(self, requests: Sequence[RequestState], max_tokens: Sequence[int]) -> list[Draft]:
-        if self.native:
-            return self._propose_native(requests, max_tokens)
-        drafts = []
-        for r, k in zip(requests, max_tokens):
-            if k <= 0:  # not drafting this step: its trees catch up on the tokens when it next does
-                drafts.append(NO_DRAFT)
-                continue
-            state = self._sync(r)
-            local = draft_from(state.local_cursor, k, self.factor, self.offset, self.min_token_prob, self.depth)
-            remote = draft_from(state.global_cursor, k, self.factor, self.offset, self.min_token_prob, self.depth)
-            best = max(local, remote, key=lambda d: d.score)
-            drafts.append(best.draft if len(best.draft) else self._fallback(r, k))
-        return drafts
-
-    def _fallback(self, r: RequestState, k: int) -> Draft:
-        """The draft of a request neither tree drafts for: prompt lookup's, when it runs behind, else none."""
-        if self.fallback is None:
-            return NO_DRAFT
-        return self.fallback.propose([r], [k])[0]
-
-    def _propose_native(self, requests: Sequence[RequestState], max_tokens: Sequence[int]) -> list[Draft]:
-        """`propose` on Arctic Inference's trees (`suffix_native`)."""
         drafts = [NO_DRAFT] * len(requests)
-        undrafted: list[int] = []  # requests neither tree drafts for: prompt lookup's turn, in one call
-        args = (self.factor, self.offset, self.min_token_prob, True)
         for i, (r, k) in enumerate(zip(requests, max_tokens)):
-            if k <= 0:  # not drafting this step: its tree catches up on the tokens when it next does
-                continue
-            state = self._requests.get(r.id)
-            if state is None:
-                state = self._requests[r.id] = suffix_native.NativeRequestState(
-                    suffix_native.NativeSuffixTree(self.depth), r.spec.adapter_id)
-            context = suffix_native.sync(state, r.history, self.depth)
-            local = state.local.speculate(context, k, *args)
-            tree = self.cache.trees.get(state.adapter)
-            remote = tree.speculate(context, k, *args) if tree is not None else None
-            best = suffix_native.best_draft(local, remote, MIN_MATCH)
-            if best is None:
-                undrafted.append(i)
-            else:
-                drafts[i] = suffix_native.to_draft(best)
+            if k > 0:  # else not drafting this step: its trees catch up on the tokens when it next does
+                drafts[i] = self._propose_native(r, k) if self.native else self._propose_python(r, k)
+        # Requests neither tree drafts for get prompt lookup's draft, when it runs behind: one call for all.
+        undrafted = [i for i, (d, k) in enumerate(zip(drafts, max_tokens)) if k > 0 and not len(d)]
         if undrafted and self.fallback is not None:
             proposed = self.fallback.propose([requests[i] for i in undrafted], [max_tokens[i] for i in undrafted])
             for i, draft in zip(undrafted, proposed):
                 drafts[i] = draft
         return drafts
+
+    def _propose_python(self, r: RequestState, k: int) -> Draft:
+        """The better of the request's own tree's draft and its adapter's tree's, on the Python trees."""
+        state = self._sync(r)
+        local = draft_from(state.local_cursor, k, self.factor, self.offset, self.min_token_prob, self.depth)
+        remote = draft_from(state.global_cursor, k, self.factor, self.offset, self.min_token_prob, self.depth)
+        return max(local, remote, key=lambda d: d.score).draft
+
+    def _propose_native(self, r: RequestState, k: int) -> Draft:
+        """The same on Arctic Inference's trees (`suffix_native`)."""
+        state = self._requests.get(r.id)
+        if state is None:
+            state = self._requests[r.id] = suffix_native.NativeRequestState(
+                suffix_native.NativeSuffixTree(self.depth), r.spec.adapter_id)
+        context = suffix_native.sync(state, r.history, self.depth)
+        args = (self.factor, self.offset, self.min_token_prob, True)
+        local = state.local.speculate(context, k, *args)
+        tree = self.cache.trees.get(state.adapter)
+        remote = tree.speculate(context, k, *args) if tree is not None else None
+        best = suffix_native.best_draft(local, remote, MIN_MATCH)
+        return NO_DRAFT if best is None else suffix_native.to_draft(best)
 
     def _sync(self, r: RequestState) -> _RequestState:
         """The request's state, with the tokens it gained since the last step added to its own tree and
