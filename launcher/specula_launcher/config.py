@@ -333,15 +333,30 @@ def resolve_model(model_id: str | None) -> tuple[str, Path | None]:
                              f"`python scripts/build_demo_model.py` or pass --model-id")
         return str(DEMO_MODEL_DIR), DEMO_MODEL_DIR
     path = Path(model_id).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return model_id, gguf_model_dir(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"--model-id {model_id}: the directory has no config.json")
         return str(path), path
     if path.exists():
-        raise ValueError(f"--model-id {model_id}: expected a model directory or a Hub id, found a file")
+        raise ValueError(f"--model-id {model_id}: expected a model directory, a .gguf file or a Hub id, found "
+                         f"another file")
     if model_id.startswith(("/", "./", "../", "~")):
-        raise ValueError(f"--model-id {model_id}: no such directory")
+        raise ValueError(f"--model-id {model_id}: no such {'file' if model_id.endswith('.gguf') else 'directory'}")
     return model_id, None
+
+
+def gguf_model_dir(path: Path) -> Path:
+    """A local GGUF file, checked (architecture, tensor types, a whole file) and its metadata written as a model
+    directory before any shard starts; a file Specula cannot serve is a ValueError naming it and the reason."""
+    from specula_server.gguf_checkpoint import GGUFError  # imported here: only GGUF models need numpy and gguf
+    from specula_server.gguf_metadata import model_directory
+
+    try:
+        return model_directory(path)
+    except GGUFError as error:
+        raise ValueError(f"--model-id: {error}") from error
 
 
 def is_demo_model(model_dir: Path | None) -> bool:

@@ -193,7 +193,7 @@ def test_model_directory_checks(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="the directory has no config.json"):
         build_config(model_id=str(tmp_path / "empty"), **NO_GPU)
     (tmp_path / "file.bin").write_bytes(b"")
-    with pytest.raises(ValueError, match="found a file"):
+    with pytest.raises(ValueError, match="expected a model directory, a .gguf file or a Hub id, found another file"):
         build_config(model_id=str(tmp_path / "file.bin"), **NO_GPU)
 
 

@@ -6,7 +6,10 @@ safetensors files that `weights.Weights` opens. Adapters will go through the sam
 
 Resolution order:
   1. `model_id` names an existing directory -> used as is (it must hold `config.json`).
-  2. Otherwise it is a Hub id -> `huggingface_hub.snapshot_download` into the Hugging Face cache, or, offline,
+  2. `model_id` names a GGUF file (`model.gguf`, or `org/repo:FILE.gguf` on the Hub) -> the directory of Hugging
+     Face files made from its metadata (`gguf_metadata.model_directory`), whose `gguf.json` names the file that
+     holds the weights.
+  3. Otherwise it is a Hub id -> `huggingface_hub.snapshot_download` into the Hugging Face cache, or, offline,
      the snapshot already in that cache. huggingface_hub draws its own progress bars while downloading.
 
 Only safetensors weights are fetched: `.bin`/`.pt` checkpoints are never downloaded, so a repository that has
@@ -19,10 +22,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from huggingface_hub import snapshot_download
+from huggingface_hub import hf_hub_download, snapshot_download
 from huggingface_hub.errors import (
     GatedRepoError,
     HFValidationError,
@@ -31,6 +34,9 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+
+from specula_server.gguf_checkpoint import GGUFError, is_gguf
+from specula_server.gguf_metadata import GGUF_POINTER, model_directory
 
 logger = logging.getLogger("specula.hub")
 
@@ -97,6 +103,8 @@ def resolve_model_dir(
             offline and not cached, gated or unauthorised, unknown revision, Hub unreachable).
     """
     local = Path(model_id).expanduser()
+    if is_gguf(model_id) and required_file == "config.json":
+        return _gguf_model_dir(model_id, revision, cache_dir, token, offline)
     if local.is_dir():
         _require_file(local, required_file, model_id, revision, where="local directory")
         if revision is not None:
@@ -121,6 +129,33 @@ def resolve_model_dir(
     return path
 
 
+def _gguf_model_dir(model_id: str, revision: str | None, cache_dir: Path | None, token: str | None,
+                    offline: bool | None) -> Path:
+    """A GGUF file (local, or `org/repo:FILE.gguf` downloaded from the Hub) as a model directory."""
+    local = Path(model_id).expanduser()
+    if not local.is_file():
+        repo_id, _, filename = model_id.partition(":")
+        if not filename or _looks_like_path(model_id):
+            raise ModelNotFoundError(model_id, revision, f"no such GGUF file '{local}' (a Hub file is written "
+                                                         f"org/repo:FILE.gguf)")
+        is_offline = is_offline_from_env() if offline is None else offline
+        resolved_token = token if token is not None else (os.environ.get("HF_TOKEN") or None)
+        local = _download_file(repo_id, filename, revision, cache_dir, resolved_token, is_offline)
+    try:
+        return model_directory(local)
+    except GGUFError as error:
+        raise ModelNotFoundError(model_id, revision, error.reason) from error
+
+
+def _download_file(repo_id: str, filename: str, revision: str | None, cache_dir: Path | None, token: str | None,
+                   is_offline: bool) -> Path:
+    """One file of a Hub repository, through `hf_hub_download` (its own progress bar), errors as `snapshot`'s."""
+    def download(**kwargs: object) -> str:
+        return hf_hub_download(repo_id=repo_id, filename=filename, **kwargs)  # type: ignore[arg-type]
+
+    return Path(_hub_call(download, f"{repo_id}:{filename}", revision, cache_dir, token, is_offline))
+
+
 def snapshot(
     model_id: str,
     revision: str | None,
@@ -130,16 +165,19 @@ def snapshot(
     is_offline: bool,
 ) -> Path:
     """`snapshot_download` with its exceptions turned into `ModelNotFoundError` reasons."""
+    def download(**kwargs: object) -> str:
+        return snapshot_download(repo_id=model_id, allow_patterns=list(allow_patterns),  # type: ignore[arg-type]
+                                 ignore_patterns=list(IGNORE_PATTERNS), **kwargs)
+
+    return Path(_hub_call(download, model_id, revision, cache_dir, token, is_offline))
+
+
+def _hub_call(download: Callable[..., str], model_id: str, revision: str | None, cache_dir: Path | None,
+              token: str | None, is_offline: bool) -> str:
+    """`download(revision=, cache_dir=, token=, local_files_only=)` with huggingface_hub's exceptions turned
+    into `ModelNotFoundError` reasons."""
     try:
-        path = snapshot_download(
-            repo_id=model_id,
-            revision=revision,
-            cache_dir=cache_dir,
-            token=token,
-            allow_patterns=list(allow_patterns),
-            ignore_patterns=list(IGNORE_PATTERNS),
-            local_files_only=is_offline,
-        )
+        return download(revision=revision, cache_dir=cache_dir, token=token, local_files_only=is_offline)
     # Order matters: GatedRepoError < RepositoryNotFoundError < HfHubHTTPError, and
     # LocalEntryNotFoundError is not an HTTP error at all.
     except GatedRepoError as error:
@@ -167,7 +205,6 @@ def snapshot(
     except HFValidationError as error:
         reason = f"not an existing directory and not a valid Hub id ({error})"
         raise ModelNotFoundError(model_id, revision, reason) from error
-    return Path(path)
 
 
 def _looks_like_path(model_id: str) -> bool:
@@ -181,14 +218,20 @@ def _require_file(directory: Path, filename: str, model_id: str, revision: str |
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors files holding `model_dir`'s weights, in a stable order.
+    """The files holding `model_dir`'s weights, in a stable order.
 
-    `model.safetensors` if present; else the shards named by `model.safetensors.index.json` (its `weight_map`
+    The GGUF file a `gguf.json` names (a directory made from a GGUF file); else `model.safetensors` if present; else the shards named by `model.safetensors.index.json` (its `weight_map`
     values, deduplicated and sorted); else every `*.safetensors` in the directory.
 
     Raises:
         FileNotFoundError: no safetensors weights, or a shard named by the index is missing.
     """
+    pointer = model_dir / GGUF_POINTER
+    if pointer.is_file():
+        gguf_file = Path(json.loads(pointer.read_text())["file"])
+        if not gguf_file.is_file():
+            raise FileNotFoundError(f"{pointer} names {gguf_file}, which no longer exists")
+        return [gguf_file]
     single = model_dir / "model.safetensors"
     if single.is_file():
         return [single]

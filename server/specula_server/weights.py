@@ -1,5 +1,8 @@
 """Checkpoint reader that gives one tensor-parallel rank exactly its slice of each tensor.
 
+Reads safetensors files, and GGUF files through `gguf_checkpoint.GGUFTensors` (the same handle interface, with
+tensors under Hugging Face names, dequantized as they are read).
+
 Sits between `hub.weight_files` (which safetensors files make up a checkpoint) and the model's layers: a
 column-parallel linear asks for `get_sharded(name, dim=0)`, a row-parallel one for `get_sharded(name, dim=1)`,
 fused projections for `get_packed_sharded([q, k, v], dim=0)`, and replicated tensors (norms, row-parallel
@@ -22,6 +25,8 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from specula_server.gguf_checkpoint import GGUF_SUFFIX, GGUFTensors
+
 if TYPE_CHECKING:
     from specula_server.layers.quantization import Quantization
 
@@ -41,7 +46,7 @@ class WeightNotFoundError(KeyError):
 
 
 class Weights:
-    """Name-routed, rank-aware access to the tensors of a (possibly sharded) safetensors checkpoint.
+    """Name-routed, rank-aware access to the tensors of a (possibly sharded) safetensors or GGUF checkpoint.
 
     Floating-point tensors come back as `dtype` on `device`; integer tensors (quantised weights, index
     buffers) keep their dtype and only move to `device`. Every name passed in is prefixed with `prefix`
@@ -75,7 +80,7 @@ class Weights:
         self._handles: dict[Path, Any] = {}
         self._routing: dict[str, Path] = {}  # full tensor name -> file holding it
         for file in self.files:
-            handle = safe_open(str(file), framework="pt")
+            handle = GGUFTensors(file) if file.suffix == GGUF_SUFFIX else safe_open(str(file), framework="pt")
             self._handles[file] = handle
             for name in handle.keys():
                 if name in self._routing:

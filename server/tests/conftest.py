@@ -18,6 +18,12 @@ def _threads():
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _gguf_cache(tmp_path_factory):
+    # GGUF models' metadata directories go to this session's own cache (spawned ranks inherit it).
+    os.environ["SPECULA_CACHE"] = str(tmp_path_factory.mktemp("specula-cache"))
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
