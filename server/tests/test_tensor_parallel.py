@@ -20,13 +20,15 @@ JSON_GRAMMAR = llguidance.LLMatcher.grammar_from_json_schema(
      "required": ["key_one", "key_two"], "additionalProperties": False}, defaults={"whitespace_flexible": False})
 
 
-def run_requests(model_dir, group=None, grammar: str = "", **settings) -> list[list[int]]:
-    generator = load_test_generator(model_dir, group=group, **settings)
+def run_requests(model_dir, group=None, grammar: str = "", prompts=PROMPTS, max_new_tokens: int = 24,
+                 samplings=(SamplingParams(), SAMPLED), num_blocks: int = 256, **settings) -> list[list[int]]:
+    """Each prompt alone with each sampling setting, in order; the tokens of each."""
+    generator = load_test_generator(model_dir, group=group, num_blocks=num_blocks, **settings)
     results = []
-    for i, prompt in enumerate(PROMPTS):
-        for j, sampling in enumerate([SamplingParams(), SAMPLED]):
-            spec = make_spec(i, prompt, BlockPool(256, 16), max_new_tokens=24, sampling=sampling, grammar=grammar,
-                             lookahead=settings.get("speculative_tokens", 0))
+    for i, prompt in enumerate(prompts):
+        for sampling in samplings:
+            spec = make_spec(i, prompt, BlockPool(num_blocks, 16), max_new_tokens=max_new_tokens, sampling=sampling,
+                             grammar=grammar, lookahead=settings.get("speculative_tokens", 0))
             results.append(token_ids(generate_alone(generator, spec)))
     return results
 
@@ -58,14 +60,20 @@ def free_port() -> int:
 
 
 def run_two_ranks(model_dir: Path, settings: dict) -> dict[int, object]:
-    """`run_requests` on two spawned tensor-parallel ranks over gloo; each rank's result by rank."""
+    return run_ranks(model_dir, settings, world_size=2)
+
+
+def run_ranks(model_dir: Path, settings: dict, world_size: int) -> dict[int, object]:
+    """`run_requests(**settings)` on `world_size` spawned tensor-parallel ranks over gloo; each rank's result by
+    rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, model_dir, queue, settings)) for r in range(2)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, model_dir, queue, settings))
+             for r in range(world_size)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=120) for _ in procs)
+    results = dict(queue.get(timeout=300) for _ in procs)
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
