@@ -101,7 +101,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from http_load import free_port, start_launcher  # puts the repo's packages on the path
 
 PEERS = {"vllm": "vLLM", "llamacpp": "llama.cpp"}  # --peer -> its name in the table
-LLAMA_SERVER = "/work/peers/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
+LLAMA_SERVER = "/work/peers/src/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
 WORDS = ["def", "return", "value", "class", "import", "for", "while", "self", "data", "result", "index", "items",
          "config", "path", "name", "count", "total", "buffer", "stream", "token"]
 FILLERS = [" a", " b", " x", " i", ".", ",", ":", "(", ")", " =", "\n"]

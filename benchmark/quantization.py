@@ -12,8 +12,14 @@ perplexity over the first `--windows` windows of `--window-tokens` tokens (every
 scored from the prompt log-probabilities of one prefill), and greedy agreement with float32: how many of the
 first `--agreement-tokens` tokens after a held-out code prompt are identical, up to the first difference.
 
+`accuracy --real-model`: the same on SmolLM2-135M-Instruct's Q4_1 GGUF (`testing/real_model.py`, dequantized to
+float32 as served), with int4 at groups of 64 and of 32 (the file's own group), perplexity reported separately
+on an English passage written for the tests (`server/tests/data/held_out_english.txt`, one window) and on the
+held-out standard-library code.
+
     python benchmark/quantization.py decode --rounds 5 --pytorch-kernels
     python benchmark/quantization.py accuracy
+    python benchmark/quantization.py accuracy --real-model --window-tokens 384 --windows 8
 """
 
 from __future__ import annotations
@@ -150,31 +156,46 @@ def run_accuracy(args) -> dict:
     from tokenizers import Tokenizer
 
     torch.set_num_threads(args.threads)
-    model_dir = args.model_dir or DEMO_MODEL
+    if args.real_model:
+        from specula_server.hub import resolve_model_dir
+        from specula_server.testing.real_model import fetch_smollm2
+
+        model_id = fetch_smollm2()
+        model_dir = resolve_model_dir(str(model_id))
+        settings_by_name = {**variants(64), "int4 g32": {"quantize": "int4", "quantize_group_size": 32}}
+    else:
+        model_id = model_dir = args.model_dir or DEMO_MODEL
+        settings_by_name = variants(args.group_size)
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    windows = held_out_windows(tokenizer, args.windows, args.window_tokens)
+    texts = {"code": held_out_windows(tokenizer, args.windows, args.window_tokens)}
+    if args.real_model:
+        english = tokenizer.encode((REPO / "server/tests/data/held_out_english.txt").read_text()).ids
+        texts = {"english": [english[:args.window_tokens]], **texts}
     prompts = [tokenizer.encode(t).ids for t in code_corpus.held_out_code(args.prompts, num_chars=300, seed=0)]
-    result = {"windows": len(windows), "window_tokens": args.window_tokens, "prompts": len(prompts),
-              "agreement_tokens": args.agreement_tokens, "variants": {}}
+    result = {"windows": {k: len(v) for k, v in texts.items()}, "window_tokens": args.window_tokens,
+              "prompts": len(prompts), "agreement_tokens": args.agreement_tokens, "variants": {}}
     reference = None
-    for name, settings in variants(args.group_size).items():
-        generator = load_test_generator(model_dir, num_blocks=64, **settings)
+    for name, settings in settings_by_name.items():
+        generator = load_test_generator(model_id, num_blocks=64, **settings)
         tokens = greedy_tokens(generator, prompts, args.agreement_tokens)
         reference = reference or tokens
         prefixes = [common_prefix(t, r) for t, r in zip(tokens, reference)]
         result["variants"][name] = {
-            "perplexity": perplexity(generator, windows),
+            "perplexity": {kind: perplexity(generator, windows) for kind, windows in texts.items()},
             "mean_identical_prefix": statistics.mean(prefixes),
             "all_identical": sum(p == args.agreement_tokens for p in prefixes) / len(prefixes),
         }
     base = result["variants"]["float32"]["perplexity"]
-    print(f"demo model, {len(windows)} held-out windows of {args.window_tokens} tokens; greedy agreement over "
-          f"{len(prompts)} held-out prompts, first {args.agreement_tokens} tokens")
-    print("| weights | perplexity | vs float32 | identical prefix (mean tokens) | prompts with all identical |\n"
-          "|---|---|---|---|---|")
+    print(f"{'SmolLM2-135M-Instruct' if args.real_model else 'demo model'}, windows of {args.window_tokens} "
+          f"tokens {result['windows']}; greedy agreement over {len(prompts)} held-out prompts, first "
+          f"{args.agreement_tokens} tokens")
+    print("| weights | " + " | ".join(f"perplexity, {kind} | vs float32" for kind in texts)
+          + " | identical prefix (mean tokens) | prompts with all identical |\n|---|"
+          + "---|---|" * len(texts) + "---|---|")
     for name, v in result["variants"].items():
-        print(f"| {name} | {v['perplexity']:.3f} | {v['perplexity'] / base - 1:+.2%} | "
-              f"{v['mean_identical_prefix']:.1f} / {args.agreement_tokens} | {v['all_identical']:.0%} |")
+        cells = " | ".join(f"{v['perplexity'][k]:.3f} | {v['perplexity'][k] / base[k] - 1:+.2%}" for k in texts)
+        print(f"| {name} | {cells} | {v['mean_identical_prefix']:.1f} / {args.agreement_tokens} | "
+              f"{v['all_identical']:.0%} |")
     return result
 
 
@@ -194,6 +215,8 @@ def main() -> None:
     parser.add_argument("--window-tokens", type=int, default=512)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--agreement-tokens", type=int, default=32)
+    parser.add_argument("--real-model", action="store_true",
+                        help="accuracy: SmolLM2-135M-Instruct's GGUF instead of the demo model")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args()
     result = run_decode(args) if args.part == "decode" else run_accuracy(args)

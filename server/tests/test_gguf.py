@@ -226,3 +226,44 @@ def _retype_first_matrix(path: Path, type_name: str) -> None:
     start = type_field.ctypes.data - offset
     data[start:start + 4] = int(gguf.GGMLQuantizationType[type_name]).to_bytes(4, "little")
     path.write_bytes(bytes(data))
+
+
+def test_a_sentencepiece_vocabulary_encodes_as_transformers_and_keeps_sentencepieces_prefix(tmp_path):
+    """Llama 2's kind of tokenizer (`tokenizer.ggml.model = llama`): scores, byte tokens, no merges in the file.
+
+    Text that starts with a space is where the references part: SentencePiece and llama.cpp always add the dummy
+    prefix (" x" -> "▁▁x"), as Llama 2's own tokenizer.json does with its Prepend normalizer; transformers' GGUF
+    tokenizer does not add one before a space. Specula follows SentencePiece."""
+    model_dir = build_tiny_model(tmp_path / "spm", "llama", tokenizer_kind="metaspace")
+    file = write_gguf(model_dir, tmp_path / "spm.gguf", "Q8_0")
+    ours = Tokenizer.from_file(str(model_directory(file, tmp_path / "cache") / "tokenizer.json"))
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file=file.name)
+    for text in [MULTILINGUAL_TEXT, "Hello world", "tabs\t\tand\r\nnewlines 2024"] + [
+            text[:3000] for text in training_corpus()]:
+        ids = ours.encode(text).ids
+        assert ids == reference(text)["input_ids"]
+        assert ours.decode(ids) == text
+    spaced, plain = ours.encode(" leading").ids, ours.encode("leading").ids
+    assert spaced == [1, ours.token_to_id("▁")] + plain[1:]
+    assert ours.decode(spaced) == " leading"
+
+
+@pytest.mark.parametrize("factor,served", [(8.0, True), (4.0, False)])
+def test_llama3_rotary_factors_are_read_back_as_their_scaling_or_refused(tmp_path, factor, served):
+    """llama.cpp keeps Llama 3.1's scaling only as per-frequency divisors; the published settings that give them
+    are served (checked against transformers on the original directory), others refused."""
+    scaling = dict(rope_type="llama3", factor=factor, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+    model_dir = build_tiny_model(tmp_path / "llama31", "llama31", rope_scaling=scaling, max_position_embeddings=16384)
+    file = write_gguf(model_dir, tmp_path / "llama31.gguf", "F32")
+    if not served:
+        with pytest.raises(GGUFError, match=r"llama31\.gguf: its rotary frequency factors \(rope_freqs.weight\) "
+                                            r"match no Llama 3 scaling"):
+            model_directory(file, tmp_path / "cache")
+        return
+    assert ModelConfig.from_dir(model_directory(file, tmp_path / "cache")) == ModelConfig.from_dir(model_dir)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    generator = load_test_generator(file)
+    prompt = [1] + list(range(100, 160))
+    outputs = generate_alone(generator, make_spec(0, prompt, BlockPool(256, 16), max_new_tokens=8))
+    assert token_ids(outputs) == reference_greedy(reference, prompt, 8)[0]

@@ -26,6 +26,24 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
         weight.shape)
 
 
+def llama3_rope_factors(head_dim: int, scaling: dict, rope_theta: float) -> np.ndarray:
+    """The divisor of each rotary frequency, as llama.cpp's converter stores Llama 3.1 scaling (`rope_freqs`)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    frequencies = 1.0 / rope_theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    factors = []
+    for frequency in frequencies:
+        wavelength = 2 * np.pi / frequency
+        if wavelength < original / high:
+            factors.append(1.0)
+        elif wavelength > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
 def write_gguf(model_dir: Path, out_file: Path, tensor_type: str = "F32", *, architecture: str = "llama",
                embedding_type: str | None = None, drop: tuple[str, ...] = (), pre_tokenizer: str = "default",
                seed: int = 0) -> Path:
@@ -54,6 +72,10 @@ def write_gguf(model_dir: Path, out_file: Path, tensor_type: str = "F32", *, arc
     writer.add_vocab_size(config["vocab_size"])
     _add_tokenizer(writer, tokenizer, tokenizer_config, config, drop, pre_tokenizer)
 
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if scaling.get("rope_type") == "llama3" and "rope_freqs.weight" not in drop:
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, scaling, rope_theta=float(
+            config.get("rope_theta") or scaling["rope_theta"])))
     rng = np.random.default_rng(seed)
     tensors = {}
     for file in sorted(model_dir.glob("*.safetensors")):
@@ -89,13 +111,25 @@ def _add_tokenizer(writer, tokenizer: dict, tokenizer_config: dict, config: dict
         tokens[index] = token
     for token, index in added.items():
         tokens[index], types[index] = token, 3  # CONTROL
-    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"].get("merges", [])]
-    writer.add_tokenizer_model("gpt2")
-    if "tokenizer.ggml.pre" not in drop:
-        writer.add_tokenizer_pre(pre_tokenizer)
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(merges)
+    if tokenizer["model"].get("byte_fallback"):
+        # A SentencePiece-style vocabulary (Llama 2): llama.cpp stores scores, not merges; the converter gives each
+        # piece its SentencePiece score, which falls with the piece's rank, and marks byte and unknown tokens.
+        writer.add_tokenizer_model("llama")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([0.0 if types[i] == 3 or token.startswith("<0x") else -float(i)
+                                 for i, token in enumerate(tokens)])
+        writer.add_token_types([6 if token.startswith("<0x") and types[i] == 1 else 2 if token == "<unk>" else types[i]
+                                for i, token in enumerate(tokens)])
+        writer.add_add_space_prefix(True)
+        writer.add_unk_token_id(vocab.get("<unk>", added.get("<unk>", 0)))
+    else:
+        merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"].get("merges", [])]
+        writer.add_tokenizer_model("gpt2")
+        if "tokenizer.ggml.pre" not in drop:
+            writer.add_tokenizer_pre(pre_tokenizer)
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_token_merges(merges)
     for key, adder in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id)):
         if config.get(key) is not None:
             adder(int(config[key]))

@@ -1,0 +1,367 @@
+"""Specula against vLLM's CPU build and llama.cpp's `llama-server` on a real model, SmolLM2-135M-Instruct, over
+OpenAI's chat completions route, side by side.
+
+The model is the Q4_1 GGUF of `specula_server.testing.real_model`. Each server serves the same weights:
+
+    specula*     the GGUF itself (dequantized to float32 at load; `--quantize` where a setting asks for it)
+    vllm*        a float32 safetensors directory written from the same dequantized tensors, with the tokenizer,
+                 chat template and config Specula derives from the file
+    llamacpp-*   the GGUF: `q4_1` the file as it is, `f32` and `q8_0` made from it by `llama-quantize
+                 --allow-requantize` (f32 holds exactly the file's values; q8_0 requantizes them)
+
+Three kinds of greedy chat requests (temperature 0, `--max-tokens`, ending at EOS as chats do), written from real
+text: rewriting a standard-library function with a renamed parameter (the answer copies most of the prompt),
+summarizing a standard-library docstring, and open questions (nothing to copy). Each concurrency level sends
+distinct prompts (nothing cached from an earlier level): `--requests-per-stream` per stream, `c` streams.
+
+Scheme (2 cores: one server at a time). A round starts each setting in turn, warms it up on unmeasured prompts,
+runs every kind at every level, and stops it; the order of the settings is reversed every other round. Reported:
+completion tokens/s per (setting, kind, level), the median over rounds; ratios of Specula's settings to each peer
+setting as the median of per-round ratios (paired); and beside every ratio the share of prompts whose answer is
+identical to the answer of the baseline (`specula`, speculation off, float32).
+
+    python benchmark/real_model.py --settings specula specula-ngram specula-suffix vllm vllm-ngram \\
+        llamacpp-f32 llamacpp-f32-ngram --rounds 2 --json benchmark/results/real_model.json
+
+Peers are set up as `benchmark/peers.py --help` describes (vLLM in `/work/peers/vllm-venv`, llama.cpp's server
+built from the `llama-cpp-python` source package).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from http_load import free_port, start_launcher  # noqa: E402  (puts the repo's packages on the path)
+from peers import LLAMA_SERVER, Server, start_llamacpp, start_vllm, stop, wait_healthy  # noqa: E402
+
+KINDS = ("rewrite", "summary", "question")
+DRAFTS = 4
+# Each setting: which server, and its flags. Specula's speculation: prompt lookup (`ngram`) or suffix trees with
+# prompt lookup behind them; vLLM's n-gram proposer; llama.cpp's simple n-gram drafting.
+SETTINGS: dict[str, tuple[str, list[str]]] = {
+    "specula": ("specula", []),
+    "specula-ngram": ("specula", ["--speculative-tokens", str(DRAFTS)]),
+    "specula-suffix": ("specula", ["--speculative-tokens", str(DRAFTS), "--speculator", "suffix"]),
+    "specula-int8": ("specula", ["--quantize", "int8"]),
+    "specula-int4": ("specula", ["--quantize", "int4", "--quantize-group-size", "32"]),
+    "vllm": ("vllm", []),
+    "vllm-ngram": ("vllm", ["--speculative-config", json.dumps(
+        {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_lookup_max": 4, "prompt_lookup_min": 1})]),
+    "llamacpp-f32": ("llamacpp:f32", []),
+    "llamacpp-f32-ngram": ("llamacpp:f32", ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                                            "--spec-ngram-simple-size-m", str(DRAFTS)]),
+    "llamacpp-q8_0": ("llamacpp:q8_0", []),
+    "llamacpp-q4_1": ("llamacpp:q4_1", []),
+}
+QUESTIONS = [
+    "Why do leaves change colour in autumn?", "How does a refrigerator keep food cold?",
+    "What causes the tides?", "Why is the sea salty?", "How do bees make honey?", "What is a black hole?",
+    "Why do we have seasons?", "How does a vaccine work?", "What makes a rainbow appear?",
+    "How do airplanes stay in the air?", "Why do cats purr?", "What is the difference between weather and climate?",
+    "How does the internet send a message from one computer to another?", "Why do onions make people cry?",
+    "What is photosynthesis?", "How do volcanoes form?", "Why is the sky dark at night?",
+    "What does a central bank do?", "How do magnets work?", "Why do we dream?", "What is inflation?",
+    "How does a compass find north?", "Why does ice float on water?", "What is the water cycle?",
+    "How do plants know which way is up?", "What is an atom made of?", "Why do stars twinkle?",
+    "How does a battery store energy?", "What is the greenhouse effect?", "Why do birds migrate?",
+    "How does a microwave oven heat food?", "What causes earthquakes?", "Why is exercise good for the heart?",
+    "How do noise-cancelling headphones work?", "What is a prime number?", "Why does bread rise?",
+    "How do fish breathe under water?", "What is the speed of light, and why does it matter?",
+    "Why do we yawn?", "How is glass made?", "What is machine learning?", "Why do apples turn brown?",
+    "How do submarines dive and surface?", "What is a democracy?",
+]
+
+
+# -- the prompts ------------------------------------------------------------------------------------------------
+
+
+def rewrite_prompts(count: int) -> list[str]:
+    """Standard-library functions of 200-1200 characters with a parameter to rename, as chat requests."""
+    import base64
+    import calendar
+    import csv
+    import difflib
+    import fnmatch
+    import glob
+    import heapq
+    import json as json_module
+    import posixpath
+    import shlex
+    import string
+    import textwrap
+
+    found = []
+    for module in (textwrap, string, shlex, csv, difflib, json_module.decoder, json_module.encoder, inspect,
+                   posixpath, fnmatch, base64, calendar, heapq, glob):
+        for name, function in sorted(vars(module).items()):
+            if not inspect.isfunction(function) or function.__module__ != module.__name__:
+                continue
+            try:
+                source = inspect.getsource(function)
+            except OSError:  # made at run time (namedtuple methods, ...)
+                continue
+            parameters = [p for p in inspect.signature(function).parameters if p not in ("self", "cls")]
+            if 200 <= len(source) <= 1200 and parameters and len(parameters[0]) > 1:
+                old = parameters[0]
+                found.append(f"Rewrite this Python function so that its parameter `{old}` is called `{old}_value`"
+                             f" everywhere. Reply with the code only.\n\n```python\n{source}```")
+    if len(found) < count:
+        raise SystemExit(f"only {len(found)} rewrite prompts; asked for {count}")
+    return found[:count]
+
+
+def summary_prompts(count: int) -> list[str]:
+    """Paragraphs of standard-library docstrings (200-1000 characters), each to summarize."""
+    import argparse as argparse_module
+    import asyncio as asyncio_module
+    import collections
+    import dataclasses
+    import functools
+    import logging
+    import pathlib
+    import subprocess as subprocess_module
+    import threading
+    import typing
+
+    paragraphs = []
+    for module in (argparse_module, asyncio_module, collections, dataclasses, functools, logging, pathlib,
+                   subprocess_module, threading, typing, inspect, json):
+        for _, member in sorted(vars(module).items()):
+            doc = inspect.getdoc(member) if callable(member) or inspect.ismodule(member) else None
+            for paragraph in (doc or "").split("\n\n"):
+                text = " ".join(paragraph.split())
+                if 200 <= len(text) <= 1000 and text not in paragraphs:
+                    paragraphs.append(text)
+    if len(paragraphs) < count:
+        raise SystemExit(f"only {len(paragraphs)} summary prompts; asked for {count}")
+    step = len(paragraphs) // count
+    return [f"Summarize this in two sentences:\n\n{paragraphs[i * step]}" for i in range(count)]
+
+
+def level_size(c: int, per_stream: int) -> int:
+    """Requests at concurrency `c`: `per_stream` per stream, and at least 3 (one stream alone is noisy)."""
+    return max(3, c * per_stream)
+
+
+def make_prompts(levels: list[int], per_stream: int) -> dict[str, dict[int, list[str]]]:
+    """Distinct prompts per kind and level, and at level 0 the warm-up prompts no level uses."""
+    total = sum(level_size(c, per_stream) for c in levels) + max(levels)
+    every = {"rewrite": rewrite_prompts(total), "summary": summary_prompts(total),
+             "question": (QUESTIONS * (total // len(QUESTIONS) + 1))[:total]}
+    if total > len(QUESTIONS):  # repeated questions would hit prefix caches: make each distinct
+        every["question"] = [q if i < len(QUESTIONS) else f"{q} Answer as if to a child of {5 + i // len(QUESTIONS)}."
+                             for i, q in enumerate(every["question"])]
+    prompts: dict[str, dict[int, list[str]]] = {}
+    for kind, texts in every.items():
+        prompts[kind], base = {0: texts[-max(levels):]}, 0  # level 0: the warm-up prompts
+        for c in levels:
+            prompts[kind][c] = texts[base:base + level_size(c, per_stream)]
+            base += level_size(c, per_stream)
+    return prompts
+
+
+# -- the servers ------------------------------------------------------------------------------------------------
+
+
+def write_float_dir(gguf: Path, out: Path) -> Path:
+    """The GGUF's dequantized tensors as float32 safetensors, with the config and tokenizer Specula derives."""
+    if (out / "model.safetensors").is_file():
+        return out
+    from safetensors.torch import save_file
+
+    from specula_server.gguf_checkpoint import GGUFTensors
+    from specula_server.hub import resolve_model_dir
+
+    out.mkdir(parents=True, exist_ok=True)
+    meta = resolve_model_dir(str(gguf))
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (out / name).write_text((meta / name).read_text())
+    tensors = GGUFTensors(gguf)
+    save_file({name: tensors.get_tensor(name) for name in tensors.keys()}, str(out / "model.safetensors"))
+    return out
+
+
+def requantized_gguf(gguf: Path, kind: str, llama_server: Path, work: Path) -> Path:
+    """`gguf` as it is (`q4_1`), or converted to `kind` by the tree's `llama-quantize --allow-requantize`."""
+    if kind == "q4_1":
+        return gguf
+    out = work / f"{gguf.stem}.{kind}.gguf"
+    if not out.is_file():
+        quantize = llama_server.parent / "llama-quantize"
+        subprocess.run([str(quantize), "--allow-requantize", str(gguf), str(out), kind.upper()], check=True,
+                       capture_output=True)
+    return out
+
+
+@dataclass
+class Context:
+    args: argparse.Namespace
+    gguf: Path
+    float_dir: Path
+    work: Path
+
+
+def start(setting: str, ctx: Context, max_concurrency: int) -> Server:
+    server, flags = SETTINGS[setting]
+    work = ctx.work / setting
+    work.mkdir(parents=True, exist_ok=True)
+    if server == "specula":
+        port = free_port()
+        extra = ["--max-concurrent-requests", str(4 * max_concurrency), "--dtype", "float32", *flags]
+        proc = start_launcher(ctx.gguf, port, work, extra)
+        return Server("specula", proc, f"http://127.0.0.1:{port}", work / "server.log", "tgi", "ignore_eos_token")
+    if server == "vllm":
+        return start_vllm(ctx.float_dir, work, ctx.args.vllm_python, {}, flags, False)
+    kind = server.split(":")[1]
+    gguf = requantized_gguf(ctx.gguf, kind, ctx.args.llama_server, ctx.work)
+    slot_tokens = 1024 + ctx.args.max_tokens
+    return start_llamacpp(gguf, work, ctx.args.llama_server, ctx.args.llama_threads, max_concurrency, slot_tokens,
+                          ["--jinja", *flags])
+
+
+# -- the load ---------------------------------------------------------------------------------------------------
+
+
+async def chat(client: httpx.AsyncClient, server: Server, prompt: str, max_tokens: int) -> tuple[str, int]:
+    body = {"model": server.model or "tgi", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0}
+    response = await client.post(f"{server.url}/v1/chat/completions", json=body, timeout=1800)
+    if response.status_code != 200:
+        raise RuntimeError(f"{server.name}: HTTP {response.status_code}: {response.text[:500]}")
+    data = response.json()
+    return data["choices"][0]["message"]["content"], data["usage"]["completion_tokens"]
+
+
+async def run_level(server: Server, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[float, list[str]]:
+    """`concurrency` clients sending their share of `prompts` one after another: (tokens/s, answers)."""
+    per_stream = len(prompts) // concurrency
+    answers: dict[int, str] = {}
+    tokens = 0
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        async def stream(c: int) -> None:
+            nonlocal tokens
+            for k in range(per_stream):
+                i = c * per_stream + k
+                answers[i], n = await chat(client, server, prompts[i], max_tokens)
+                tokens += n
+
+        begin = time.perf_counter()
+        await asyncio.gather(*(stream(c) for c in range(concurrency)))
+        wall = time.perf_counter() - begin
+    return tokens / wall, [answers[i] for i in range(len(answers))]
+
+
+def run_turn(setting: str, ctx: Context, prompts: dict[str, dict[int, list[str]]]) -> dict:
+    levels = ctx.args.concurrency
+    server = start(setting, ctx, max(levels))
+    try:
+        wait_healthy(server, ctx.args.startup_timeout)
+        for c in levels:  # warm-up: short answers at every level
+            asyncio.run(run_level(server, prompts["question"][0][:c], c, 8))
+        result: dict = {}
+        for kind in ctx.args.kinds:
+            for c in levels:
+                rate, answers = asyncio.run(run_level(server, prompts[kind][c], c, ctx.args.max_tokens))
+                result[f"{kind}/{c}"] = {"tokens_per_s": rate, "answers": answers}
+                print(f"  {setting} {kind} c={c}: {rate:.1f} tok/s", flush=True)
+    finally:
+        stop(server)
+    return result
+
+
+# -- the report -------------------------------------------------------------------------------------------------
+
+
+def agreement(answers: list[str], baseline: list[str]) -> float:
+    return sum(a == b for a, b in zip(answers, baseline)) / max(1, len(baseline))
+
+
+def summarize(rounds: list[dict[str, dict]], settings: list[str]) -> dict:
+    cells = list(rounds[0][settings[0]])
+    summary: dict = {"tokens_per_s": {}, "identical": {}, "ratios": {}}
+    for s in settings:
+        summary["tokens_per_s"][s] = {cell: statistics.median(r[s][cell]["tokens_per_s"] for r in rounds)
+                                      for cell in cells}
+        if "specula" in settings:
+            summary["identical"][s] = {cell: statistics.mean(agreement(r[s][cell]["answers"],
+                                                                       r["specula"][cell]["answers"]) for r in rounds)
+                                       for cell in cells}
+    ours = [s for s in settings if s.startswith("specula")]
+    for a in ours:
+        for b in settings:
+            if b.startswith("specula"):
+                continue
+            summary["ratios"][f"{a}/{b}"] = {cell: statistics.median(
+                r[a][cell]["tokens_per_s"] / r[b][cell]["tokens_per_s"] for r in rounds) for cell in cells}
+    return summary
+
+
+def print_table(summary: dict, settings: list[str]) -> None:
+    cells = list(summary["tokens_per_s"][settings[0]])
+    print("\n| setting | " + " | ".join(cells) + " |")
+    print("|---|" + "---|" * len(cells))
+    for s in settings:
+        values = summary["tokens_per_s"][s]
+        same = summary["identical"].get(s, {})
+        print(f"| {s} | " + " | ".join(f"{values[c]:.1f}" + (f" ({same[c]:.0%})" if same else "")
+                                       for c in cells) + " |")
+    for pair, values in summary["ratios"].items():
+        print(f"| {pair} | " + " | ".join(f"{values[c]:.2f}x" for c in cells) + " |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=["specula", "specula-ngram", "vllm"])
+    parser.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--requests-per-stream", type=int, default=1)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--work", type=Path, help="where the float32 directory and requantized GGUFs are kept "
+                                                  "(default: a temporary directory)")
+    parser.add_argument("--vllm-python", default="/work/peers/vllm-venv/bin/python")
+    parser.add_argument("--llama-server", type=Path, default=Path(LLAMA_SERVER))
+    parser.add_argument("--llama-threads", type=int, default=2)
+    parser.add_argument("--startup-timeout", type=float, default=900)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    from specula_server.testing.real_model import fetch_smollm2
+
+    gguf = fetch_smollm2()
+    with tempfile.TemporaryDirectory(prefix="real-model-") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        float_dir = write_float_dir(gguf, work / "float32") if any(
+            SETTINGS[s][0] == "vllm" for s in args.settings) else work
+        ctx = Context(args, gguf, float_dir, work)
+        prompts = make_prompts(args.concurrency, args.requests_per_stream)
+        rounds: list[dict[str, dict]] = []
+        for r in range(args.rounds):
+            order = args.settings if r % 2 == 0 else list(reversed(args.settings))
+            print(f"round {r}: {' '.join(order)}", flush=True)
+            rounds.append({s: run_turn(s, ctx, prompts) for s in order})
+        summary = summarize(rounds, args.settings)
+        print_table(summary, args.settings)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                             "summary": summary, "rounds": rounds}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
