@@ -217,8 +217,8 @@ class Context:
 
 def start(setting: str, ctx: Context, max_concurrency: int) -> Server:
     server, flags = SETTINGS[setting]
-    work = ctx.work / setting
-    work.mkdir(parents=True, exist_ok=True)
+    ctx.work.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{setting}-", dir=ctx.work))  # its own sockets and log, every turn
     if server == "specula":
         port = free_port()
         extra = ["--max-concurrent-requests", str(4 * max_concurrency), "--dtype", "float32", *flags]

@@ -38,7 +38,8 @@ SHARD_STOP_TIMEOUT_S = 10.0
 def main(
     ctx: typer.Context,
     model_id: Optional[str] = typer.Option(
-        None, envvar="MODEL_ID", help="Hub model id or local directory. Default: the bundled demo model."),
+        None, envvar="MODEL_ID", help="Hub model id, local directory or GGUF file (a path, or org/repo:FILE.gguf "
+                                      "on the Hub). Default: the bundled demo model."),
     revision: Optional[str] = typer.Option(None, envvar="REVISION", help="Hub revision (branch, tag or commit)."),
     num_shard: int = typer.Option(1, envvar="NUM_SHARD", help="Tensor-parallel shards (one process, one GPU each)."),
     dtype: Optional[str] = typer.Option(

@@ -321,7 +321,7 @@ def _setup_logging(level: str, json_output: bool) -> None:
 
 @app.command()
 def main(
-    model_id: str = typer.Option(..., envvar="MODEL_ID", help="Model id or directory (for the tokenizer and /info)."),
+    model_id: str = typer.Option(..., envvar="MODEL_ID", help="Model id, directory or GGUF file (for the tokenizer and /info)."),
     master_shard_uds_path: str = typer.Option("/tmp/specula-server-0", envvar="MASTER_SHARD_UDS_PATH",
                                               help="Unix socket of shard 0."),
     instance_id: str = typer.Option(

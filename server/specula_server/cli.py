@@ -36,7 +36,7 @@ def main() -> None:
 
 @app.command()
 def serve(
-    model_id: str = typer.Argument(..., envvar="MODEL_ID", help="Hub model id or local directory."),
+    model_id: str = typer.Argument(..., envvar="MODEL_ID", help="Hub model id, local directory or GGUF file."),
     uds_path: str = typer.Option("/tmp/specula-server", envvar="UDS_PATH",
                                  help="Unix socket path prefix; shard r listens on PATH-r."),
     revision: Optional[str] = typer.Option(None, envvar="REVISION", help="Hub revision (branch, tag or commit)."),

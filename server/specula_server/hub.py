@@ -135,7 +135,7 @@ def _gguf_model_dir(model_id: str, revision: str | None, cache_dir: Path | None,
     local = Path(model_id).expanduser()
     if not local.is_file():
         repo_id, _, filename = model_id.partition(":")
-        if not filename or _looks_like_path(model_id):
+        if not filename or model_id.startswith(("/", "./", "../", "~")):
             raise ModelNotFoundError(model_id, revision, f"no such GGUF file '{local}' (a Hub file is written "
                                                          f"org/repo:FILE.gguf)")
         is_offline = is_offline_from_env() if offline is None else offline
