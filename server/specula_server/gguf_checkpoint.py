@@ -159,6 +159,17 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return None
 
 
+def gguf_tensor_name(hf_name: str) -> str | None:
+    """The inverse of `hf_tensor_name`: `model.layers.3.self_attn.q_proj.weight` -> `blk.3.attn_q.weight`."""
+    for gguf_name, name in _GLOBAL_NAMES.items():
+        if name == hf_name:
+            return gguf_name
+    layer, _, rest = hf_name.removeprefix("model.layers.").partition(".")
+    if hf_name.startswith("model.layers.") and layer.isdigit():
+        return next((f"blk.{layer}.{g}" for g, name in _LAYER_NAMES.items() if name == rest), None)
+    return None
+
+
 def _field_value(field: Any) -> Any:
     """A metadata field as a Python value (str, int, float, bool, or a list of them)."""
     from gguf import GGUFValueType

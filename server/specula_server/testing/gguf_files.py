@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
+from specula_server.gguf_checkpoint import gguf_tensor_name
+
 # Where each K-quant block keeps its float16 scales (super-block scale `d`, and `dmin` where it has one).
 _K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
@@ -81,7 +83,7 @@ def write_gguf(model_dir: Path, out_file: Path, tensor_type: str = "F32", *, arc
     for file in sorted(model_dir.glob("*.safetensors")):
         tensors.update(load_file(str(file)))
     for hf_name, value in tensors.items():
-        name = _gguf_name(hf_name)
+        name = gguf_tensor_name(hf_name)
         if name is None or name in drop:
             continue
         value = value.astype(np.float32)
@@ -137,20 +139,6 @@ def _add_tokenizer(writer, tokenizer: dict, tokenizer_config: dict, config: dict
     template = tokenizer_config.get("chat_template")
     if template and "tokenizer.chat_template" not in drop:
         writer.add_chat_template(template)
-
-
-def _gguf_name(hf_name: str) -> str | None:
-    from specula_server.gguf_checkpoint import _GLOBAL_NAMES, _LAYER_NAMES
-
-    for gguf_name, name in _GLOBAL_NAMES.items():
-        if name == hf_name:
-            return gguf_name
-    if hf_name.startswith("model.layers."):
-        index, rest = hf_name.removeprefix("model.layers.").split(".", 1)
-        for gguf_name, name in _LAYER_NAMES.items():
-            if name == rest:
-                return f"blk.{index}.{gguf_name}"
-    return None
 
 
 def _add_tensor(writer, name: str, value: np.ndarray, kind: str, rng: np.random.Generator) -> None:
