@@ -228,14 +228,32 @@ class Timings(_message.Message):
     def __init__(self, forward_ns: _Optional[int] = ..., decode_ns: _Optional[int] = ..., total_ns: _Optional[int] = ...) -> None: ...
 
 class LoadAdapterRequest(_message.Message):
-    __slots__ = ("adapter_id", "adapter_source", "api_token")
+    __slots__ = ("adapter_id", "adapter_source", "api_token", "merge")
     ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_SOURCE_FIELD_NUMBER: _ClassVar[int]
     API_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MERGE_FIELD_NUMBER: _ClassVar[int]
     adapter_id: str
     adapter_source: str
     api_token: str
-    def __init__(self, adapter_id: _Optional[str] = ..., adapter_source: _Optional[str] = ..., api_token: _Optional[str] = ...) -> None: ...
+    merge: AdapterMerge
+    def __init__(self, adapter_id: _Optional[str] = ..., adapter_source: _Optional[str] = ..., api_token: _Optional[str] = ..., merge: _Optional[_Union[AdapterMerge, _Mapping]] = ...) -> None: ...
+
+class AdapterMerge(_message.Message):
+    __slots__ = ("adapter_ids", "weights", "strategy", "density", "majority_sign_method", "seed")
+    ADAPTER_IDS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    DENSITY_FIELD_NUMBER: _ClassVar[int]
+    MAJORITY_SIGN_METHOD_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    adapter_ids: _containers.RepeatedScalarFieldContainer[str]
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    strategy: str
+    density: float
+    majority_sign_method: str
+    seed: int
+    def __init__(self, adapter_ids: _Optional[_Iterable[str]] = ..., weights: _Optional[_Iterable[float]] = ..., strategy: _Optional[str] = ..., density: _Optional[float] = ..., majority_sign_method: _Optional[str] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class LoadAdapterResponse(_message.Message):
     __slots__ = ("loaded", "error", "error_status", "kind", "load_seconds")

@@ -19,6 +19,7 @@ import torch
 
 from specula_proto import generate_pb2 as pb
 from specula_proto import generate_pb2_grpc
+from specula_server.adapters.merge import MergeSpec
 from specula_server.adapters.sources import AdapterError
 from specula_server.generator import InvalidRequestError, StepResult, TextGenerator
 from specula_server.params import FinishReason, SamplingParams, StoppingParams
@@ -220,8 +221,9 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
                                           error=f"adapter `{request.adapter_id}`: this worker serves no adapters")
         started = time.perf_counter()
         try:
+            merge = merge_from_pb(request.merge) if request.HasField("merge") else None
             loaded = await asyncio.to_thread(registry.load, request.adapter_id, request.adapter_source or "hub",
-                                             request.api_token or None)
+                                             request.api_token or None, merge)
         except Exception as e:  # a broken adapter fails its own requests, never the worker
             status = e.status if isinstance(e, AdapterError) else 424
             message = str(e) if isinstance(e, AdapterError) else f"adapter `{request.adapter_id}`: {e}"
@@ -237,6 +239,12 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
 
 
 # --- conversions -------------------------------------------------------------------------------------------
+
+
+def merge_from_pb(merge: pb.AdapterMerge) -> MergeSpec:
+    """The merge a LoadAdapterRequest asks for; ValueError for one the router should not have sent."""
+    return MergeSpec(tuple(merge.adapter_ids), tuple(merge.weights), merge.strategy or "linear", merge.density,
+                     merge.majority_sign_method or "total", merge.seed)
 
 
 def _speculation_info(generator: TextGenerator) -> pb.SpeculationInfo:

@@ -123,6 +123,10 @@ class LoraWeights:
         return frozenset(p for layer in self.layers.values() for p in layer)
 
 
+# (layer, projection) -> (lora_A [r, d_in], lora_B [d_out, r]) in float32, PEFT's own layout and names.
+Factors = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
 def load_lora(
     path: Path,
     config: ModelConfig,
@@ -141,6 +145,20 @@ def load_lora(
             a NaN or an infinity (in the file, or once scaled and cast to `dtype`), a layer index past the base
             model's layers, or an A without its B.
     """
+    name = adapter_id if adapter_id is not None else str(path)
+    lora, factors, names = read_lora(path, config, rank=rank, world_size=world_size, adapter_id=name)
+    weights = lora_weights(lora, factors, lora.scaling, name, names=names, dtype=dtype, device=device)
+    logger.info("read LoRA adapter %s: rank %d, scaling %.4g, %d layers, %s", name, lora.rank, lora.scaling,
+                len(weights.layers), ",".join(p for p in PROJECTIONS if p in weights.projections))
+    return weights
+
+
+def read_lora(
+    path: Path, config: ModelConfig, *, rank: int = 0, world_size: int = 1, adapter_id: str | None = None
+) -> tuple[LoraConfig, Factors, dict[tuple[int, str], tuple[str, str]]]:
+    """The adapter's config and its factors as PEFT stores them (this rank's slices of them), with their
+    tensor names; `world_size` 1 reads them whole (what a merge needs: its trimming looks at whole tensors).
+    Raises AdapterError as `load_lora` does."""
     path = Path(path)
     name = adapter_id if adapter_id is not None else str(path)
     raw = read_json(path / LORA_CONFIG, name)
@@ -150,7 +168,7 @@ def load_lora(
     reader = _open_weights(path, name, rank, world_size)
     pairs = _lora_tensor_names(reader.names(), lora, config, name)
     expected = _full_shapes(config)
-    layers: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    factors: Factors = {}
     for (layer, projection), (a_name, b_name) in sorted(pairs.items()):
         d_in, d_out = expected[projection]
         _check_shape(reader, a_name, [lora.rank, d_in], name)
@@ -162,16 +180,48 @@ def load_lora(
                 a, b = reader.read(a_name, 1), reader.read(b_name, None)  # [r, in_local], [out, r]
         except (RuntimeError, ValueError, OSError) as error:
             raise adapter_error(name, f"cannot read {a_name} / {b_name}: {error}") from error
-        a = a.t().to(device=device, dtype=dtype).contiguous()  # [d_in_local, r]
-        b = (b.t() * lora.scaling).to(device=device, dtype=dtype).contiguous()  # [r, d_out_local]
-        # The file's values are finite (TensorFile.read checks); scaled and cast, they may still overflow.
-        check_finite(a, a_name, name, after=f" in {dtype}")
-        check_finite(b, b_name, name, after=f" once scaled by {lora.scaling:.4g} in {dtype}")
-        layers.setdefault(layer, {})[projection] = (a, b)
-    if not layers:
+        factors[(layer, projection)] = (a, b)
+    if not factors:
         raise adapter_error(name, "the adapter's weights hold no LoRA tensors for this model's projections")
-    logger.info("read LoRA adapter %s: rank %d, scaling %.4g, %d layers, %s", name, lora.rank, lora.scaling,
-                len(layers), ",".join(p for p in PROJECTIONS if any(p in layer for layer in layers.values())))
+    return lora, factors, pairs
+
+
+def shard_factors(factors: Factors, rank: int, world_size: int) -> Factors:
+    """This rank's slices of whole factors, as `read_lora` reads them from a file (see the module docstring)."""
+    if world_size == 1:
+        return factors
+    sharded = {}
+    for (layer, projection), (a, b) in factors.items():
+        if projection in COLUMN_PARALLEL:
+            b = b.chunk(world_size, dim=0)[rank]
+        else:
+            a = a.chunk(world_size, dim=1)[rank]
+        sharded[(layer, projection)] = (a, b)
+    return sharded
+
+
+def lora_weights(
+    lora: LoraConfig,
+    factors: Factors,
+    scaling: float,
+    adapter_id: str,
+    *,
+    names: dict[tuple[int, str], tuple[str, str]] | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LoraWeights:
+    """PEFT-layout factors to the kernels' `a [d_in, r]`, `b [r, d_out]` with `scaling` folded into `b`, cast to
+    `dtype`; AdapterError 424 naming the tensor when a value overflows once scaled and cast."""
+    layers: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for (layer, projection), (a, b) in sorted(factors.items()):
+        a_name, b_name = (names or {}).get((layer, projection),
+                                           (f"layer {layer} {projection} lora_A", f"layer {layer} {projection} lora_B"))
+        a = a.t().to(device=device, dtype=dtype).contiguous()  # [d_in_local, r]
+        b = (b.t() * scaling).to(device=device, dtype=dtype).contiguous()  # [r, d_out_local]
+        # The file's values are finite (TensorFile.read checks); scaled and cast, they may still overflow.
+        check_finite(a, a_name, adapter_id, after=f" in {dtype}")
+        check_finite(b, b_name, adapter_id, after=f" once scaled by {scaling:.4g} in {dtype}")
+        layers.setdefault(layer, {})[projection] = (a, b)
     return LoraWeights(lora, layers)
 
 

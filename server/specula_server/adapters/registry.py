@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from specula_kernels.sgmv import SlotGroups, lora_delta_grouped, sgmv, slot_groups, triton_available
-from specula_server.adapters.lora import LoraWeights, load_lora
+from specula_server.adapters.lora import LoraWeights, load_lora, lora_weights, read_lora, shard_factors
 from specula_server.adapters.medusa import MedusaHeads, load_medusa
+from specula_server.adapters.merge import MergeSpec, merge_lora
 from specula_server.adapters.sources import AdapterError, detect_adapter_kind, resolve_adapter
 
 if TYPE_CHECKING:  # the model imports this module
@@ -121,30 +122,30 @@ class AdapterRegistry:
 
     # --- lifecycle (called beside the steps) ------------------------------------------------------------------
 
-    def load(self, adapter_id: str, source: str = "hub", api_token: str | None = None) -> LoadedAdapter:
-        """Fetches, checks and installs an adapter; raises `AdapterError` (400/424) when it cannot."""
+    def load(self, adapter_id: str, source: str = "hub", api_token: str | None = None,
+             merge: MergeSpec | None = None) -> LoadedAdapter:
+        """Fetches, checks and installs an adapter; raises `AdapterError` (400/424) when it cannot.
+
+        With `merge`, `adapter_id` names the merge (the router's key for it) and the adapters it lists are read
+        from `source` and merged (`adapters/merge.py`); the merged adapter takes one slot like any other.
+        """
         with self._lock:
             if adapter_id in self.adapters:
                 return self.adapters[adapter_id]
             started = time.perf_counter()
-            path = resolve_adapter(adapter_id, source, local_roots=self.local_roots, api_token=api_token,
-                                   cache_dir=self.hub_cache)
-            kind = detect_adapter_kind(path, adapter_id)
             used = {a.slot for a in self.adapters.values()}
             free = [s for s in range(self.max_active) if s not in used]
             if not free:
                 raise AdapterError(f"adapter `{adapter_id}`: all {self.max_active} adapter slots are in use; "
                                    "offload one first", status=424)
-            medusa = None
-            if "medusa" in kind:  # heads are small and replicated on every shard, so every shard drafts alike
-                medusa = load_medusa(path, self.config, dtype=self.dtype, device=self.device, adapter_id=adapter_id)
+            if merge is None:
+                kind, weights, medusa = self._read(adapter_id, source, api_token)
+            else:
+                kind, weights, medusa = "lora", self._merged(adapter_id, merge, source, api_token), None
             rank, projections = 0, frozenset()
-            if "lora" in kind:
-                weights = load_lora(path, self.config, rank=self.rank, world_size=self.world_size,
-                                    dtype=self.dtype, device=self.device, adapter_id=adapter_id)
+            if weights is not None:
                 self._install(weights, free[0])
-                rank = weights.config.rank
-                projections = frozenset(p for layer in weights.layers.values() for p in layer)
+                rank, projections = weights.config.rank, weights.projections
             loaded = LoadedAdapter(adapter_id, kind, free[0], rank, projections, time.perf_counter() - started,
                                    medusa)
             self.adapters[adapter_id] = loaded
@@ -153,6 +154,36 @@ class AdapterRegistry:
                         f", {medusa.num_heads} Medusa heads" if medusa is not None else "", loaded.slot,
                         loaded.load_seconds)
             return loaded
+
+    def _read(self, adapter_id: str, source: str,
+              api_token: str | None) -> tuple[str, LoraWeights | None, MedusaHeads | None]:
+        """(kind, LoRA weights for this rank, Medusa heads) of one adapter."""
+        path = resolve_adapter(adapter_id, source, local_roots=self.local_roots, api_token=api_token,
+                               cache_dir=self.hub_cache)
+        kind = detect_adapter_kind(path, adapter_id)
+        medusa = weights = None
+        if "medusa" in kind:  # heads are small and replicated on every shard, so every shard drafts alike
+            medusa = load_medusa(path, self.config, dtype=self.dtype, device=self.device, adapter_id=adapter_id)
+        if "lora" in kind:
+            weights = load_lora(path, self.config, rank=self.rank, world_size=self.world_size,
+                                dtype=self.dtype, device=self.device, adapter_id=adapter_id)
+        return kind, weights, medusa
+
+    def _merged(self, name: str, merge: MergeSpec, source: str, api_token: str | None) -> LoraWeights:
+        """The merge's weights for this rank: every adapter read whole, merged on the CPU in float32 (the same
+        weights on every rank and device), then sharded and cast."""
+        adapters = []
+        for adapter_id in merge.adapter_ids:
+            path = resolve_adapter(adapter_id, source, local_roots=self.local_roots, api_token=api_token,
+                                   cache_dir=self.hub_cache)
+            if "lora" not in detect_adapter_kind(path, adapter_id):
+                raise AdapterError(f"adapter `{adapter_id}`: only LoRA adapters can be merged "
+                                   "(`merged_adapters`); this one has Medusa heads only", status=424)
+            lora, factors, _ = read_lora(path, self.config, adapter_id=adapter_id)
+            adapters.append((lora, factors))
+        config, factors = merge_lora(merge, adapters)
+        factors = shard_factors(factors, self.rank, self.world_size)
+        return lora_weights(config, factors, config.scaling, name, dtype=self.dtype, device=self.device)
 
     def offload(self, adapter_id: str) -> bool:
         with self._lock:
