@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specula_router.client import ShardedClient, ShardError
+from specula_router.merges import MergeSpec
 from specula_router.metrics import Metrics
 
 logger = logging.getLogger("specula.router.adapters")
@@ -64,6 +65,7 @@ class Adapter:
     num_requests: int = 0  # requests queued for prefill or running; while > 0 it is never offloaded
     last_used: int = 0  # LRU clock: the tick of its last request's arrival or end
     kind: str = ""  # "lora", "medusa" or "lora+medusa", as the workers report
+    merge: MergeSpec | None = None  # a merged adapter (`merges.py`): what the workers merge when they load it
     load_seconds: float = 0.0
 
     @property
@@ -116,17 +118,25 @@ class AdapterManager:
 
     # --- called by the scheduler --------------------------------------------------------------------------
 
-    def request(self, adapter_id: str, source: str | None = None, api_token: str | None = None) -> None:
-        """A request needs an adapter that is not ready: start loading it unless a load is already coming."""
+    def request(self, adapter_id: str, source: str | None = None, api_token: str | None = None,
+                merge: MergeSpec | None = None) -> None:
+        """A request needs an adapter that is not ready: start loading it unless a load is already coming.
+        `merge`: the adapter is that merge (`adapter_id` its name), computed by the workers as they load it."""
         assert adapter_id, "the base model is always ready"
         adapter = self._adapters.get(adapter_id)
         if adapter is None:
-            adapter = Adapter(adapter_id, source or self.default_source, api_token=api_token)
+            adapter = Adapter(adapter_id, source or self.default_source, api_token=api_token, merge=merge)
             self._adapters[adapter_id] = adapter
         elif adapter.state is AdapterState.WAITING and adapter.api_token is None:
             adapter.api_token = api_token  # a private adapter asked for first without a token
         adapter.last_used = next(self._clock)
         self._schedule()
+
+    def count_merge(self, adapter_id: str) -> None:
+        """A request for a merged adapter arrived: a cache hit when the merge is loaded or on its way (it is
+        computed once), a miss when it must be computed."""
+        outcome = "hit" if adapter_id in self._adapters else "miss"
+        self.metrics.adapter_merge_requests.labels(outcome).inc()
 
     def withdraw(self, adapter_id: str) -> None:
         """Every request waiting for the adapter went away: forget it if its load has not started."""
@@ -238,7 +248,7 @@ class AdapterManager:
             await asyncio.gather(*self._offloads.values(), return_exceptions=True)
         started = time.monotonic()
         try:
-            response = await self.client.load_adapter(adapter_id, adapter.source, token or "")
+            response = await self.client.load_adapter(adapter_id, adapter.source, token or "", adapter.merge)
             failure = None if response.loaded else AdapterFailure(
                 response.error_status if 400 <= response.error_status <= 599 else DEFAULT_ERROR_STATUS,
                 _redact(response.error or f"adapter `{adapter_id}` could not be loaded", token))

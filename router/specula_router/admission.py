@@ -72,12 +72,15 @@ class Admission:
 
     def add(self, entry: Entry) -> None:
         """A new request: into the FIFO, or into its adapter's queue while the adapter loads."""
+        if entry.request.merge is not None:
+            self.adapters.count_merge(entry.adapter)
         if self.adapters.is_ready(entry.adapter):
             self._enqueue(entry)
         else:
             entry.state = EntryState.WAITING_ADAPTER
             self.waiting.setdefault(entry.adapter, deque()).append(entry)
-            self.adapters.request(entry.adapter, entry.request.adapter_source, entry.request.api_token)
+            self.adapters.request(entry.adapter, entry.request.adapter_source, entry.request.api_token,
+                                  entry.request.merge)
         self.count_waiting()
 
     def remove(self, entry: Entry) -> None:

@@ -18,6 +18,7 @@ import grpc
 
 from specula_proto import generate_pb2 as pb
 from specula_proto import generate_pb2_grpc
+from specula_router.merges import MergeSpec
 
 logger = logging.getLogger("specula.router.client")
 
@@ -139,14 +140,20 @@ class ShardedClient:
         return StepResponse(list(response.generations), response.timings, response.suffix_cache_tokens,
                             response.suffix_cache_nodes)
 
-    async def load_adapter(self, adapter_id: str, source: str, api_token: str = "") -> pb.LoadAdapterResponse:
-        """Loads an adapter on every shard; the answer is loaded only when every shard loaded it.
+    async def load_adapter(self, adapter_id: str, source: str, api_token: str = "",
+                           merge: MergeSpec | None = None) -> pb.LoadAdapterResponse:
+        """Loads an adapter (with `merge`: that merge of adapters, named `adapter_id`) on every shard; the answer
+        is loaded only when every shard loaded it.
 
         Otherwise it is the first failing shard's answer, or, for a shard whose RPC failed, a 424 carrying the
         gRPC error. Shards that did load it while another failed are asked to offload it again, so no slot
         stays taken by an adapter the router considers unloaded.
         """
         request = pb.LoadAdapterRequest(adapter_id=adapter_id, adapter_source=source, api_token=api_token)
+        if merge is not None:
+            request.merge.CopyFrom(pb.AdapterMerge(
+                adapter_ids=merge.adapter_ids, weights=merge.weights, strategy=merge.strategy, density=merge.density,
+                majority_sign_method=merge.majority_sign_method, seed=merge.seed))
         results = await asyncio.gather(*(stub.LoadAdapter(request) for stub in self._stubs), return_exceptions=True)
         failure = None
         for rank, result in enumerate(results):

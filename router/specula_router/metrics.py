@@ -8,7 +8,8 @@ several routers (or tests) can live in one process.
 Adapter ids are chosen by clients, so they never become label values by themselves: `adapter_label` gives an
 adapter its own label only once it has loaded successfully (`add_adapter_label`), for the first
 `max_adapter_labels` adapters to do so; every other adapter id (unknown, still loading, failed, or past the
-cap) is `other`. The series count stays bounded, and /metrics never shows an id nobody could load.
+cap) is `other`. The series count stays bounded, and /metrics never shows an id nobody could load. Merged
+adapters (`merges.py`) are all labelled `merged`: their names say nothing to a reader and are countless.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.utils import floatToGoString
 
 from specula_router.entries import Entry, ErrorEvent, FinalEvent
+from specula_router.merges import is_merged_id
 
 OTHER_ADAPTERS = "other"  # the label of every adapter without its own
+MERGED_ADAPTERS = "merged"  # the label of every merged adapter
 # Prefixes whose exposition is written the way TGI's exporter writes it, so that a dashboard built for TGI or LoRAX
 # finds its series: counters without prometheus_client's `_total` suffix (TGI queries `tgi_request_count`), and no
 # `_created` series.
@@ -110,6 +113,9 @@ class Metrics:
         self.adapter_offload = counter("adapter_offload", "Adapters offloaded to make room for another", ["adapter"])
         self.adapter_active = gauge("adapter_active", "Adapters loaded in the workers")
         self.adapter_loading = gauge("adapter_loading", "Adapters being loaded")
+        self.adapter_merge_requests = counter(
+            "adapter_merge_requests", "Requests for a merged adapter, by whether the merge was cached (hit: loaded "
+            "or being loaded) or had to be computed (miss)", ["cache"])
         self.adapter_waiting_requests = gauge(
             "adapter_waiting_requests", "Requests waiting for their adapter to load (also in queue_size)")
         # Prefix caching (block_allocator.py), in prompt tokens: hit rate = hits / queries.
@@ -134,12 +140,15 @@ class Metrics:
         (see `add_adapter_label`), else `other`."""
         if not adapter_id:
             return ""
+        if is_merged_id(adapter_id):
+            return MERGED_ADAPTERS
         return adapter_id if adapter_id in self._adapter_labels else OTHER_ADAPTERS
 
     def add_adapter_label(self, adapter_id: str) -> str:
         """An adapter loaded: it gets its own label while fewer than `max_adapter_labels` have one. Labels are
         never taken back (a series that disappeared would look like a counter reset). Returns its label."""
-        if adapter_id and len(self._adapter_labels) < self.max_adapter_labels and adapter_id != OTHER_ADAPTERS:
+        if (adapter_id and len(self._adapter_labels) < self.max_adapter_labels and adapter_id != OTHER_ADAPTERS
+                and not is_merged_id(adapter_id)):
             self._adapter_labels.add(adapter_id)
         return self.adapter_label(adapter_id)
 

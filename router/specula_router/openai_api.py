@@ -69,7 +69,7 @@ _CHAT_FIELDS = {"inputs": "messages", "max_new_tokens": "max_tokens", "top_n_tok
 _COMPLETION_FIELDS = {"inputs": "prompt", "max_new_tokens": "max_tokens", "top_n_tokens": "logprobs"}
 # Fields copied unchanged into GenerateParameters.
 _PASSED_THROUGH = ("frequency_penalty", "presence_penalty", "repetition_penalty", "seed", "stop",
-                   "speculative_tokens", "api_token", "ignore_eos_token", "logit_bias")
+                   "speculative_tokens", "api_token", "ignore_eos_token", "logit_bias", "merged_adapters")
 
 
 def register(app: FastAPI, state: RouterState) -> None:

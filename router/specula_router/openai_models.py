@@ -24,6 +24,7 @@ from pathlib import Path
 
 from specula_router.adapters import AdapterManager
 from specula_router.chat_template import ChatTemplate
+from specula_router.merges import is_merged_id
 
 # "tgi": what text-generation's Client.chat sends; "dummy": what huggingface_hub's InferenceClient sends when it
 # knows only the server's URL.
@@ -106,7 +107,8 @@ class ModelCatalog:
 
     def adapter_ids(self) -> list[str]:
         """Loaded, preloaded and local adapters, each once, in that order."""
-        ids = [*self.adapters.ready_ids, *self.preloaded_adapter_ids, *self.local_adapter_ids()]
+        ready = [a for a in self.adapters.ready_ids if not is_merged_id(a)]  # a merge is no model to name
+        ids = [*ready, *self.preloaded_adapter_ids, *self.local_adapter_ids()]
         return list(dict.fromkeys(ids))
 
     def local_adapter_ids(self) -> list[str]:

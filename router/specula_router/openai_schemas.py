@@ -6,9 +6,9 @@ Parsing is that of the TGI routes (`schemas._RequestModel`): strict types, unkno
 absent, so the bodies of the official `openai` client, huggingface_hub's `InferenceClient.chat_completion` and
 text-generation's `Client.chat` (which sends every field, mostly `null`) all parse.
 
-Specula's extras, sent by the official client as `extra_body`: `adapter_id`, `adapter_source`, `api_token`
-(LoRAX's adapter fields) and `speculative_tokens`, `top_k`, `repetition_penalty`, `ignore_eos_token` (as in
-`parameters` of `/generate`). Responses are built as plain dicts in `openai_responses.py`, in OpenAI's exact shape;
+Specula's extras, sent by the official client as `extra_body`: `adapter_id`, `adapter_source`, `api_token`,
+`merged_adapters` (LoRAX's adapter fields) and `speculative_tokens`, `top_k`, `repetition_penalty`,
+`ignore_eos_token` (as in `parameters` of `/generate`). Responses are built as plain dicts in `openai_responses.py`, in OpenAI's exact shape;
 the response models at the end only describe them in the OpenAPI document.
 
 The JSON schema states what each route accepts, field by field: the bounds of a field `/generate` also has are
@@ -24,7 +24,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from specula_router.openapi import COUNT, POSITIVE_COUNT, POSITIVE_FLOAT32, only_null, stop_schema
-from specula_router.schemas import GenerateParameters, _RequestModel, object_schema
+from specula_router.schemas import GenerateParameters, MergedAdapters, _RequestModel, object_schema
 
 # Roles a chat message may have. `developer` is OpenAI's newer name for `system`; templates get `system`.
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -159,6 +159,9 @@ class SamplingFields(_RequestModel):
     adapter_source: str | None = Field(None, description="hub or local.",
                                        json_schema_extra=_as_generate("adapter_source"))
     api_token: str | None = Field(None, description="Hub token for a private adapter; never echoed.")
+    merged_adapters: MergedAdapters | None = Field(None, description="LoRA adapters merged into one for this "
+                                                   "request, as `parameters.merged_adapters` of `/generate`; "
+                                                   "`model` then names the base model.")
     speculative_tokens: int | None = Field(None, description="Per-request cap on speculation.",
                                            json_schema_extra=_as_generate("speculative_tokens"))
     top_k: int | None = Field(None, description="As `/generate`'s; checked even when `temperature` is 0.",

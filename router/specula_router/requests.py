@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specula_router.merges import MergeSpec
+
 
 @dataclass(frozen=True)
 class SamplingParameters:
@@ -45,6 +47,7 @@ class ValidGenerateRequest:
     best_of: int  # 1 unless several sequences are sampled and the best returned
     adapter_id: str | None = None  # None: the base model
     adapter_source: str | None = None  # "hub" or "local" when adapter_id is set (the server's default if not given)
+    merge: MergeSpec | None = None  # LoRAX's merged_adapters: adapter_id is then the merge's name (`merges.py`)
     api_token: str | None = field(default=None, repr=False)  # for LoadAdapter only: never logged nor echoed
     speculative_tokens: int | None = None  # per-request override of the speculation length
     grammar: str = ""  # llguidance grammar (JSON text) the output must follow, checked against the tokenizer; "": none

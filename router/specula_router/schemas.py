@@ -24,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, computed_field, field_validator, model_validator
 
-from specula_router.openapi import COUNT, POSITIVE_COUNT, POSITIVE_FLOAT32, declare_nulls, only_null, stop_schema
+from specula_router.openapi import COUNT, POSITIVE_COUNT, POSITIVE_FLOAT32, declare_nulls, stop_schema
 from specula_router.wire import FLOAT32_BELOW_ONE, FLOAT32_MIN_NORMAL, UINT64_MAX
 
 ADAPTER_SOURCES = ("hub", "local")  # LoRAX also has s3 and pbase; refused with a 422 naming these
@@ -115,13 +115,23 @@ class _RequestModel(BaseModel):
 
 
 class MergedAdapters(_RequestModel):
-    """LoRAX adapter merging. Accepted so LoRAX bodies parse; the router rejects it (not supported yet)."""
+    """LoRAX adapter merging: these LoRA adapters merged into one for the request, as PEFT's
+    `add_weighted_adapter` merges them (see docs/adapters.md, Merged adapters)."""
 
-    ids: list[str] = Field(default_factory=list, description="Adapters to merge.", examples=[["a/b", "c/d"]])
-    weights: list[float] = Field(default_factory=list, description="One weight per adapter.")
-    merge_strategy: str | None = Field(None, description="linear, ties, dare_linear or dare_ties.")
-    density: float = Field(0.0, description="Fraction of weights kept by ties/dare merges.")
-    majority_sign_method: str | None = Field(None, description="total or frequency.")
+    ids: list[str] = Field(default_factory=list, description="Adapters to merge (1 to 16), read from "
+                           "`adapter_source`.", examples=[["a/b", "c/d"]], json_schema_extra={"maxItems": 16})
+    weights: list[float] = Field(default_factory=list, description="One weight per adapter (may be negative).",
+                                 examples=[[0.5, 0.5]])
+    merge_strategy: str | None = Field(None, description="linear (default), ties, dare_linear or dare_ties.",
+                                       json_schema_extra={"enum": ["linear", "ties", "dare_linear", "dare_ties"]})
+    density: float = Field(0.0, description="Fraction of each tensor's entries kept by ties and dare merges, in "
+                           "(0, 1]; ignored by linear.", json_schema_extra={"minimum": 0.0, "maximum": 1.0})
+    majority_sign_method: str | None = Field(None, description="total (default) or frequency: how ties and "
+                                             "dare_ties elect each entry's sign.",
+                                             json_schema_extra={"enum": ["total", "frequency"]})
+    seed: int | None = Field(None, description="Seeds DARE's random drops (a Specula extension). Absent: derived "
+                             "from the rest of the merge, so the same merge always gives the same weights.",
+                             json_schema_extra={"minimum": 0, "maximum": UINT64_MAX})
 
 
 class GenerateParameters(_RequestModel):
@@ -138,8 +148,9 @@ class GenerateParameters(_RequestModel):
         None, description="Where `adapter_id` lives. Default: the server's `--adapter-source`.",
         json_schema_extra={"enum": list(ADAPTER_SOURCES)}, examples=["hub"],
     )
-    merged_adapters: MergedAdapters | None = Field(None, description="LoRAX adapter merging; not supported yet.",
-                                                   json_schema_extra=only_null)
+    merged_adapters: MergedAdapters | None = Field(
+        None, description="LoRAX adapter merging: several LoRA adapters merged into one for this request (linear, "
+        "ties, dare_linear, dare_ties). Not with `adapter_id`. A merge is loaded and cached as an adapter of its own.")
     api_token: str | None = Field(
         None, description="Hub token used to download a private adapter (default: the server's HF_TOKEN). "
         "Never logged nor echoed.")

@@ -15,7 +15,8 @@ Resolution rules (where Specula differs from TGI/LoRAX, the reason is given):
 - `grammar` (TGI) and `response_format` (LoRAX) become one llguidance grammar (`grammar.py`), built here and
   held to `max_grammar_bytes`; whether it compiles against the tokenizer is checked next, by the HTTP layer
   (`GrammarChecker`: off the event loop, under a time limit, cached).
-- `watermark` and `merged_adapters` are refused, never silently ignored.
+- `watermark` is refused, never silently ignored. `merged_adapters` (LoRAX) becomes an adapter named by the
+  whole merge (`merges.py`); with `adapter_id` too, it is LoRAX's 422.
 - `adapter_id` "" means the base model (LoRAX); a named adapter gets `adapter_source` (default: the server's
   `--adapter-source`) and keeps the request's `api_token`, which no error message ever repeats.
 - Every number must fit the worker's wire type (`wire.py`): `top_k` at most the vocabulary, floats that stay
@@ -40,6 +41,9 @@ from dataclasses import dataclass
 import tokenizers
 
 from specula_router.grammar import DEFAULT_MAX_GRAMMAR_BYTES, Grammar, GrammarError, from_generate_parameters
+from specula_router.merges import (
+    ADAPTER_ID_CONFLICT, MERGED_ID_PREFIX, MergeError, MergeSpec, is_merged_id, merge_spec,
+)
 from specula_router.requests import SamplingParameters, StoppingParameters, ValidGenerateRequest
 from specula_router.schemas import (
     ADAPTER_SOURCES,
@@ -137,6 +141,9 @@ class Validator:
         self._check_unsupported(params)
         grammar = self.grammar(params)
         adapter_id, adapter_source = self._adapter(params)
+        merge = self._merge(params)
+        if merge is not None:
+            adapter_id, adapter_source = merge.adapter_id, merge.source
         sampling = self._sampling(params)
         best_of = self._best_of(params, sampling, stream)
         if stream and params.decoder_input_details:
@@ -179,6 +186,7 @@ class Validator:
             best_of=best_of,
             adapter_id=adapter_id,
             adapter_source=adapter_source,
+            merge=merge,
             api_token=params.api_token if adapter_id is not None else None,
             speculative_tokens=speculative_tokens,
             grammar=grammar.text if grammar is not None else "",
@@ -234,10 +242,6 @@ class Validator:
     def _check_unsupported(params: GenerateParameters) -> None:
         if params.watermark:
             raise ValidationError("`watermark` is not supported", "watermark")
-        if params.merged_adapters is not None:
-            raise ValidationError(
-                "`merged_adapters` is not supported yet: use `adapter_id` with a single adapter", "merged_adapters"
-            )
 
     def _adapter(self, params: GenerateParameters) -> tuple[str | None, str | None]:
         """(adapter_id, adapter_source); (None, None) for the base model. Never quotes `api_token`."""
@@ -255,7 +259,24 @@ class Validator:
             raise ValidationError("`adapter_id` must not contain control characters", "adapter_id")
         if adapter_id != adapter_id.strip():
             raise ValidationError("`adapter_id` must not start or end with whitespace", "adapter_id")
+        if is_merged_id(adapter_id):
+            raise ValidationError(f"`adapter_id` must not start with `{MERGED_ID_PREFIX}` (merged adapters' names): "
+                                  "use `merged_adapters`", "adapter_id")
         return adapter_id, source or self.default_adapter_source
+
+    def _merge(self, params: GenerateParameters) -> MergeSpec | None:
+        """LoRAX's `merged_adapters`, checked and named (`merges.py`); None without one."""
+        merged = params.merged_adapters
+        if merged is None:
+            return None
+        if params.adapter_id:  # "" is the base model, as everywhere
+            raise ValidationError(ADAPTER_ID_CONFLICT, "merged_adapters")
+        try:
+            return merge_spec(merged.ids, merged.weights, merged.merge_strategy, merged.density,
+                              merged.majority_sign_method, merged.seed,
+                              params.adapter_source or self.default_adapter_source)
+        except MergeError as e:
+            raise ValidationError(e.message, e.field) from None
 
     def _sampling(self, params: GenerateParameters) -> SamplingParameters:
         # Floats travel as float32: a float64 that is positive here must not round to 0 or to infinity there.

@@ -81,6 +81,7 @@ class FakeClient:
     loaded_adapters: set[str] = field(default_factory=set)
     adapter_calls: list[tuple[str, str]] = field(default_factory=list)  # ("load" | "offload", adapter id)
     load_requests: list[pb.LoadAdapterRequest] = field(default_factory=list)
+    load_merges: list = field(default_factory=list)  # each load's MergeSpec (None: a plain adapter)
     offloaded_in_use: list[str] = field(default_factory=list)
     _sequence_sent: int = 0
     _sequence_run: int = 0
@@ -251,10 +252,12 @@ class FakeClient:
             self._sequence_sent = self._sequence_run = 0
         return pb.WarmupResponse(num_blocks=self.num_blocks or 64)
 
-    async def load_adapter(self, adapter_id: str, source: str, api_token: str = "") -> pb.LoadAdapterResponse:
+    async def load_adapter(self, adapter_id: str, source: str, api_token: str = "",
+                           merge=None) -> pb.LoadAdapterResponse:
         self.adapter_calls.append(("load", adapter_id))
         self.load_requests.append(pb.LoadAdapterRequest(adapter_id=adapter_id, adapter_source=source,
                                                         api_token=api_token))
+        self.load_merges.append(merge)
         behaviour = self.adapters.get(adapter_id, AdapterBehaviour())
         await asyncio.sleep(behaviour.delay)
         if behaviour.error is not None:

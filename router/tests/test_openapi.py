@@ -85,7 +85,8 @@ def test_null_is_declared_wherever_it_is_accepted(document):
                          ("GenerateParameters", tuple(GenerateParameters.model_fields))):
         for name in names:
             assert {"type": "null"} in properties(document, model)[name]["anyOf"], (model, name)
-    assert properties(document, "GenerateParameters")["merged_adapters"]["anyOf"] == [{"type": "null"}]  # refused
+    assert properties(document, "GenerateParameters")["merged_adapters"]["anyOf"] == [
+        {"$ref": "#/components/schemas/MergedAdapters"}, {"type": "null"}]
     for name in ("grammar", "response_format"):  # structured output: an object with a `type`, or null
         options = properties(document, "GenerateParameters")[name]["anyOf"]
         assert {"type": "null"} in options

@@ -200,8 +200,8 @@ REJECTED = [
     ({"response_format": {"type": "json_object", "schema": [1]}}, False, "response_format.schema",
      "`response_format.schema` must be a JSON schema: an object. Given: list"),
     ({"watermark": True}, False, "watermark", "`watermark` is not supported"),
-    ({"merged_adapters": {"ids": ["a", "b"], "weights": [0.5, 0.5], "density": 1.0}}, False, "merged_adapters",
-     "`merged_adapters` is not supported yet: use `adapter_id` with a single adapter"),
+    ({"adapter_id": "a", "merged_adapters": {"ids": ["a", "b"], "weights": [0.5, 0.5]}}, False, "merged_adapters",
+     "at most one of `adapter_id` or `adapters` may be provided"),
 ]
 
 
