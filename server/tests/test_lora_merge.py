@@ -134,9 +134,13 @@ def run_mixed_batch(generator, names) -> dict[tuple[str, int], list[int]]:
 @pytest.mark.parametrize("settings", [
     {}, {"speculative_tokens": 3, "speculation_mode": "fixed"},
     {"speculative_tokens": 3, "speculation_mode": "fixed", "speculator": "suffix"},
-], ids=["plain", "prompt-lookup", "suffix"])
+    {"speculative_tokens": 3, "speculation_mode": "fixed", "speculator": "heads", "draft_tree_width": 2},
+], ids=["plain", "prompt-lookup", "suffix", "base-medusa-heads"])
 def test_merges_batched_with_single_adapters_and_base_match_peft(llama_dir, adapters, references, settings):
-    """Each request gets its own merge's tokens whatever shares its batch, and speculation stays exact."""
+    """Each request gets its own merge's tokens whatever shares its batch, and speculation (prompt lookup, suffix
+    trees, the base model's Medusa heads drafting for merged requests too) stays exact."""
+    if settings.get("speculator") == "heads":
+        settings = {**settings, "speculator": str(adapters / "heads")}
     generator = merged_generator(llama_dir, adapters, **settings)
     for key, tokens in run_mixed_batch(generator, ["linear", "m1", "", "dare_ties", "ties-ranks", "m2"]).items():
         assert tokens == references[key][0], key
