@@ -38,6 +38,7 @@ from specula_server.request import (
 from specula_server.sampling import Sampler, SampleResult, SamplingRow
 from specula_server.speculation.controller import AcceptancePriors, StepCostModel
 from specula_server.speculation.draft_model import DraftModelDrafter
+from specula_server.speculation.eagle3_drafter import Eagle3Drafter
 from specula_server.speculation.speculator import DraftPlan, SpeculationConfig, Speculator
 
 __all__ = ["InvalidRequestError", "SpeculationConfig", "StepPlan", "StepResult", "StepTimings", "TextGenerator"]
@@ -119,8 +120,13 @@ class TextGenerator:
     # --- KV cache -----------------------------------------------------------------------------------------
 
     @property
-    def draft_model(self) -> DraftModelDrafter | None:
+    def draft_model(self) -> DraftModelDrafter | Eagle3Drafter | None:
         return self.speculation.draft_model if self.speculation is not None else None
+
+    @property
+    def eagle(self) -> Eagle3Drafter | None:
+        """The EAGLE-3 drafter, which reads the target's auxiliary hidden states after every forward."""
+        return self.draft_model if isinstance(self.draft_model, Eagle3Drafter) else None
 
     def bytes_per_block(self) -> int:
         """Memory one KV block costs the worker: the target's keys and values, and the draft model's."""
@@ -258,10 +264,20 @@ class TextGenerator:
         self._leave(request_id)
         return StepOutput(request_id, [], [], error=error)
 
-    def _forward(self, requests: Sequence[RequestState], step: StepInputs) -> torch.Tensor:
+    def _forward(self, requests: Sequence[RequestState], step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The final hidden states of the step's rows, and the auxiliary ones an EAGLE-3 drafter reads (else None)."""
         assert self.kv_cache is not None
-        return self.model(step.input_ids, step.positions, self.kv_cache.layers, step.attn,
-                          self._lora(requests, step.counts))
+        return self.model.forward_with_aux(step.input_ids, step.positions, self.kv_cache.layers, step.attn,
+                                           self._lora(requests, step.counts),
+                                           self.eagle.layer_ids if self.eagle is not None else ())
+
+    def _keep_aux(self, reqs: Sequence[RequestState], aux: torch.Tensor | None, rows: Sequence[torch.Tensor | list[int]],
+                  first_positions: Sequence[int]) -> None:
+        """Hands each request's auxiliary rows (of consecutive positions from `first_positions[i]`) to EAGLE-3."""
+        if aux is None or self.eagle is None:
+            return
+        for r, index, first in zip(reqs, rows, first_positions):
+            self.eagle.keep_aux(r, aux[index], first)
 
     @torch.inference_mode()
     def _prefill(self, items: list[tuple[RequestState, int]], timings: StepTimings) -> list[StepOutput]:
@@ -276,7 +292,8 @@ class TextGenerator:
                    and not reqs[i].spec.prefill_logprobs]
         done = [i for i in done if i not in waiting]
         masks = self._masks([reqs[i] for i in done])
-        hidden = self._forward(reqs, step)
+        hidden, aux = self._forward(reqs, step)
+        self._keep_aux(reqs, aux, [slice(s, s + c) for s, c in zip(step.row_starts, step.counts)], starts)
         for r, until in items:
             r.prefilled = until
         if waiting:
@@ -328,7 +345,9 @@ class TextGenerator:
             return self._verify(reqs, plan, start, timings)
         step = build_step(reqs, [r.num_tokens - 1 for r in reqs], [1] * len(reqs), self.device)
         masks = self._masks(reqs)
-        last_hidden = self._forward(reqs, step)[step.last_rows]
+        hidden, aux = self._forward(reqs, step)
+        self._keep_aux(reqs, aux, [slice(i, i + 1) for i in range(len(reqs))], [r.num_tokens - 1 for r in reqs])
+        last_hidden = hidden[step.last_rows]
         logits = self.model.compute_logits(last_hidden)
         timings.forward_ns += time.perf_counter_ns() - start
         outputs, kept, logits = self._screen(reqs, logits, [1] * len(reqs), masks)
@@ -406,7 +425,7 @@ class TextGenerator:
         trees = [None if d.is_chain else d for d in drafts]
         step = build_step(reqs, [r.num_tokens - 1 for r in reqs], counts, self.device, trees)
         masks = self._masks(reqs, plan)
-        hidden = self._forward(reqs, step)
+        hidden, aux = self._forward(reqs, step)
         logits = self.model.compute_logits(hidden)  # [sum(counts), vocab]
         timings.forward_ns += time.perf_counter_ns() - start
         num_seqs, row_starts = len(reqs), step.row_starts
@@ -415,6 +434,7 @@ class TextGenerator:
         if len(keep) < num_seqs:  # the others go on without them: from here on every operation is row by row
             rows, row_starts = kept_rows(counts, keep)
             hidden = hidden[rows]
+            aux = aux[rows] if aux is not None else None
             reqs = [reqs[i] for i in keep]
             plan = DraftPlan([drafts[i] for i in keep], [methods[i] for i in keep])
             if not reqs:
@@ -422,6 +442,8 @@ class TextGenerator:
         verdicts, processed = self.speculator.accept(reqs, plan, logits, row_starts, self.sampler, self.kv_cache,
                                                      start, num_seqs)
         scores = processed if processed is not None else logits
+        # The accepted path's rows: the positions num_tokens - 1 .. of the tokens committed now.
+        self._keep_aux(reqs, aux, [v.rows for v in verdicts], [r.num_tokens - 1 for r in reqs])
         for r, v, method, draft in zip(reqs, verdicts, plan.methods, plan.drafts):
             r.last_hidden = hidden[v.rows[-1]]
             tops = self._row_top_tokens(scores, v.rows, r.spec.top_n_tokens, normalized=processed is not None)

@@ -151,6 +151,9 @@ class RequestState:
     # Positions 0 .. draft_cached - 1 hold the draft model's KV of this request's own tokens (draft-model
     # speculation); the draft model runs over the rest of its tokens before drafting again.
     draft_cached: int = 0
+    # EAGLE-3: the target's auxiliary hidden states (`[n, A * hidden]` tensors, in order) of the positions from
+    # draft_cached on that the draft layer has not run over yet (see speculation/eagle3_drafter.py).
+    eagle_aux: list[torch.Tensor] = field(default_factory=list)
     # Positions whose KV the target holds, while the prompt (and any tokens recomputed after a preemption) is
     # being prefilled; None once that prefill chose its first token and the request decodes.
     prefilled: int | None = 0

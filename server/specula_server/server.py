@@ -33,6 +33,8 @@ from specula_server.adapters.medusa import MedusaHeads, load_medusa
 from specula_server.adapters.sources import AdapterError, detect_adapter_kind, resolve_adapter
 from specula_server.speculation.draft_model import DraftModelDrafter, find_draft_model, load_draft_model
 from specula_server.speculation.drafters import PromptLookupDrafter
+from specula_server.speculation.eagle3 import find_eagle3, load_eagle3
+from specula_server.speculation.eagle3_drafter import Eagle3Drafter
 from specula_server.speculation.medusa import MedusaDrafter
 from specula_server.speculation.suffix import DEFAULT_CACHE_TOKENS, SUFFIX, SuffixDrafter
 from specula_server.threads import worker_threads
@@ -149,11 +151,12 @@ def load_generator(config: ServerConfig, group: ShardGroup) -> tuple[TextGenerat
             speculator, fallback = None, SuffixDrafter(lookup, cache_tokens=config.suffix_cache_tokens)
         else:
             speculator = load_speculator(config, model_config, dtype, device, group=group, tokenizer=tokenizer,
-                                         eos_ids=eos_ids)
+                                         eos_ids=eos_ids, target=model)
             fallback = lookup
         drafter = build_drafter(model, adapters, fallback, speculator, config.draft_tree_width)
+        on_demand = speculator if isinstance(speculator, (DraftModelDrafter, Eagle3Drafter)) else None
         speculation = SpeculationConfig(drafter, config.speculative_tokens, config.speculation_mode,
-                                        draft_model=speculator if isinstance(speculator, DraftModelDrafter) else None)
+                                        draft_model=on_demand)
     kv_cache_dtype = parse_kv_cache_dtype(config.kv_cache_dtype, dtype)
     if kv_cache_dtype != dtype:
         logger.info("KV cache stored as %s (--kv-cache-dtype %s), computed in %s", kv_cache_dtype,
@@ -166,15 +169,24 @@ def load_generator(config: ServerConfig, group: ShardGroup) -> tuple[TextGenerat
 
 def load_speculator(config: ServerConfig, model_config: ModelConfig, dtype: torch.dtype, device: torch.device,
                     group: ShardGroup = ShardGroup(), tokenizer=None,
-                    eos_ids: frozenset[int] = frozenset()) -> MedusaHeads | MLPSpeculator | DraftModelDrafter | None:
+                    eos_ids: frozenset[int] = frozenset(), target=None,
+                    ) -> MedusaHeads | MLPSpeculator | DraftModelDrafter | Eagle3Drafter | None:
     """The `--speculator` (a local directory or a Hub id): Medusa heads, an MLP speculator (`config.json` with
-    `model_type: mlp_speculator`) or a draft model (a causal LM the server loads, with the target's `tokenizer`:
-    checked before its weights are read, then loaded sharded over `group` like the target), checked against the
-    model. Anything else is refused."""
+    `model_type: mlp_speculator`), an EAGLE-3 speculator (`speculators_model_type: eagle3`, whose verifier must
+    be the served model; it uses the `target` model's embedding when it has none) or a draft model (a causal LM
+    the server loads, with the target's `tokenizer`: checked before its weights are read, then loaded sharded
+    over `group` like the target), checked against the model. Anything else is refused."""
     if not config.speculator:
         return None
-    accepted = ("--speculator serves Medusa heads, an MLP speculator (config.json with model_type mlp_speculator) "
-                "or a draft model (a causal LM with the model's tokenizer)")
+    accepted = ("--speculator serves Medusa heads, an MLP speculator (config.json with model_type mlp_speculator), "
+                "an EAGLE-3 speculator (speculators_model_type eagle3) or a draft model (a causal LM with the "
+                "model's tokenizer)")
+    eagle_path = find_eagle3(config.speculator, config.hub_cache)
+    if eagle_path is not None:
+        eagle = load_eagle3(eagle_path, config.model_id, model_config,
+                            target.embed_tokens if target is not None else None, dtype=dtype, device=device,
+                            speculator_id=config.speculator)
+        return Eagle3Drafter(eagle, device, config.speculator)
     mlp_path = find_mlp_speculator(config.speculator, config.hub_cache)
     if mlp_path is not None:
         return load_mlp_speculator(mlp_path, model_config, dtype=dtype, device=device,
@@ -201,7 +213,7 @@ def build_drafter(model, adapters: AdapterRegistry, fallback: PromptLookupDrafte
                   speculator: MedusaHeads | MLPSpeculator | None, tree_width: int) -> MedusaDrafter:
     """Per request: its adapter's Medusa heads, else the server's speculator, else `fallback` (prompt lookup, or
     suffix decoding with prompt lookup behind it)."""
-    if isinstance(speculator, DraftModelDrafter):  # drafts for every request without Medusa heads of its own
+    if isinstance(speculator, (DraftModelDrafter, Eagle3Drafter)):  # for requests without Medusa heads of their own
         return MedusaDrafter(lambda request: adapters.medusa_heads(request.spec.adapter_id), model.compute_logits,
                              speculator, tree_width)
     if isinstance(speculator, MLPSpeculator):  # drafts for every request without Medusa heads of its own

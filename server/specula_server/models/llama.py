@@ -157,11 +157,35 @@ class LlamaForCausalLM(nn.Module):
         attn: AttentionInputs,
         lora: LoraBatch | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden]
+        return self.forward_with_aux(input_ids, positions, kv_caches, attn, lora)[0]
+
+    def forward_with_aux(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[KVCache],
+        attn: AttentionInputs,
+        lora: LoraBatch | None = None,
+        aux_layer_ids: tuple[int, ...] = (),
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [num_tokens, hidden], [num_tokens, len(ids) * hidden]
+        """`forward`, and the residual stream after each of `aux_layer_ids` layers (0: the embeddings; the
+        number of layers: the last layer's output, before the final norm), side by side in the order given:
+        what an EAGLE-3 draft layer reads. None without ids."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        aux = hidden.new_empty(hidden.shape[0], len(aux_layer_ids) * hidden.shape[1]) if aux_layer_ids else None
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            self._keep_aux(aux, aux_layer_ids, index, hidden)  # copied: the layer updates its input in place
             hidden = layer(hidden, cos, sin, kv_cache, attn, lora)
-        return self.norm(hidden)
+        self._keep_aux(aux, aux_layer_ids, len(self.layers), hidden)
+        return self.norm(hidden), aux
+
+    @staticmethod
+    def _keep_aux(aux: torch.Tensor | None, layer_ids: tuple[int, ...], index: int, hidden: torch.Tensor) -> None:
+        if aux is not None and index in layer_ids:
+            width = hidden.shape[1]
+            at = layer_ids.index(index) * width
+            aux[:, at : at + width].copy_(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         return self.lm_head(hidden).float()

@@ -35,6 +35,7 @@ from specula_server.speculation.controller import (
 )
 from specula_server.speculation.draft_model import DraftModelDrafter
 from specula_server.speculation.drafters import Draft, Drafter
+from specula_server.speculation.eagle3_drafter import Eagle3Drafter
 from specula_server.speculation.verify import Verdict, verify
 
 logger = logging.getLogger("specula.speculation")
@@ -46,15 +47,15 @@ GRAMMAR_METHOD = "grammar"  # drafts of the tokens a request's grammar forces (s
 class SpeculationConfig:
     """Speculative decoding of the worker: up to `max_tokens` drafts per request per step.
 
-    `draft_model`, when the server drafts with a draft model, is that drafter (also reachable through
-    `drafter`, which may be a composite): the generator sizes and allocates its KV cache beside the target's
-    and asks it for the tokens of the pending drafts it proposed. `grammar_drafts`: constrained requests draft the
+    `draft_model`, when the server drafts with a draft model or an EAGLE-3 speculator, is that drafter (also
+    reachable through `drafter`, which may be a composite): the generator sizes and allocates its KV cache
+    beside the target's and asks it for the tokens of the pending drafts it proposed. `grammar_drafts`: constrained requests draft the
     tokens their grammar forces (see `grammar.py`); off only to measure what they bring."""
 
     drafter: Drafter
     max_tokens: int
     mode: str = "adaptive"  # "adaptive" (draft lengths follow acceptance and load) or "fixed"
-    draft_model: DraftModelDrafter | None = None
+    draft_model: DraftModelDrafter | Eagle3Drafter | None = None
     grammar_drafts: bool = True
 
     def __post_init__(self) -> None:

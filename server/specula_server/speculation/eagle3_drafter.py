@@ -1,0 +1,145 @@
+"""EAGLE-3 drafting in the decode step: the draft layer over its own paged KV, fed by the target's hidden states.
+
+The draft layer's KV lives in the worker beside the target's, in as many blocks of the same size, addressed by
+the same slots (`RequestState.slots`), like a draft model's: the router's block allocation covers both. Slot p
+holds the draft entry for the pair (token p + 1, the target's auxiliary hidden state at position p), at rotary
+position p; that entry's logits guess token p + 2. (The pair is how EAGLE-3 is trained: `speculators` aligns
+x_(i+1) with g_i; rotary attention depends only on position differences, so the offset is free.)
+
+Per request, `RequestState.draft_cached` counts the slots (from 0) whose entries were computed from the
+target's own hidden states, and `RequestState.eagle_aux` keeps the target's auxiliary rows for positions
+`draft_cached ..` that the draft layer has not run over yet (the generator appends them after every forward:
+a prompt's rows, a plain step's row, a verification's accepted rows). With N tokens, a step that drafts k:
+
+    catch up   one forward over slots draft_cached .. N - 2, all requests together (tokens draft_cached + 1
+               .. N - 1 with their rows); the last row's logits give d_1, over the draft vocabulary, mapped to
+               the target's by d2t; draft_cached becomes N - 1
+    chain      slot N - 2 + j takes d_j and the draft's own output state at slot N - 3 + j, and gives d_(j+1):
+               k - 1 one-token forwards, requests batched, each dropping out once it has its k
+
+The chain's entries (slots N - 1 ..) are never marked cached: after verification the next catch-up rewrites
+them from the target's states for the tokens it accepted. Drafts are the draft layer's argmax for every
+request, so they are deterministic and verification is exact for greedy and sampled requests alike
+(`verify.py`: a sampled request keeps drafts while they equal the tokens it samples).
+
+A prompt that reused cached KV blocks (prefix caching) has no target rows for that prefix: its draft entries
+there are read as the request that computed those blocks left them (the same tokens and model, when it had
+drafted that far); acceptance may be lower, output is unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from specula_server.batch import build_step
+from specula_server.kv_cache import KVCache
+from specula_server.request import RequestState
+from specula_server.speculation.drafters import Draft
+from specula_server.speculation.eagle3 import Eagle3Model
+
+logger = logging.getLogger("specula.speculation")
+
+
+class Eagle3Drafter:
+    """Drafts chains with an EAGLE-3 draft layer (see the module docstring).
+
+    `propose` only says how many tokens each request could draft (`Draft.pending`); once the controller has
+    chosen, the generator has `draft` produce exactly those, after `keep_aux` gave it the target's states.
+    """
+
+    name = "eagle3"
+
+    def __init__(self, model: Eagle3Model, device: torch.device, model_name: str = "EAGLE-3 speculator") -> None:
+        self.model = model
+        self.device = device
+        self.model_name = model_name
+        self.dtype = model.lm_head.dtype
+        self.kv_cache: KVCache | None = None
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        """The target layers whose hidden states the draft layer reads (after that many layers; 0: embeddings)."""
+        return self.model.layer_ids
+
+    # --- KV cache (sized and allocated by the generator, beside the target's) -----------------------------
+
+    def bytes_per_block(self, block_size: int) -> int:
+        cfg = self.model.spec.layer
+        return KVCache.bytes_per_block(cfg.num_layers, self.model.num_kv_heads, cfg.head_dim, block_size, self.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.kv_cache = None
+        cfg = self.model.spec.layer
+        self.kv_cache = KVCache.allocate(num_blocks, block_size, cfg.num_layers, self.model.num_kv_heads,
+                                         cfg.head_dim, self.dtype, self.device)
+
+    def release_kv_cache(self) -> None:
+        self.kv_cache = None
+
+    # --- the target's states --------------------------------------------------------------------------------
+
+    def keep_aux(self, r: RequestState, aux: torch.Tensor, first_position: int) -> None:
+        """Keeps the target's auxiliary rows `aux [n, A * target_hidden]` of positions `first_position ..`.
+
+        They continue the rows kept so far; a prompt that starts past position 0 (a reused prefix) or a gap
+        (which the generator never leaves) restarts them there, over the draft entries already in the blocks.
+        """
+        kept = sum(rows.shape[0] for rows in r.eagle_aux)
+        if first_position != r.draft_cached + kept:
+            r.eagle_aux.clear()
+            r.draft_cached = first_position
+        r.eagle_aux.append(aux)
+
+    # --- the Drafter interface ------------------------------------------------------------------------------
+
+    def method_for(self, request: RequestState) -> str:
+        return self.name
+
+    def propose(self, requests: Sequence[RequestState], max_tokens: Sequence[int]) -> list[Draft]:
+        """Pending drafts: up to the cap, within the draft layer's positions (the chain's last entry sits at
+        position n + k - 3) and for requests whose rows reach their last token."""
+        limit = self.model.spec.layer.max_position_embeddings
+        empty = torch.empty(0, dtype=torch.long)
+        drafts = []
+        for r, k in zip(requests, max_tokens):
+            ready = r.draft_cached + sum(rows.shape[0] for rows in r.eagle_aux) >= r.num_tokens - 1
+            drafts.append(Draft(empty, pending=max(0, min(k, limit - r.num_tokens + 2)) if ready else 0))
+        return drafts
+
+    @torch.inference_mode()
+    def draft(self, requests: Sequence[RequestState], lengths: Sequence[int]) -> list[Draft]:
+        """Exactly `lengths[i] >= 1` draft tokens for request i (see the module docstring), written into each
+        request's token buffer past its tokens, where verification reads them."""
+        assert self.kv_cache is not None, "the EAGLE-3 speculator's KV cache is not allocated"
+        assert all(k >= 1 for k in lengths)
+        model, kv = self.model, self.kv_cache.layers
+        n0 = [r.num_tokens for r in requests]
+        starts = [r.draft_cached for r in requests]
+        step = build_step(requests, starts, [n - 1 - s for n, s in zip(n0, starts)], self.device)
+        tokens = torch.cat([r.token_ids[s + 1 : n] for r, s, n in zip(requests, starts, n0)]).to(self.device)
+        aux = torch.cat([torch.cat(r.eagle_aux)[: n - 1 - s] for r, s, n in zip(requests, starts, n0)])
+        logits, state = model(tokens, model.combine(aux), step.positions, kv, step.attn)
+        logits, state = logits[step.last_rows], state[step.last_rows]
+        for r, n in zip(requests, n0):
+            r.eagle_aux.clear()
+            r.draft_cached = n - 1
+
+        drafted: list[list[int]] = [[] for _ in requests]
+        active = list(range(len(requests)))  # the requests whose next draft `logits` rows (in order) give
+        for j in range(max(lengths)):
+            chosen = model.to_target(logits.argmax(dim=-1))  # [len(active)] target token ids
+            for i, token in zip(active, chosen.tolist()):
+                requests[i].token_ids[n0[i] + j] = token  # the buffer tail past num_tokens is free: drafts go there
+                drafted[i].append(token)
+            still = [a for a, i in enumerate(active) if lengths[i] > j + 1]
+            if not still:
+                break
+            active = [active[a] for a in still]
+            rows = torch.tensor(still, device=self.device)
+            step = build_step([requests[i] for i in active], [n0[i] - 1 + j for i in active], [1] * len(active),
+                              self.device)
+            logits, state = model(chosen[rows], state[rows], step.positions, kv, step.attn)
+        return [Draft(torch.tensor(t, dtype=torch.long)) for t in drafted]

@@ -1,0 +1,491 @@
+"""EAGLE-3 drafters in the `speculators` layout: loading, the draft layer against a reference, exact decoding.
+
+The draft layer's logits must equal a plain-PyTorch re-implementation of `speculators`' EAGLE-3 forward (and,
+where a Python with the package is named by SPECULATORS_PYTHON, the package's own forward and checkpoints).
+Drafted incrementally over the paged KV, each draft must equal the one computed from scratch over the
+request's whole history; greedy output must equal decoding without speculation, alone and batched; seeded
+sampling must draw the same tokens (drafts are deterministic, and draws depend on seed and position only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from specula_server.kv_cache import KVCache
+from specula_server.models.config import ModelConfig
+from specula_server.params import SamplingParams
+from specula_server.speculation.eagle3 import Eagle3Error, load_eagle3
+from specula_server.speculation.eagle3_drafter import Eagle3Drafter
+from specula_server.testing.eagle3 import (
+    SPECULATORS_SCRIPT,
+    build_eagle3,
+    build_echo_eagle3,
+)
+from specula_server.testing.worker import (
+    BlockPool,
+    assert_same_greedy_output,
+    generate_alone,
+    load_test_generator,
+    make_spec,
+    run_steps,
+    token_ids,
+)
+from test_speculation import PROMPTS
+
+K = 3
+VARIANTS = {
+    "plain": {},
+    "reduced-vocab": {"draft_vocab_size": 200},
+    "two-layers": {"num_layers": 2, "draft_vocab_size": 300},
+    "norm-before-residual": {"norm_before_residual": True},
+    "eagle-3.1": {"fc_norm": True, "norm_output": True, "draft_vocab_size": 300},
+    "norm-before-fc": {"norm_before_fc": True},
+}
+SPECULATORS_PYTHON = os.environ.get("SPECULATORS_PYTHON")
+needs_speculators = pytest.mark.skipif(
+    not SPECULATORS_PYTHON, reason="SPECULATORS_PYTHON (a Python with the `speculators` package) is not set")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_config(llama_dir):
+    return ModelConfig.from_dir(llama_dir)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(llama_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("eagle3")
+    made = {name: build_eagle3(root / name, llama_dir, layer_ids=[0, 1, 2], seed=i, **options)
+            for i, (name, options) in enumerate(VARIANTS.items())}
+    made["default-ids"] = build_eagle3(root / "default-ids", llama_dir, seed=9)  # 2, L // 2, L - 3 of 5 layers
+    made["echo"] = build_echo_eagle3(root / "echo", llama_dir)
+    return made
+
+
+@pytest.fixture(scope="module")
+def plain(llama_dir):
+    return load_test_generator(llama_dir)
+
+
+def with_eagle(llama_dir, checkpoint, mode="fixed", tokens=K, **settings):
+    return load_test_generator(llama_dir, speculative_tokens=tokens, speculation_mode=mode,
+                               speculator=str(checkpoint), **settings)
+
+
+def run(generator, prompt, request_id=0, **kwargs):
+    return generate_alone(generator, make_spec(request_id, prompt, BlockPool(256, 16), **kwargs))
+
+
+# --- a plain-PyTorch reference of speculators' EAGLE-3 forward ------------------------------------------------
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:  # [T, heads, d]
+    d = x.shape[-1]
+    freqs = positions.float()[:, None] / theta ** (torch.arange(0, d, 2).float() / d)
+    cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+    return x * cos + torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1) * sin
+
+
+class ReferenceDraft:
+    """`Eagle3DraftModel.forward` for one sequence, written out: the first step over every row (causal), then
+    chained steps of the last row that see the first step's keys and their own earlier steps' (the training
+    mask's diagonal), which is what drafting a chain after the last row is."""
+
+    def __init__(self, directory: Path):
+        self.w = load_file(directory / "model.safetensors")
+        config = json.loads((directory / "config.json").read_text())
+        self.c, layer = config, config["transformer_layer_config"]
+        self.eps, self.theta = layer["rms_norm_eps"], layer["rope_parameters"]["rope_theta"]
+        self.heads, self.kv_heads = layer["num_attention_heads"], layer["num_key_value_heads"]
+        self.num_layers = layer["num_hidden_layers"]
+        self.d2t = self.w["d2t"]
+
+    def layer(self, i, x, positions, cache, embeds=None):
+        w, p = self.w, f"layers.{i}."
+        if i == 0:
+            normed = rms(x, w[p + "hidden_norm.weight"], self.eps)
+            residual = normed if self.c["norm_before_residual"] else x
+            inputs = torch.cat([rms(embeds, w[p + "input_layernorm.weight"], self.eps), normed], -1)
+        else:
+            residual, inputs = x, rms(x, w[p + "input_layernorm.weight"], self.eps)
+        t = x.shape[0]
+        q = (inputs @ w[p + "self_attn.q_proj.weight"].T).view(t, self.heads, -1)
+        k = (inputs @ w[p + "self_attn.k_proj.weight"].T).view(t, self.kv_heads, -1)
+        v = (inputs @ w[p + "self_attn.v_proj.weight"].T).view(t, self.kv_heads, -1)
+        q, k = rotate(q, positions, self.theta), rotate(k, positions, self.theta)
+        keys, values = torch.cat([cache[i][0], k]), torch.cat([cache[i][1], v])
+        cache[i] = (keys, values)
+        rep = self.heads // self.kv_heads
+        scores = torch.einsum("thd,shd->hts", q, keys.repeat_interleave(rep, 1)) / q.shape[-1] ** 0.5
+        if t > 1:  # the first step: causal
+            scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        out = torch.einsum("hts,shd->thd", scores.softmax(-1), values.repeat_interleave(rep, 1)).reshape(t, -1)
+        h = residual + out @ w[p + "self_attn.o_proj.weight"].T
+        m = rms(h, w[p + "post_attention_layernorm.weight"], self.eps)
+        gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
+        return h + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+
+    def step(self, tokens, state, positions, cache):
+        embeds = self.w["embed_tokens.weight"][tokens]
+        h = self.layer(0, state, positions, cache, embeds)
+        for i in range(1, self.num_layers):
+            h = self.layer(i, h, positions, cache)
+        normed = rms(h, self.w["norm.weight"], self.eps)
+        return normed @ self.w["lm_head.weight"].T, normed if self.c["norm_output"] else h
+
+    def chain(self, aux: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, k: int):
+        """Logits `[k, draft_vocab]` of the chain after the last row: `aux [T, A*H]` and `tokens [T]` are the
+        pairs (g_p, token p + 1) at `positions`; each step feeds the previous step's argmax."""
+        w, eps = self.w, self.eps
+        if self.c["norm_before_fc"]:
+            aux = rms(aux, w["input_norm.weight"], eps)
+        if self.c["fc_norm"]:
+            chunks = aux.chunk(len([n for n in w if n.startswith("fc_norm.")]), -1)
+            aux = torch.cat([rms(c, w[f"fc_norm.{a}.weight"], eps) for a, c in enumerate(chunks)], -1)
+        cache = [(torch.empty(0, self.kv_heads, self.w["layers.0.self_attn.k_proj.weight"].shape[0] // self.kv_heads),) * 2
+                 for _ in range(self.num_layers)]
+        logits, state = self.step(tokens, aux @ w["fc.weight"].T, positions, cache)
+        out = [logits[-1]]
+        position, state = positions[-1:], state[-1:]
+        for _ in range(k - 1):
+            token = out[-1].argmax() + self.d2t[out[-1].argmax()]
+            position = position + 1
+            logits, state = self.step(token.view(1), state, position, cache)
+            out.append(logits[0])
+        return torch.stack(out)
+
+
+# --- the draft layer on a hand-built request ----------------------------------------------------------------
+
+
+def fake_request(tokens: torch.Tensor, aux: torch.Tensor, blocks: list[int] | None = None, block_size: int = 16):
+    """What the drafter reads of a request: its tokens (with room for drafts), slots in `blocks` (by default
+    the first few, shuffled) and the target's rows."""
+    capacity = tokens.numel() + 16
+    buffer = torch.zeros(capacity, dtype=torch.long)
+    buffer[: tokens.numel()] = tokens
+    blocks = blocks or torch.randperm(capacity // block_size + 1).tolist()
+    slots = torch.tensor(blocks)[:, None] * block_size + torch.arange(block_size)
+    return SimpleNamespace(token_ids=buffer, slots=slots.flatten()[:capacity], num_tokens=tokens.numel(),
+                           draft_cached=0, eagle_aux=[aux])
+
+
+def drafter_for(checkpoint: Path, llama_dir: Path, model_config) -> Eagle3Drafter:
+    model = load_eagle3(checkpoint, str(llama_dir), model_config, None)
+    drafter = Eagle3Drafter(model, torch.device("cpu"))
+    drafter.allocate_kv_cache(16, 16)
+    return drafter
+
+
+def recorded_logits(drafter: Eagle3Drafter, requests, lengths) -> tuple[list, list[torch.Tensor]]:
+    """The drafts, and the logits of every forward's rows the drafts came from (the last row of each request
+    in the catch-up, every row in the chain)."""
+    seen: list[torch.Tensor] = []
+    forward = drafter.model.forward
+
+    def recording(*args):
+        logits, state = forward(*args)
+        seen.append(logits)
+        return logits, state
+
+    drafter.model.forward = recording
+    try:
+        drafts = drafter.draft(requests, lengths)
+    finally:
+        del drafter.model.forward
+    return drafts, seen
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_draft_logits_match_the_reference(variant, checkpoints, llama_dir, model_config):
+    torch.manual_seed(0)
+    drafter = drafter_for(checkpoints[variant], llama_dir, model_config)
+    reference = ReferenceDraft(checkpoints[variant])
+    num_aux = drafter.model.fc.shape[1]
+    tokens = torch.randint(0, model_config.vocab_size, (11,))
+    aux = torch.randn(10, num_aux)
+    drafts, seen = recorded_logits(drafter, [fake_request(tokens, aux)], [4])
+    expected = reference.chain(aux, tokens[1:], torch.arange(10), 4)
+    got = torch.stack([seen[0][-1]] + [logits[0] for logits in seen[1:]])
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert drafts[0].tokens.tolist() == (expected.argmax(-1) + reference.d2t[expected.argmax(-1)]).tolist()
+
+
+def test_batched_drafts_equal_drafts_alone(checkpoints, llama_dir, model_config):
+    """Requests of different lengths and draft counts, drafted together, as each alone (padding, grouping)."""
+    torch.manual_seed(1)
+    drafter = drafter_for(checkpoints["two-layers"], llama_dir, model_config)
+    num_aux = drafter.model.fc.shape[1]
+    specs = [(torch.randint(0, 512, (n,)), torch.randn(n - 1, num_aux), k) for n, k in ((7, 3), (2, 1), (20, 4))]
+    alone = [drafter.draft([fake_request(t, a)], [k])[0].tokens.tolist() for t, a, k in specs]
+    blocks = [[3, 0], [5, 1], [2, 7, 4]]  # the requests' own blocks, out of order
+    together = drafter.draft([fake_request(t, a, b) for (t, a, _), b in zip(specs, blocks)], [k for *_, k in specs])
+    assert [d.tokens.tolist() for d in together] == alone
+    assert [len(d) for d in alone] == [3, 1, 4]
+
+
+def test_auxiliary_states_are_the_residual_stream(llama_dir, plain):
+    """Layer id l is the input of layer l (0: the embeddings), the last id the last layer's output before the
+    final norm: transformers' hidden_states[l], and the final norm's input for the last."""
+    import transformers
+
+    reference = transformers.AutoModelForCausalLM.from_pretrained(llama_dir)
+    captured = []
+    reference.model.norm.register_forward_hook(lambda module, args, output: captured.append(args[0]))
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        states = reference(ids, output_hidden_states=True).hidden_states
+    expected = torch.cat([states[1][0], states[0][0], captured[0][0]], dim=-1)  # ids (1, 0, 2), in that order
+    model = plain.model
+    r = SimpleNamespace(token_ids=ids[0], slots=torch.arange(ids.shape[1]))
+    from specula_server.batch import build_step
+
+    step = build_step([r], [0], [ids.shape[1]], torch.device("cpu"))
+    kv = KVCache.allocate(4, 16, 2, model.num_kv_heads, model.config.head_dim, torch.float32, torch.device("cpu"))
+    with torch.inference_mode():
+        _, aux = model.forward_with_aux(step.input_ids, step.positions, kv.layers, step.attn, None, (1, 0, 2))
+    torch.testing.assert_close(aux, expected, rtol=1e-4, atol=1e-4)
+
+
+# --- loading and refusing -------------------------------------------------------------------------------------
+
+
+def rewrite(directory: Path, target: Path, config_changes=None, drop=(), tensors=None) -> Path:
+    shutil.copytree(directory, target)
+    config = json.loads((target / "config.json").read_text())
+    for key, value in (config_changes or {}).items():
+        if value is None and key in ("transformer_layer_config",):
+            config.pop(key)
+        elif isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
+    (target / "config.json").write_text(json.dumps(config))
+    weights = load_file(target / "model.safetensors")
+    weights = {k: v for k, v in weights.items() if k not in drop}
+    weights.update(tensors or {})
+    save_file(weights, target / "model.safetensors")
+    return target
+
+
+def test_default_layer_ids_and_checkpoint_fields(checkpoints, llama_dir, model_config, tmp_path):
+    deep = ModelConfig.from_dict({**json.loads((llama_dir / "config.json").read_text()), "num_hidden_layers": 8})
+    model = load_eagle3(checkpoints["eagle-3.1"], str(llama_dir), model_config, None)
+    assert model.layer_ids == (0, 1, 2) and model.spec.fc_norm and model.spec.norm_output
+    assert model.spec.speculative_tokens == 3 and model.spec.draft_vocab_size == 300
+    assert model.to_target(torch.arange(300)).unique().numel() == 300
+    with pytest.raises(Eagle3Error, match=r"2 layers \(its auxiliary hidden states are read after layers \[2, 1, -1\]"):
+        load_eagle3(checkpoints["default-ids"], str(llama_dir), model_config, None)
+    assert load_eagle3(rewrite(checkpoints["default-ids"], tmp_path / "deep", {
+        "transformer_layer_config": {"num_hidden_layers": 1}}), str(llama_dir), deep, None).layer_ids == (2, 4, 5)
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"speculators_config": {"verifier": {"name_or_path": "org/other-model", "architectures": ["Qwen2ForCausalLM"]}}},
+     (r"its verifier is org/other-model, which is not the served model .*llama: the served model has architecture "
+     r"LlamaForCausalLM \(it was trained for Qwen2ForCausalLM\)")),
+    ({"target_hidden_size": 128}, r"not the served model .*hidden size 64 \(its verifier's: 128\)"),
+    ({"transformer_layer_config": {"vocab_size": 1000}}, r"vocabulary of 512 tokens \(its verifier's: 1000\)"),
+    ({"eagle_aux_hidden_state_layer_ids": [0, 1, 7]}, r"2 layers \(its auxiliary hidden states are read after"),
+])
+def test_a_checkpoint_for_another_model_is_refused_naming_both(checkpoints, llama_dir, tmp_path, changes, message):
+    bad = rewrite(checkpoints["plain"], tmp_path / "bad", changes)
+    with pytest.raises(Eagle3Error, match=message):
+        with_eagle(llama_dir, bad)
+
+
+@pytest.mark.parametrize("changes,drop,tensors,message", [
+    ({"transformer_layer_config": None}, (), None, "lacks transformer_layer_config"),
+    ({"transformer_layer_config": {"model_type": "qwen3"}}, (), None, "a 'qwen3' layer; the server implements llama"),
+    ({"draft_vocab_size": "many"}, (), None, "malformed field"),
+    ({"eagle_aux_hidden_state_layer_ids": [1, 1, 2]}, (), None, "must be distinct"),
+    ({"norm_before_fc": True, "fc_norm": True}, (), None, "exclude each other"),
+    ({}, ("layers.0.hidden_norm.weight",), None, "tensor layers.0.hidden_norm.weight is missing"),
+    ({}, (), {"fc.weight": torch.zeros(64, 128)}, r"fc.weight has shape \[64, 128\], expected \[64, 192\]"),
+    ({}, (), {"d2t": torch.full((200,), 400)}, "outside the 512-token vocabulary"),
+    ({}, ("embed_tokens.weight",), None, None),  # the verifier's embedding then
+])
+def test_malformed_checkpoints_are_refused_clearly(checkpoints, llama_dir, model_config, tmp_path, changes, drop,
+                                                    tensors, message):
+    bad = rewrite(checkpoints["reduced-vocab"], tmp_path / "bad", changes, drop, tensors)
+    if message is None:
+        generator = with_eagle(llama_dir, bad)
+        assert generator.draft_model.model.embed is generator.model.embed_tokens
+        return
+    with pytest.raises(Eagle3Error, match=message):
+        with_eagle(llama_dir, bad)
+
+
+def test_no_config_or_weights(checkpoints, llama_dir, model_config, tmp_path):
+    shutil.copytree(checkpoints["plain"], tmp_path / "empty")
+    (tmp_path / "empty" / "model.safetensors").unlink()
+    with pytest.raises(Eagle3Error, match="cannot read its weights"):
+        load_eagle3(tmp_path / "empty", str(llama_dir), model_config, None)
+
+
+# --- exact decoding ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["plain", "echo", "eagle-3.1"])
+def test_greedy_output_is_identical(llama_dir, checkpoints, plain, variant):
+    generator = with_eagle(llama_dir, checkpoints[variant])
+    assert generator.speculation.drafter.name == "eagle3"
+    drafted = accepted = 0
+    for got in assert_same_greedy_output(plain, generator, PROMPTS, run, max_new_tokens=24):
+        assert {o.draft_method for o in got if o.num_drafted} == {"eagle3"}
+        drafted += sum(o.num_drafted for o in got)
+        accepted += sum(o.num_accepted for o in got)
+    assert drafted > 0
+    if variant == "echo":
+        assert 0 < accepted < drafted  # both acceptance and rejection were exercised
+
+
+def test_batched_greedy_output_is_identical(llama_dir, checkpoints, plain):
+    generator = with_eagle(llama_dir, checkpoints["echo"], tokens=4)
+    expected = {i: token_ids(run(plain, p, max_new_tokens=20)) for i, p in enumerate(PROMPTS)}
+    pool = BlockPool(256, 16)
+    specs = [make_spec(i, p, pool, max_new_tokens=20, lookahead=8, speculative_tokens=0 if i == 3 else None)
+             for i, p in enumerate(PROMPTS)]
+    got: dict[int, list[int]] = {i: [] for i in expected}
+    for out in run_steps(generator, specs):
+        got[out.request_id] += [t.id for t in out.tokens]
+        assert out.request_id != 3 or not out.num_drafted
+    assert got == expected
+
+
+def test_incremental_drafts_equal_drafts_from_scratch(llama_dir, checkpoints, plain, monkeypatch):
+    """Every draft made over the paged KV (caught up after accepted and rejected drafts) equals the draft
+    computed from the whole history again, from the target's states over it."""
+    generator = with_eagle(llama_dir, checkpoints["echo"])
+    drafter = generator.draft_model
+    made = []
+    draft = Eagle3Drafter.draft
+
+    def recording(self, requests, lengths):
+        drafts = draft(self, requests, lengths)
+        made.extend((r.token_ids[: r.num_tokens].clone(), d.tokens.tolist()) for r, d in zip(requests, drafts))
+        return drafts
+
+    monkeypatch.setattr(Eagle3Drafter, "draft", recording)
+    outputs = run(generator, PROMPTS[1], max_new_tokens=24)
+    assert sum(o.num_accepted for o in outputs) > 0 and len(made) > 3
+    monkeypatch.setattr(Eagle3Drafter, "draft", draft)
+    scratch = drafter_for(checkpoints["echo"], llama_dir, ModelConfig.from_dir(llama_dir))
+    from specula_server.batch import build_step
+
+    for history, tokens in made:
+        r = SimpleNamespace(token_ids=history, slots=torch.arange(history.numel()))
+        step = build_step([r], [0], [history.numel() - 1], torch.device("cpu"))
+        kv = KVCache.allocate(8, 16, 2, plain.model.num_kv_heads, plain.model.config.head_dim, torch.float32,
+                              torch.device("cpu"))
+        with torch.inference_mode():
+            _, aux = plain.model.forward_with_aux(step.input_ids, step.positions, kv.layers, step.attn, None,
+                                                  drafter.layer_ids)
+        again = scratch.draft([fake_request(history, aux)], [len(tokens)])[0].tokens.tolist()
+        assert again == tokens
+
+
+def test_seeded_sampling_matches_no_speculation(llama_dir, checkpoints):
+    plain_gen = load_test_generator(llama_dir)
+    generator = with_eagle(llama_dir, checkpoints["echo"])
+    params = SamplingParams(temperature=0.8, top_k=20, seed=7, do_sample=True)
+    accepted = 0
+    for prompt in PROMPTS:
+        expected = token_ids(run(plain_gen, prompt, max_new_tokens=16, sampling=params))
+        got = run(generator, prompt, max_new_tokens=16, sampling=params)
+        assert token_ids(got) == expected
+        accepted += sum(o.num_accepted for o in got)
+    assert accepted > 0
+
+
+def test_adaptive_mode_and_kv_budget(llama_dir, checkpoints, plain):
+    generator = with_eagle(llama_dir, checkpoints["two-layers"], mode="adaptive", tokens=4)
+    assert_same_greedy_output(plain, generator, PROMPTS[:2], run, max_new_tokens=16)
+    # The draft layers' KV (2 layers, 2 KV heads of 16) in every block, beside the target's (the same shape).
+    assert generator.bytes_per_block() == 2 * plain.bytes_per_block()
+
+
+# --- the `speculators` package itself ---------------------------------------------------------------------
+
+
+def speculators(*args: str) -> None:
+    subprocess.run([SPECULATORS_PYTHON, str(SPECULATORS_SCRIPT), *args], check=True, capture_output=True,
+                   timeout=600)
+
+
+@pytest.fixture(scope="module")
+def package_checkpoint(llama_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("speculators") / "eagle3"
+    speculators("save", str(llama_dir), str(out), json.dumps(
+        {"draft_vocab_size": 300, "layer_ids": [0, 1, 2], "fc_norm": True, "norm_output": True}))
+    return out
+
+
+@pytest.mark.slow
+@needs_speculators
+def test_the_test_writer_writes_what_speculators_writes(package_checkpoint, llama_dir, tmp_path):
+    ours = build_eagle3(tmp_path / "ours", llama_dir, draft_vocab_size=300, layer_ids=[0, 1, 2], fc_norm=True,
+                        norm_output=True)
+    theirs_config = json.loads((package_checkpoint / "config.json").read_text())
+    ours_config = json.loads((ours / "config.json").read_text())
+    ignored = {"auto_map", "transformers_version", "architectures"}
+    assert {k: v for k, v in ours_config.items() if k not in ignored | {"transformer_layer_config"}} == \
+        {k: v for k, v in theirs_config.items() if k not in ignored | {"transformer_layer_config"}}
+    layer_keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                  "intermediate_size", "vocab_size", "rms_norm_eps", "rope_parameters", "model_type")
+    assert {k: ours_config["transformer_layer_config"].get(k) for k in layer_keys} == \
+        {k: theirs_config["transformer_layer_config"].get(k) for k in layer_keys}
+    theirs, mine = load_file(package_checkpoint / "model.safetensors"), load_file(ours / "model.safetensors")
+    assert {k: (list(v.shape), v.dtype) for k, v in mine.items()} == \
+        {k: (list(v.shape), v.dtype) for k, v in theirs.items()}
+
+
+@pytest.mark.slow
+@needs_speculators
+def test_draft_logits_match_speculators_forward(package_checkpoint, llama_dir, model_config, tmp_path):
+    """The package's training forward, run on our drafted chain (teacher forcing): at the last context row,
+    step s reads token index T - 1 + s, so appending the drafts makes its steps our chain's."""
+    torch.manual_seed(2)
+    drafter = drafter_for(package_checkpoint, llama_dir, model_config)
+    tokens = torch.randint(0, model_config.vocab_size, (13,))
+    aux = torch.randn(12, drafter.model.fc.shape[1])
+    drafts, seen = recorded_logits(drafter, [fake_request(tokens, aux)], [K])
+    ours = torch.stack([seen[0][-1]] + [logits[0] for logits in seen[1:]])
+    chain = drafts[0].tokens[:-1]
+    inputs = {
+        "input_ids": torch.cat([tokens[1:], chain])[None],
+        "hidden_states": torch.cat([aux, torch.zeros(len(chain), aux.shape[1])])[None],
+        "position_ids": torch.arange(1, 13 + len(chain))[None],
+    }
+    save_file(inputs, tmp_path / "inputs.safetensors")
+    speculators("forward", str(package_checkpoint), str(tmp_path / "inputs.safetensors"),
+                str(tmp_path / "outputs.safetensors"), str(K))
+    theirs = load_file(tmp_path / "outputs.safetensors")["logits"][:, 11]  # [steps, draft_vocab] at the last row
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+@needs_speculators
+def test_a_speculators_checkpoint_loads_and_decodes_exactly(package_checkpoint, llama_dir, plain):
+    generator = with_eagle(llama_dir, package_checkpoint)
+    got = assert_same_greedy_output(plain, generator, PROMPTS[:2], run, max_new_tokens=16)
+    assert sum(o.num_drafted for outputs in got for o in outputs) > 0
