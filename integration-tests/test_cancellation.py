@@ -80,6 +80,8 @@ def test_burst_of_disconnects_leaks_nothing(base_url):
 
     wait_until(lambda: cancelled(base_url) == before + num_streams, what="every stream to be cancelled")
     wait_idle(base_url)  # no KV blocks (batch_current_max_tokens), running or queued requests left behind
+    assert metric(base_url, "specula_kv_blocks_used") == 0
+    assert metric(base_url, "specula_kv_blocks_free") == metric(base_url, "specula_kv_blocks_capacity") > 0
     assert greedy_text(base_url) == reference
 
 

@@ -109,6 +109,42 @@ def test_bad_grammars_get_a_4xx_naming_the_field(grammar_server):
     assert post(url, "/generate", inputs=PROMPT, parameters={"max_new_tokens": 2}).status_code == 200
 
 
+def test_grammars_that_cannot_be_enforced_are_refused_and_ref_loops_mean_any_json(grammar_server):
+    """The grammar bombs that compiled and then, by the model's first token, failed with llguidance's parser
+    state, failed after the first streamed token, or answered an empty 200."""
+    url = grammar_server.url
+    bombs = [
+        ("/generate", {"grammar": {"type": "regex", "value": "a{1000000}"}}, "grammar.value"),
+        ("/generate_stream", {"grammar": {"type": "regex", "value": "(a{1000}){1000}"}}, "grammar.value"),
+        ("/generate", {"grammar": {"type": "json", "value": {"$defs": {"n": {
+            "type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}}, "$ref": "#/$defs/n"}}},
+         "grammar.value"),
+    ]
+    for path, parameters, field in bombs:
+        r = post(url, path, inputs=PROMPT, parameters={"max_new_tokens": 4, **parameters})
+        assert r.status_code == 422, (parameters, r.status_code, r.text)
+        assert r.json()["error"].startswith(f"`{field}` cannot be enforced") and "<state>" not in r.text, r.text
+    r = post(url, "/v1/chat/completions", messages=[{"role": "user", "content": "hi"}], response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "^a{1000000}$"}}})
+    assert r.status_code == 400 and "cannot be enforced" in r.json()["error"]["message"], r.text
+    for schema in ({"$ref": "#"}, {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                                   "$ref": "#/$defs/a"}):
+        for seed in range(3):
+            r = post(url, "/generate", inputs=PROMPT, parameters={
+                "grammar": {"type": "json", "value": schema}, "max_new_tokens": 60, "do_sample": True, "seed": seed,
+                "details": True})
+            assert r.status_code == 200, r.text
+            text = r.json()["generated_text"]
+            assert text, "an empty answer is not JSON"
+            if r.json()["details"]["finish_reason"] == "eos_token":  # else cut by max_new_tokens: a JSON prefix
+                json.loads(text)
+    date = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d)"
+    for seed in range(6):
+        r = post(url, "/generate", inputs=PROMPT, parameters={
+            "grammar": {"type": "regex", "value": date}, "max_new_tokens": 20, "do_sample": True, "seed": seed})
+        assert r.status_code == 200 and re.fullmatch(r"(19|20)[0-9]{2}-[0-9]{2}-[0-9]{2}", r.json()["generated_text"])
+
+
 CLIENTS_SCRIPT = """
 import openai
 from openai import OpenAI

@@ -67,7 +67,8 @@ def main(
         "latest", envvar="NGRAM_MATCH", help="Which earlier occurrence prompt lookup copies: latest or earliest."),
     speculator: Optional[str] = typer.Option(
         None, envvar="SPECULATOR",
-        help="Medusa heads, an MLP speculator or a draft model (a small causal LM with the model's tokenizer): "
+        help="Medusa heads, an MLP speculator, an EAGLE-3 speculator (the `speculators` layout, trained for this "
+             "model) or a draft model (a small causal LM with the model's tokenizer): "
              "directory or Hub id, drafting for every request without Medusa heads of its own; or `suffix`, "
              "suffix decoding (drafts from the request's context and from earlier requests' outputs, prompt "
              "lookup behind it; a directory called suffix is ./suffix). With the demo model, also a member of "

@@ -55,6 +55,11 @@ class BlockAllocator:
         return len(self._by_hash)
 
     @property
+    def num_idle_cached_blocks(self) -> int:
+        """Cached blocks no request holds: free, but kept for their prefix until taken."""
+        return len(self._idle)
+
+    @property
     def num_used_tokens(self) -> int:
         return (self.num_blocks - self.num_free_blocks) * self.block_size
 

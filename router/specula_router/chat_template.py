@@ -16,7 +16,10 @@ special tokens again (the template writes BOS itself), so the prompt ids equal
 `tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`.
 
 A template's own `raise_exception(...)` (e.g. "roles must alternate") is a `ChatTemplateError`: the client's
-conversation is what the template refused, so the HTTP layer answers it with a 4xx carrying the message.
+conversation is what the template refused, so the HTTP layer answers it with a 4xx carrying the message. So is any
+other failure while rendering (a `range` past the sandbox's 100,000 items, a recursive macro, a string or list
+repeated past `MAX_REPEAT_ITEMS`): a template may size its work from the messages or tools, so it fails on client
+input, and that request alone gets the 4xx (the failure is logged).
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import jinja2
 import jinja2.ext
+import jinja2.runtime
 import jinja2.sandbox
 import jinja2.utils
 
@@ -44,6 +48,9 @@ SPECIAL_TOKENS_MAP = "special_tokens_map.json"
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Template names transformers picks by default, with tools first (`get_chat_template`).
 TOOL_USE, DEFAULT = "tool_use", "default"
+# Bounds on what a template's `*` and `**` may build (see `_TemplateEnvironment`).
+MAX_REPEAT_ITEMS = 1_000_000
+MAX_POWER_EXPONENT = 4096
 
 
 class ChatTemplateError(Exception):
@@ -90,10 +97,12 @@ class ChatTemplate:
             return compiled.render(messages=_plain(list(messages)), tools=_plain(tools), documents=None,
                                    add_generation_prompt=add_generation_prompt, **_plain(variables))
         except jinja2.TemplateError as e:  # raise_exception, undefined calls, sandbox refusals
-            raise ChatTemplateError(str(e)) from None
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as e:
-            raise ChatTemplateError(f"the chat template failed on this conversation: {type(e).__name__}: {e}") \
-                from None
+            raise ChatTemplateError(_short(str(e))) from None
+        except Exception as e:  # noqa: BLE001 - anything a template can raise on client input (a range past the
+            # sandbox's limit, a recursive macro, an allocation too large) fails this request alone, never the route
+            logger.warning("the chat template failed on a conversation: %s: %s", type(e).__name__, _short(str(e)))
+            raise ChatTemplateError(f"the chat template failed on this conversation: {type(e).__name__}: "
+                                    f"{_short(str(e))}") from None
 
     @classmethod
     def from_text(cls, text: str, special_tokens: Mapping[str, str] | None = None,
@@ -253,8 +262,31 @@ class _GenerationTag(jinja2.ext.Extension):
         return caller()
 
 
+class _TemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The immutable sandbox, with `*` and `**` bounded: `"x" * 10**10` would otherwise allocate gigabytes in the
+    router before anything could refuse it (jinja2 bounds `range` only)."""
+
+    intercepted_binops: ClassVar[frozenset[str]] = frozenset({"*", "**"})
+
+    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, times in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(times, int) \
+                        and len(seq) * times > MAX_REPEAT_ITEMS:
+                    raise OverflowError(f"a repeated {type(seq).__name__} would hold more than {MAX_REPEAT_ITEMS} "
+                                        f"items")
+        elif isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and right > MAX_POWER_EXPONENT:
+            raise OverflowError(f"an integer power with an exponent above {MAX_POWER_EXPONENT}")
+        return super().call_binop(context, operator, left, right)
+
+
+def _short(message: str, limit: int = 300) -> str:
+    message = " ".join(message.split())
+    return message if len(message) <= limit else message[:limit - 3] + "..."
+
+
 def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    env = _TemplateEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_TemplateDict(),

@@ -34,8 +34,10 @@ Each call object is `{"name": {"const": f}, "arguments": <f's parameters schema>
 functions: `required` allows one or more calls of any tool (one for Llama, and for bare Hermes objects), a named
 function exactly one call of it. Llama's optional `<|python_tag|>` is not written.
 
-`GrammarChecker` runs `LLMatcher.validate_grammar` on a thread of its own, under a wall-clock limit, and keeps
-the results (errors included) of the last 256 distinct grammars, so a repeated grammar costs a dict lookup.
+`GrammarChecker` runs `LLMatcher.validate_grammar` on a thread of its own, under a wall-clock limit, then walks
+the grammar's first positions as a worker would (`_probe`: limits that trip only once tokens are consumed, masks
+too slow to compute, grammars that accept nothing or only an empty answer), and keeps the results (errors
+included) of the last 256 distinct grammars, so a repeated grammar costs a dict lookup.
 """
 
 from __future__ import annotations
@@ -44,13 +46,16 @@ import asyncio
 import json
 import re
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 import llguidance
+import numpy as np
 import tokenizers
 
 __all__ = [
@@ -76,9 +81,15 @@ DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 10.0
 # Compact JSON: no whitespace between tokens, so structure is forced (see the module docstring).
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# A tool declared without `parameters` takes none: `{}` (an open object would let the answer repeat a key).
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 HERMES, MISTRAL, LLAMA = "hermes", "mistral", "llama"
 _ERROR_LINES, _ERROR_CHARS = 4, 400
 _TIMED_OUT = "did not compile within"
+# The admission probe (`GrammarChecker._probe`): positions walked, and the slowest token mask a grammar may need.
+PROBE_STEPS = 8
+MAX_MASK_SECONDS = 1.0
+MAX_PROBED_PATTERNS = 64
 _LISTING = re.compile(r"^\d+ \|")  # a numbered grammar line in llguidance's messages
 
 
@@ -121,9 +132,75 @@ def json_schema_grammar(schema: object, field: str, max_bytes: int = DEFAULT_MAX
     if not isinstance(schema, dict):
         raise GrammarError(f"`{field}` must be a JSON schema: an object. Given: {type(schema).__name__}", field)
     try:
+        schema = without_ref_cycles(schema)
         return Grammar(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS), field)
     except Exception as e:  # ValueError; RecursionError for a schema nested past Python's limit
         raise GrammarError(f"`{field}` is not a valid JSON schema: {_first_lines(str(e))}", field) from None
+
+
+# Keys that do not constrain a value: a schema of these and `$ref` alone is its reference's constraint.
+_ANNOTATIONS = frozenset({"$ref", "$defs", "definitions", "$schema", "$id", "$anchor", "$comment", "title",
+                          "description", "default", "examples", "deprecated", "readOnly", "writeOnly"})
+
+
+def without_ref_cycles(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` with every `$ref` that only leads back to itself through other bare `$ref`s removed.
+
+    Such a reference constrains nothing: `{"$ref": "#"}` is the schema "whatever this schema allows", whose
+    solution under JSON Schema is any value. llguidance reads it as an empty language instead, and would end the
+    answer at once (an empty string is not JSON). A cycle through a schema that does constrain (an object whose
+    property refers back to it) is recursion, not a loop, and is kept.
+
+    Example: {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
+             -> {"$defs": {"a": {}, "b": {}}}: any JSON value
+    """
+    def resolve(pointer: str) -> Any:
+        if not pointer.startswith("#"):
+            return None  # not a reference into this document: llguidance decides
+        node: Any = schema
+        for part in filter(None, unquote(pointer[1:]).split("/")):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                return None
+        return node
+
+    def bare(node: Any) -> bool:
+        return isinstance(node, dict) and isinstance(node.get("$ref"), str) and node.keys() <= _ANNOTATIONS
+
+    def loops(node: Any) -> bool:
+        seen: set[int] = set()
+        while bare(node):
+            if id(node) in seen:
+                return True
+            seen.add(id(node))
+            node = resolve(node["$ref"])
+        return False
+
+    looping: set[int] = set()
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if bare(node) and loops(node):
+                looping.add(id(node))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    if not looping:
+        return schema
+
+    def copy(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: copy(v) for k, v in node.items() if not (k == "$ref" and id(node) in looping)}
+        if isinstance(node, list):
+            return [copy(v) for v in node]
+        return node
+
+    return copy(schema)
 
 
 def regex_grammar(regex: object, field: str, max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> Grammar:
@@ -131,7 +208,33 @@ def regex_grammar(regex: object, field: str, max_bytes: int = DEFAULT_MAX_GRAMMA
     if not isinstance(regex, str):
         raise GrammarError(f"`{field}` must be a string (a regex). Given: {type(regex).__name__}", field)
     _check_size(regex, field, max_bytes)
-    return Grammar(llguidance.LLMatcher.grammar_from_regex(regex), field)
+    return Grammar(llguidance.LLMatcher.grammar_from_regex(ascii_classes(regex)), field)
+
+
+# TGI's regex grammars (outlines, interegular) read the shorthand classes as ASCII; llguidance's regex syntax (Rust's
+# `regex` crate) reads them as Unicode, so `\d` would take "３" and `\w` "é". Written out as bracket classes, which
+# llguidance also nests inside brackets (`[^\d.]` -> `[^[0-9].]`).
+_ASCII_CLASSES = {"d": "[0-9]", "D": "[^0-9]", "w": "[0-9A-Za-z_]", "W": "[^0-9A-Za-z_]",
+                  "s": "[\\t\\n\\x0B\\f\\r ]", "S": "[^\\t\\n\\x0B\\f\\r ]"}
+
+
+def ascii_classes(regex: str) -> str:
+    """`regex` with `\\d \\D \\w \\W \\s \\S` (inside brackets too) replaced by their ASCII classes.
+
+    Example: ascii_classes(r"(19|20)\\d\\d-[\\w.]+") -> r"(19|20)[0-9][0-9]-[[0-9A-Za-z_].]+"
+             (an escaped backslash stays: r"\\\\d" is a backslash and a "d")
+    """
+    out, i = [], 0
+    while i < len(regex):
+        char = regex[i]
+        if char == "\\" and i + 1 < len(regex):
+            escaped = regex[i + 1]
+            out.append(_ASCII_CLASSES.get(escaped, char + escaped))
+            i += 2
+        else:
+            out.append(char)
+            i += 1
+    return "".join(out)
 
 
 def from_generate_parameters(grammar: Mapping[str, Any] | None, response_format: Mapping[str, Any] | None,
@@ -261,8 +364,8 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], tool_choice: str | Map
     calls = []
     for name in names:
         parameters = functions[name]
-        if parameters is None:
-            parameters = ANY_OBJECT
+        if parameters is None:  # OpenAI: "omitting parameters defines a function with an empty parameter list"
+            parameters = NO_ARGUMENTS
         if not isinstance(parameters, dict):
             raise GrammarError(f"`tools`: the parameters of {name!r} must be a JSON schema object", "tools")
         calls.append({"type": "object", "properties": {"name": {"const": name}, key: parameters},
@@ -310,6 +413,42 @@ def _shown(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def _schema_patterns(grammar: str) -> list[str]:
+    """The distinct `pattern` strings of the JSON schemas in an llguidance grammar's text (its `json_schema`
+    grammars and the `%json{...}` lines of its Lark ones)."""
+    try:
+        entries = json.loads(grammar).get("grammars", ())
+        schemas: list[Any] = [entry.get("json_schema") for entry in entries]
+        for entry in entries:
+            for line in (entry.get("lark_grammar") or "").splitlines():
+                at = line.find("%json")
+                if at >= 0:
+                    schemas.append(json.loads(line[at + len("%json"):]))
+    except (ValueError, AttributeError, RecursionError):
+        return []
+    patterns: dict[str, None] = {}
+    stack = schemas
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if isinstance(node.get("pattern"), str):
+                patterns[node["pattern"]] = None
+            if isinstance(node.get("patternProperties"), dict):
+                patterns.update(dict.fromkeys(node["patternProperties"]))
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return list(patterns)
+
+
+def _anchored(pattern: str) -> str:
+    """A JSON Schema pattern (which matches anywhere in the string) as one matching the whole string."""
+    body = pattern.removeprefix("^")
+    if body.endswith("$") and not body.endswith("\\$"):
+        body = body[:-1]
+    return f"^(?:{body})$"
+
+
 def _first_lines(message: str) -> str:
     """The gist of an llguidance message, on one line: its first lines, without the caret lines under a regex
     nor the grammar listing or parser state that may follow.
@@ -354,13 +493,16 @@ class GrammarChecker:
         self.special_tokens = special_token_texts(tokenizer)
         self.validations = 0
         self._lltokenizer: llguidance.LLTokenizer | None = None
+        self._token_lengths: np.ndarray | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, Future[str]] = OrderedDict()
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="grammar-check")
 
     async def check(self, grammar: str) -> str:
-        """"" when `grammar` compiles against the tokenizer; else why not (llguidance's first lines, or the
-        time limit). Concurrent checks of one grammar share one validation; its result stays cached."""
+        """"" when `grammar` compiles against the tokenizer and its first positions can be enforced (`_probe`);
+        else why not, as a predicate of the field ("does not compile: <llguidance's first lines>", "cannot be
+        enforced: ...", "accepts only an empty answer", the time limit). Concurrent checks of one grammar share
+        one validation; its result stays cached."""
         future = self._cache.get(grammar)
         if future is None or future.cancelled():
             future = self._executor.submit(self._validate, grammar)
@@ -375,12 +517,10 @@ class GrammarChecker:
             return f"{_TIMED_OUT} {self.timeout_s:g} s (--grammar-compile-timeout)"
 
     async def check_or_raise(self, grammar: Grammar) -> None:
-        """Raises `GrammarError` naming `grammar.field` when the grammar does not compile."""
+        """Raises `GrammarError` naming `grammar.field` when the grammar does not compile or cannot be enforced."""
         message = await self.check(grammar.text)
-        if message.startswith(_TIMED_OUT):
-            raise GrammarError(f"`{grammar.field}` {message}", grammar.field)
         if message:
-            raise GrammarError(f"`{grammar.field}` does not compile: {message}", grammar.field)
+            raise GrammarError(f"`{grammar.field}` {message}", grammar.field)
 
     def lltokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -389,14 +529,85 @@ class GrammarChecker:
                                                            eos_token=self.eos_token_ids or None)
             return self._lltokenizer
 
+    def token_lengths(self) -> np.ndarray:
+        """Each token's length in bytes, [vocab_size] (built once, with the LLTokenizer)."""
+        with self._lock:
+            if self._token_lengths is None:
+                self._token_lengths = np.array([len(self._lltokenizer.decode_bytes([i]))  # type: ignore[union-attr]
+                                                for i in range(self.vocab_size)], dtype=np.int32)
+            return self._token_lengths
+
     def _validate(self, grammar: str) -> str:
         self.validations += 1
         try:
             message = llguidance.LLMatcher.validate_grammar(grammar, self.lltokenizer(),
                                                             limits=llguidance.LLParserLimits())
+            if message:
+                return f"does not compile: {_first_lines(message)}"
+            return self._probe(grammar)
         except Exception as e:  # a tokenizer llguidance cannot read, a grammar it cannot parse at all
-            message = str(e) or type(e).__name__
-        return _first_lines(message) if message else ""
+            return f"does not compile: {_first_lines(str(e) or type(e).__name__)}"
+
+    def _probe(self, grammar: str) -> str:
+        """"" when the grammar's first positions can be enforced as a worker enforces them; else why not.
+
+        A grammar that compiles may still fail where it is used: llguidance builds its lexer lazily, so a regex
+        like `a{1000000}` trips a limit ("too many expressions constructed") only when a mask is computed after
+        some token, and a schema that can never end (an object whose required property is that object) runs out
+        of parser items a few tokens in. The worker would then fail the request mid-answer (or, before this
+        check, end it with an empty answer). So the router walks `PROBE_STEPS` positions as the worker would
+        (`_walk`), then each JSON Schema `pattern` on its own (an optional property's pattern is not on the
+        walked path), and refuses:
+
+            a limit tripped or the grammar left      "cannot be enforced: <llguidance's reason, one line>"
+            a mask slower than MAX_MASK_SECONDS      "cannot be enforced in time: ..." (every step of every
+                                                     request in the batch would wait for it)
+            no token allowed at the start            "can never be satisfied: ..."
+            only the end allowed at the start        "accepts only an empty answer"
+        """
+        matcher = llguidance.LLMatcher(self.lltokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            return f"does not compile: {_first_lines(matcher.get_error())}"
+        message = self._walk(matcher)
+        if message:
+            return message
+        for pattern in _schema_patterns(grammar)[:MAX_PROBED_PATTERNS]:
+            alone = llguidance.LLMatcher(self.lltokenizer(), json_schema_grammar(
+                {"type": "string", "pattern": _anchored(pattern)}, "pattern").text, log_level=0)
+            message = "" if alone.is_error() else self._walk(alone)  # a form it cannot take alone: not probed
+            if message.startswith("cannot be enforced"):
+                return f"{message} (the pattern {_shown(pattern)})"
+        return ""
+
+    def _walk(self, matcher: llguidance.LLMatcher) -> str:
+        """Follows the longest allowed token (the most lexer work) for up to `PROBE_STEPS` positions, computing
+        the forced tokens and the mask at each, as a worker does; "" when nothing failed (see `_probe`)."""
+        lengths = self.token_lengths()
+        ends = np.asarray(self.lltokenizer().eos_tokens, dtype=np.int64)
+        for step in range(PROBE_STEPS):
+            start = time.perf_counter()
+            matcher.compute_ff_tokens()  # what the worker drafts for free: it has limits of its own
+            bitmask = matcher.compute_bitmask()
+            seconds = time.perf_counter() - start
+            allowed = np.flatnonzero(np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8),
+                                                   bitorder="little")[:self.vocab_size])
+            text = np.setdiff1d(allowed, ends, assume_unique=True)
+            if matcher.is_error():
+                reason = _first_lines(matcher.get_error())
+                if step == 0 and not text.size and reason.startswith("NoExtensionBias"):
+                    return "can never be satisfied: no answer matches it"
+                return f"cannot be enforced: {reason}"
+            if seconds > MAX_MASK_SECONDS:
+                return (f"cannot be enforced in time: a token mask took {seconds:.1f} s to compute "
+                        f"(at most {MAX_MASK_SECONDS:g} s)")
+            if not text.size:
+                if step > 0:
+                    return ""  # a complete answer
+                return "accepts only an empty answer" if matcher.is_accepting() else \
+                    "can never be satisfied: no token can start an answer"
+            if not matcher.consume_token(int(text[np.argmax(lengths[text])])):
+                return f"cannot be enforced: {_first_lines(matcher.get_error())}"
+        return ""
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

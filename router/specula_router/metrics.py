@@ -17,6 +17,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.utils import floatToGoString
 
+from specula_router.block_allocator import BlockAllocator
 from specula_router.entries import Entry, ErrorEvent, FinalEvent
 from specula_router.merges import is_merged_id
 
@@ -122,6 +123,14 @@ class Metrics:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)")
         self.prefix_cache_blocks = gauge("prefix_cache_blocks", "KV blocks holding a reusable prefix")
+        # The KV cache's blocks (block_allocator.py), read when scraped (`watch_kv_blocks`): used + free = capacity.
+        self.kv_blocks_capacity = gauge("kv_blocks_capacity", "KV cache blocks the router allocates from")
+        self.kv_blocks_used = gauge("kv_blocks_used", "KV blocks held by requests (running, or prefilling)")
+        self.kv_blocks_free = gauge("kv_blocks_free", "KV blocks a new request may take: never used, or holding "
+                                                      "a cached prefix no request holds (counted again in "
+                                                      "kv_blocks_cached_idle)")
+        self.kv_blocks_cached_idle = gauge("kv_blocks_cached_idle", "Free KV blocks that hold a reusable prefix "
+                                                                    "(taken last, oldest use first)")
         self.suffix_cache_tokens = gauge("suffix_cache_tokens",
                                          "Tokens in the global suffix trees of suffix decoding (outputs, each after "
                                          "its prompt's last 24), per shard")
@@ -130,6 +139,14 @@ class Metrics:
         # What the workers run, as labels of a constant 1 (as vLLM's `cache_config_info`): set once from Info.
         self.model_info = Gauge(f"{p}_model_info", "The served model's formats (value 1)",
                                 ["dtype", "quantize", "kv_cache_dtype", "device"], registry=r)
+
+    def watch_kv_blocks(self, allocator: BlockAllocator) -> None:
+        """The KV block gauges read `allocator` when scraped, so they are current between steps too (blocks freed
+        by cancelled requests while nothing runs)."""
+        self.kv_blocks_capacity.set(allocator.num_blocks)
+        self.kv_blocks_used.set_function(lambda: allocator.num_blocks - allocator.num_free_blocks)
+        self.kv_blocks_free.set_function(lambda: allocator.num_free_blocks)
+        self.kv_blocks_cached_idle.set_function(lambda: allocator.num_idle_cached_blocks)
 
     def set_model_info(self, dtype: str, quantize: str, kv_cache_dtype: str, device: str) -> None:
         """`quantize`: "" for float weights; `kv_cache_dtype`: `dtype` when the workers did not say."""

@@ -88,6 +88,7 @@ class Scheduler:
         self.allocator = allocator
         self.config = config
         self.metrics = metrics
+        metrics.watch_kv_blocks(allocator)
         self.adapters = adapters if adapters is not None else AdapterManager(client, metrics)
         self._wake = asyncio.Event()
         self.admission = Admission(allocator, self.adapters, metrics, config, self._wake)

@@ -393,7 +393,7 @@ class Validator:
     def _truncate(self, value: int | None) -> int | None:
         if value is not None and not (0 < value <= self.limits.max_input_tokens):
             raise ValidationError(
-                f"`truncate` must be strictly positive and less than {self.limits.max_input_tokens}. Given: {value}",
+                f"`truncate` must be between 1 and {self.limits.max_input_tokens}. Given: {value}",
                 "truncate",
             )
         return value
@@ -401,7 +401,7 @@ class Validator:
     def _check_input_length(self, num_tokens: int) -> None:
         if num_tokens > self.limits.max_input_tokens:
             raise ValidationError(
-                f"`inputs` must have less than {self.limits.max_input_tokens} tokens. Given: {num_tokens}", "inputs"
+                f"`inputs` must have at most {self.limits.max_input_tokens} tokens. Given: {num_tokens}", "inputs"
             )
 
     def _max_new_tokens(self, input_length: int, requested: int | None, lookahead: int) -> int:

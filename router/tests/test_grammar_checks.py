@@ -251,11 +251,15 @@ def test_a_named_function_allows_exactly_one_call_of_it(tokenizer, lltok):
     assert info.value.field == "tool_choice" and "'add'" in info.value.message
 
 
-def test_a_tool_without_parameters_takes_any_object(tokenizer, lltok):
+def test_a_tool_without_parameters_takes_no_arguments(tokenizer, lltok):
+    """OpenAI: omitted `parameters` is an empty parameter list. Before, any object was allowed, and a forced answer
+    repeated a key (`{"description":"a","description":"b"}`), which no JSON reader keeps."""
     tool = {"type": "function", "function": {"name": "now"}}
     built = g.tool_call_grammar([tool], "required", g.LLAMA)
     assert accepts(lltok, tokenizer, built.text, '{"name":"now","parameters":{}}')
     assert not accepts(lltok, tokenizer, built.text, '{"name":"now","parameters":[]}')
+    assert not accepts(lltok, tokenizer, built.text, '{"name":"now","parameters":{"a":1}}')
+    assert not accepts(lltok, tokenizer, built.text, '{"name":"now","parameters":{"a":1,"a":2}}')
 
 
 # -- checking ---------------------------------------------------------------------------------------------------
@@ -560,3 +564,102 @@ def test_parallel_tool_calls_false_allows_one_call_only(lltok, tokenizer):
         grammar = g.tool_call_grammar([ADD_TOOL], "required", g.HERMES, parallel=parallel).text
         assert accepts(lltok, tokenizer, grammar, call)
         assert accepts(lltok, tokenizer, grammar, call + "\n" + call) is parallel
+
+
+# -- grammars that compile but cannot be enforced ---------------------------------------------------------------
+
+# Each compiled, then failed in the worker: a 424 carrying llguidance's parser-state dump, an error event after
+# the first token, or a 200 whose answer was empty (the grammar silently not enforced), by the model's first token.
+UNENFORCEABLE = [
+    ({"grammar": {"type": "regex", "value": "a{1000000}"}}, "grammar.value", "cannot be enforced"),
+    ({"grammar": {"type": "regex", "value": "(a{1000}){1000}"}}, "grammar.value", "cannot be enforced"),
+    ({"grammar": {"type": "json", "value": {  # an object whose required property is that object: never ends
+        "$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}, "required": ["c"]}},
+        "$ref": "#/$defs/n"}}}, "grammar.value", "Too many items"),
+    ({"response_format": {"type": "json_object", "schema": {"type": "string", "pattern": "^a{1000000}$"}}},
+     "response_format.schema", "cannot be enforced"),
+    ({"grammar": {"type": "regex", "value": ""}}, "grammar.value", "accepts only an empty answer"),
+]
+
+
+@pytest.mark.parametrize(("parameters", "field", "words"), UNENFORCEABLE)
+def test_grammars_that_cannot_be_enforced_are_422_at_admission(tokenizer, parameters, field, words):
+    state = make_state(tokenizer)
+
+    async def fn(client):
+        for route in ("/generate", "/generate_stream"):
+            r = await client.post(route, json={"inputs": "x", "parameters": {"max_new_tokens": 4, **parameters}})
+            assert r.status_code == 422, (route, r.text)
+            message = r.json()["error"]
+            assert message.startswith(f"`{field}` ") and words in message, message
+            assert "\n" not in message and "<state>" not in message and len(message) < 300, message
+
+    call(state, fn)
+    assert state.in_flight == 0 and state.client.prefilled == []
+
+
+def test_a_pattern_that_cannot_be_enforced_is_400_on_the_openai_routes(tokenizer):
+    schema = {"name": "s", "schema": {"type": "object", "properties": {"a": {"type": "string",
+                                                                               "pattern": "^a{1000000}$"}}}}
+
+    async def fn(client):
+        r = await client.post("/v1/chat/completions", json={
+            "messages": CHAT, "response_format": {"type": "json_schema", "json_schema": schema}})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == "response_format.json_schema.schema" and "cannot be enforced" in error["message"]
+        assert error["type"] == "invalid_request_error" and "<state>" not in error["message"]
+
+    call(make_state(tokenizer), fn)
+
+
+@pytest.mark.parametrize("schema", [
+    {"$ref": "#"},
+    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+    {"type": "object", "properties": {"x": {"$ref": "#/$defs/loop"}},
+     "$defs": {"loop": {"$ref": "#/$defs/loop", "title": "a loop"}}},
+])
+def test_a_ref_that_only_leads_to_itself_means_any_json_value(tokenizer, lltok, schema):
+    """Before, llguidance read such a schema as the empty language: the answer was "" with finish reason EOS."""
+    built = g.json_schema_grammar(schema, "grammar.value").text
+    assert asyncio.run(g.GrammarChecker(tokenizer).check(built)) == ""
+    values = ['1', '"x"', 'null', '[true,{"a":[]}]'] if "type" not in schema else ['{"x":1}', '{"x":[null]}']
+    for value in values:
+        assert accepts(lltok, tokenizer, built, value), value
+    assert not accepts(lltok, tokenizer, built, "")
+
+
+def test_recursion_through_a_constraint_is_kept():
+    tree = {"$defs": {"t": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/t"}}}}},
+            "$ref": "#/$defs/t"}
+    assert g.without_ref_cycles(tree) is tree
+
+
+# -- regex classes read as TGI reads them ------------------------------------------------------------------------
+
+DATE = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d)"
+
+
+@pytest.mark.parametrize(("regex", "taken", "refused"), [
+    (DATE, ["2033-12-23", "1999-01-09"], ["20３３-12-2３", "2033-12-2٣"]),  # fullwidth, Arabic-Indic digits
+    (r"\w+", ["abc_09"], ["é", "中", "a-b"]),
+    (r"a\sb", ["a b", "a\tb"], ["a\u00a0b", "a\u2003b"]),  # NBSP, EM SPACE
+    (r"[\d.]+", ["1.5"], ["１.5"]),  # inside brackets
+    (r"[^\d]+", ["ab"], ["a1"]),
+    (r"\D\W\S", ["a.b", "a.\u00a0"], ["1.b", "a_b", "a. "]),  # NBSP is not ASCII white space
+    (r"\\d", ["\\d"], ["1"]),  # an escaped backslash and a "d"
+])
+def test_regex_classes_are_ascii_as_tgi_reads_them(tokenizer, lltok, regex, taken, refused):
+    built = g.regex_grammar(regex, "grammar.value").text
+    for text in taken:
+        assert accepts(lltok, tokenizer, built, text), text
+    for text in refused:
+        assert not accepts(lltok, tokenizer, built, text), text
+
+
+def test_json_schema_patterns_read_digits_and_word_characters_as_ascii(tokenizer, lltok):
+    """ECMA-262 (JSON Schema's regex dialect) reads \\d and \\w as ASCII; its \\s is Unicode white space."""
+    built = g.json_schema_grammar({"type": "string", "pattern": r"^\d{4}-\w+$"}, "grammar.value").text
+    assert accepts(lltok, tokenizer, built, '"2033-ab_1"')
+    assert not accepts(lltok, tokenizer, built, '"20３３-ab"')
+    assert not accepts(lltok, tokenizer, built, '"2033-é"')

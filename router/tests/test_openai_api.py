@@ -389,6 +389,26 @@ def test_chat_template_errors(tokenizer):
     call(make_state(tokenizer, template=None), no_template)
 
 
+@pytest.mark.parametrize("template, reason", [
+    # Each sized from the client's messages, so a client reaches it: before, a 500.
+    ("{% for i in range(messages|length * 10000000) %}x{% endfor %}", "OverflowError"),
+    ("{% macro f(n) %}{{ f(n + messages|length) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+    ("{{ messages[0].content * 100000000000 }}", "OverflowError"),
+    ("{{ 10 ** (messages|length * 10000000) }}", "OverflowError"),
+])
+def test_any_failure_while_rendering_the_template_is_a_422_for_that_request(tokenizer, caplog, template, reason):
+    async def fn(client):
+        error = openai_error(await client.post("/v1/chat/completions", json={"messages": CHAT}), 422)
+        assert error["param"] == "messages" and error["code"] == "chat_template", error
+        assert reason in error["message"] and len(error["message"]) < 400, error
+        r = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert r.status_code == 200  # the server goes on
+
+    with caplog.at_level("WARNING", logger="specula.router.chat"):
+        call(make_state(tokenizer, template=template), fn)
+    assert any(reason in record.getMessage() for record in caplog.records)
+
+
 def test_errors_outside_the_routes_take_the_openai_shape_on_v1_only(tokenizer):
     async def fn(client):
         assert openai_error(await client.get("/v1/nothing"), 404)["code"] == "not_found"

@@ -181,6 +181,32 @@ def test_a_cancelled_request_leaves_in_the_next_step_and_its_blocks_are_reused()
     run(body())
 
 
+def test_kv_block_gauges_return_to_idle_after_a_burst_of_cancellations():
+    """/metrics reads the allocator when scraped: blocks freed by cancelled requests show at once, with or
+    without a step after them. Before, only `batch_current_max_tokens` existed, set after steps."""
+    async def body():
+        scheduler, _ = make_scheduler(num_blocks=64, block_size=4, step_delay=0.01, prefix_caching=True)
+        gauges = ("specula_kv_blocks_capacity", "specula_kv_blocks_used", "specula_kv_blocks_free",
+                  "specula_kv_blocks_cached_idle")
+        idle = {name: samples(scheduler)[name] for name in gauges}
+        assert idle == {"specula_kv_blocks_capacity": 64, "specula_kv_blocks_used": 0,
+                        "specula_kv_blocks_free": 64, "specula_kv_blocks_cached_idle": 0}
+        loop = asyncio.create_task(scheduler.run())
+        burst = [scheduler.submit(make_request(prompt_len=8, max_new=20)) for _ in range(6)]
+        await asyncio.sleep(0.05)
+        busy = samples(scheduler)
+        assert busy["specula_kv_blocks_used"] > 0
+        assert busy["specula_kv_blocks_used"] + busy["specula_kv_blocks_free"] == 64
+        for entry in burst:
+            scheduler.cancel(entry)
+        await asyncio.sleep(0.05)
+        loop.cancel()
+        after = samples(scheduler)
+        assert after["specula_kv_blocks_used"] == 0 and after["specula_kv_blocks_free"] == 64
+        assert after["specula_kv_blocks_cached_idle"] == scheduler.allocator.num_cached_blocks  # prompts kept
+    run(body())
+
+
 def test_queued_request_cancelled_before_admission():
     scheduler, _ = make_scheduler()
     entry = scheduler.submit(make_request())

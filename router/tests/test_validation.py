@@ -162,8 +162,8 @@ REJECTED = [
     ({"max_new_tokens": -5}, False, "max_new_tokens", "`max_new_tokens` must be strictly positive"),
     ({"seed": -1}, False, "seed", f"`seed` must be >= 0 and <= {MAX_SEED}. Given: -1"),
     ({"seed": 2**64}, False, "seed", f"`seed` must be >= 0 and <= {MAX_SEED}. Given: {2**64}"),
-    ({"truncate": 0}, False, "truncate", "`truncate` must be strictly positive and less than 32. Given: 0"),
-    ({"truncate": 33}, False, "truncate", "`truncate` must be strictly positive and less than 32. Given: 33"),
+    ({"truncate": 0}, False, "truncate", "`truncate` must be between 1 and 32. Given: 0"),
+    ({"truncate": 33}, False, "truncate", "`truncate` must be between 1 and 32. Given: 33"),
     ({"stop": ["a", "b", "c", "d"]}, False, "stop", "`stop` supports up to 3 stop sequences. Given: 4"),
     ({"stop": ["ok", ""]}, False, "stop", "`stop` sequences must not be empty strings"),
     ({"best_of": 3, "do_sample": True}, False, "best_of", "`best_of` must be > 0 and <= 2. Given: 3"),
@@ -243,7 +243,7 @@ def test_input_length_limit(validator, tokenizer):
     with pytest.raises(ValidationError) as info:
         validator.validate(long_prompt, GenerateParameters())
     assert info.value.field == "inputs"
-    assert info.value.message == f"`inputs` must have less than 32 tokens. Given: {length}"
+    assert info.value.message == f"`inputs` must have at most 32 tokens. Given: {length}"
 
 
 def test_truncate_keeps_last_tokens_before_length_checks(validator, tokenizer):
@@ -409,12 +409,12 @@ def test_tokenize_applies_the_input_limits_and_truncate(validator, tokenizer):
     with pytest.raises(ValidationError) as info:
         validator.tokenize(long_text)
     assert (info.value.field, info.value.message) == (
-        "inputs", f"`inputs` must have less than {LIMITS.max_input_tokens} tokens. Given: {num_tokens}")
+        "inputs", f"`inputs` must have at most {LIMITS.max_input_tokens} tokens. Given: {num_tokens}")
     tail = validator.tokenize(long_text, truncate=10)
     assert [t.id for t in tail] == tokenizer.encode(long_text).ids[-10:]
     encoded = long_text.encode("utf-8")
     assert tail[-1].stop == len(encoded) and all(t.text == encoded[t.start:t.stop].decode() for t in tail)
-    with pytest.raises(ValidationError, match="`truncate` must be strictly positive and less than 32. Given: 33"):
+    with pytest.raises(ValidationError, match="`truncate` must be between 1 and 32. Given: 33"):
         validator.tokenize("hi", truncate=33)
 
 

@@ -39,7 +39,7 @@ from specula_server.threads import helper_executor
 
 logger = logging.getLogger("specula.grammar")
 
-__all__ = ["GrammarCompiler", "GrammarError", "MaskJob", "RequestGrammar", "apply_masks", "mask_words"]
+__all__ = ["GrammarCompiler", "GrammarError", "MaskJob", "RequestGrammar", "apply_masks", "mask_words", "reason"]
 
 
 class GrammarError(ValueError):
@@ -97,7 +97,7 @@ class GrammarCompiler:
     def _compile(self, grammar: str) -> llguidance.LLMatcher:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"the grammar does not compile: {matcher.get_error()}")
+            raise GrammarError(f"the grammar does not compile: {reason(matcher.get_error())}")
         return matcher
 
     def close(self) -> None:
@@ -122,14 +122,14 @@ class RequestGrammar:
             except GrammarError:
                 raise
             except Exception as e:  # llguidance reports misuse as exceptions: the request fails, not the worker
-                raise GrammarError(f"the grammar does not compile: {e}") from None
+                raise GrammarError(f"the grammar does not compile: {reason(str(e))}") from None
             matcher = template.deep_copy()
             if self._replay and not matcher.consume_tokens(list(self._replay)):
                 raise GrammarError(f"the tokens generated before the request resumed leave its grammar: "
-                                   f"{matcher.get_error()}")
+                                   f"{reason(matcher.get_error())}")
             self._matcher = matcher
         if self._matcher.is_error():
-            raise GrammarError(f"the output left its grammar: {self._matcher.get_error()}")
+            raise GrammarError(f"the grammar cannot be enforced: {reason(self._matcher.get_error())}")
         return self._matcher
 
     @property
@@ -156,8 +156,14 @@ class RequestGrammar:
             return []
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
-        """How many of `tokens`, in order from the current state, the grammar allows."""
-        return self.matcher.validate_tokens(list(tokens)) if tokens else 0
+        """How many of `tokens`, in order from the current state, the grammar allows (0 once the grammar failed:
+        the step's mask reports the failure)."""
+        if not tokens:
+            return 0
+        try:
+            return self.matcher.validate_tokens(list(tokens))
+        except GrammarError:
+            return 0
 
     def fill_masks(self, out: torch.Tensor, first_row: int, tokens: Sequence[int], parents: Sequence[int]) -> None:
         """Writes the allowed-token bitmask of the current state into `out[first_row]`, and of the state after
@@ -171,6 +177,8 @@ class RequestGrammar:
         matcher = self.matcher
         row_bytes = out.shape[1] * out.element_size()
         matcher.unsafe_compute_mask_ptr(out[first_row].data_ptr(), row_bytes)
+        if matcher.is_error():  # a limit tripped: its mask allows only EOS, which would end the answer silently
+            raise GrammarError(f"the grammar cannot be enforced: {reason(matcher.get_error())}")
         paths: list[tuple[int, ...] | None] = []  # each node's path from the root; None: it left the grammar
         current: tuple[int, ...] = ()  # the tokens the matcher has consumed past its starting state
         for i, (token, parent) in enumerate(zip(tokens, parents)):
@@ -188,11 +196,24 @@ class RequestGrammar:
                     current = base + (token,)
                     paths.append(current)
                     matcher.unsafe_compute_mask_ptr(out[row].data_ptr(), row_bytes)
+                    if matcher.is_error():
+                        raise GrammarError(f"the grammar cannot be enforced: {reason(matcher.get_error())}")
                     continue
             paths.append(None)  # unreachable: its parent's mask
             out[row] = out[first_row + 1 + parent] if parent >= 0 else out[first_row]
         if current:
             matcher.rollback(len(current))
+
+
+def reason(message: str, limit: int = 200) -> str:
+    """The first line of an llguidance error, bounded: its messages go on with the parser's state (hundreds of
+    bytes: `<state>`, the tokens, the rows), which is for llguidance's developers, not for a client.
+
+    Example: reason("lexer error: too many expressions constructed\\n<state>\\nTokens: ...")
+             -> "lexer error: too many expressions constructed"
+    """
+    line = next((line.strip() for line in message.splitlines() if line.strip()), "") or "unknown error"
+    return line if len(line) <= limit else line[:limit - 3] + "..."
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
@@ -237,6 +258,7 @@ class MaskJob:
             try:
                 grammar.fill_masks(self.bitmask, at, tokens, parents)
             except GrammarError as e:
+                logger.warning("a request's grammar failed: %s", e)
                 self.errors[index] = str(e)
             except Exception as e:  # a bug in one grammar must not take the step down
                 logger.exception("computing a token mask failed")

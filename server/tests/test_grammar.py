@@ -400,3 +400,45 @@ def test_adapters_and_grammars_share_a_batch(llama_dir, tmp_path_factory):
         jsonschema.validate(json.loads(next(o.generated_text.text for o in outputs
                                             if o.request_id == i and o.generated_text)), SCHEMA)
     assert sum(o.num_drafted for o in outputs) > 0
+
+
+def test_a_biased_model_cannot_write_a_non_ascii_digit_through_a_date_regex(plain):
+    """TGI reads `\\d` as [0-9]; llguidance's own regex syntax reads it as any Unicode digit. With every byte of
+    the fullwidth and Arabic-Indic digits pushed up by +100, the router's grammar still yields a date that
+    `datetime` reads, while llguidance's raw reading of the same regex lets the bias through (the control: the
+    test can fail)."""
+    from datetime import date
+
+    from specula_router.grammar import regex_grammar as router_regex_grammar
+
+    date_regex = r"(19|20)\d\d-(0[1-9]|1[0-2])-(0[1-9]|[12]\d)"
+    foreign = "０１２３４５６７８９٠١٢٣٤٥٦٧٨٩"
+    tokens = {t for char in foreign for t in plain.tokenizer.encode(char, add_special_tokens=False).ids}
+    bias = tuple(sorted((t, 100.0) for t in tokens))
+    pool = BlockPool(1024, 16)
+
+    def answer(grammar: str) -> str:
+        spec = make_spec(0, PROMPT, pool, max_new_tokens=16, grammar=grammar, ignore_eos_token=False,
+                         sampling=SamplingParams(logit_bias=bias))
+        return generate_alone(plain, spec)[-1].generated_text.text
+
+    ours = answer(router_regex_grammar(date_regex, "grammar.value").text)
+    assert ours.isascii() and date.fromisoformat(ours), ours
+    assert not answer(regex_grammar(date_regex)).isascii()
+
+
+def test_a_grammar_that_trips_a_limit_later_fails_its_request_with_a_short_message(plain, caplog):
+    """`a{1000000}` compiles, and its first mask is fine; after a token, llguidance's lexer runs out of room and
+    its mask would allow only EOS: an empty answer with status 200 before. Now the request fails, its message is
+    llguidance's first line (not its parser state), and the failure is logged."""
+    pool = BlockPool(1024, 16)
+    bomb = make_spec(0, PROMPT, pool, max_new_tokens=8, grammar=regex_grammar("a{1000000}"))
+    good = make_spec(1, PROMPT, pool, max_new_tokens=8, grammar=regex_grammar("x+"))
+    with caplog.at_level("WARNING", logger="specula.grammar"):
+        outputs = run_steps(plain, [bomb, good])
+    errors = {o.request_id: o.error for o in outputs if o.error}
+    assert list(errors) == [0], errors
+    assert "cannot be enforced: lexer error: too many expressions constructed" in errors[0], errors[0]
+    assert "\n" not in errors[0] and "<state>" not in errors[0] and len(errors[0]) < 300
+    assert any("too many expressions" in record.getMessage() for record in caplog.records)
+    assert re.fullmatch("x+", next(o.generated_text.text for o in outputs if o.request_id == 1 and o.generated_text))
