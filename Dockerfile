@@ -5,6 +5,9 @@
 #   docker run --gpus all --shm-size 1g -p 8080:80 -v $PWD/data:/data -e HF_TOKEN specula \
 #       --model-id meta-llama/Llama-3.1-8B-Instruct --speculative-tokens 3
 #
+# The base images and torch's package index are build arguments (CPU_IMAGE, CUDA_IMAGE, TORCH_INDEX_URL): for a
+# machine without the registry or PyTorch's index, see docs/deployment.md and scripts/docker-cpu-image.sh.
+#
 # Without --model-id the image serves the small random-weight demo model bundled in the package. Every flag
 # also reads an environment variable (-e MODEL_ID=..., -e NUM_SHARD=2, ...); HF_TOKEN is read for gated models.
 # HF_HOME is /data as in TGI's image, so the Hub cache (/data/hub) and a saved token survive in the volume and a

@@ -31,7 +31,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import speculation as bench  # noqa: E402  (puts the repo's packages on the path)
-
 import torch  # noqa: E402
 
 from specula_server.batch import build_step  # noqa: E402

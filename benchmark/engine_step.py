@@ -53,7 +53,8 @@ def main() -> None:
         step()
         times.append(time.perf_counter() - start)
     median = statistics.median(times[10:])
-    print(f"{args.tree}: {args.dtype}{' ' + args.quantize if args.quantize else ''}, {args.concurrency} sequences, median decode step {median * 1e3:.1f} ms, "
+    precision = args.dtype + (" " + args.quantize if args.quantize else "")
+    print(f"{args.tree}: {precision}, {args.concurrency} sequences, median decode step {median * 1e3:.1f} ms, "
           f"{args.concurrency / median:.0f} tokens/s")
 
 

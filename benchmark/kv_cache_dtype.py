@@ -65,7 +65,9 @@ variants["fp8 cache, gather as fp8, torch cast"] = via_fp8_cast
 times = {k: [] for k in variants}
 for _ in range(30):
     for k, f in variants.items():
-        t = time.perf_counter(); f(); times[k].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        f()
+        times[k].append(time.perf_counter() - t)
 print("gather of one layer's keys (32 seqs x 256 positions x 4 heads x 32), median of 30:")
 for k, v in times.items():
     print(f"  {k:45s} {statistics.median(v) * 1e3:.3f} ms")
@@ -90,7 +92,9 @@ for r in range(ROUNDS):
     order = NAMES if r % 2 == 0 else NAMES[::-1]
     for name in order:
         for _ in range(STEPS):
-            t = time.perf_counter(); gens[name].step(StepPlan()); step_times[name].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            gens[name].step(StepPlan())
+            step_times[name].append(time.perf_counter() - t)
 print(f"decode step, {BATCH} requests, contexts 257..{CONTEXT + ROUNDS * STEPS}, median of {ROUNDS * STEPS} steps "
       f"({ROUNDS} alternating rounds of {STEPS}), {torch.get_num_threads()} thread(s):")
 base = statistics.median(step_times["auto"])

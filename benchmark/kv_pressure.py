@@ -14,7 +14,8 @@ about `--answer-tokens` tokens (taken from its greedy answer, so both servers st
 KV cache of `--kv-cache-memory`. Reports generated tokens/s over the whole burst (median over rounds) and the
 ratio. Both servers must answer the same text.
 
-    python benchmark/kv_pressure.py --baseline-tree /tmp/specula-before --rounds 3 --json benchmark/results/kv_pressure.json
+    python benchmark/kv_pressure.py --baseline-tree /tmp/specula-before --rounds 3 \
+        --json benchmark/results/kv_pressure.json
 """
 
 from __future__ import annotations

@@ -37,11 +37,25 @@ import torch  # noqa: E402
 
 from specula_kernels import native  # noqa: E402
 from specula_kernels.linear import (  # noqa: E402
-    PACK_ROWS_HINT, default_num_parts, linear, onednn_linear, onednn_pack, onednn_supports, pack_weight,
+    PACK_ROWS_HINT,
+    default_num_parts,
+    linear,
+    onednn_linear,
+    onednn_pack,
+    onednn_supports,
+    pack_weight,
 )
 from specula_kernels.quantized_linear import (  # noqa: E402
-    KERNEL_DTYPE, int4_linear, int4_linear_native, int8_linear, int8_linear_native, pack_int4, pack_int4_native,
-    pack_int8_native, quantize_int4, quantize_int8,
+    KERNEL_DTYPE,
+    int4_linear,
+    int4_linear_native,
+    int8_linear,
+    int8_linear_native,
+    pack_int4,
+    pack_int4_native,
+    pack_int8_native,
+    quantize_int4,
+    quantize_int8,
 )
 
 GROUP = 64

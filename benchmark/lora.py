@@ -29,9 +29,9 @@ sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto")]
 
 import torch  # noqa: E402
 
+from specula_server.request import StepPlan  # noqa: E402
 from specula_server.testing.adapters import ALL_PROJECTIONS, build_lora_adapter  # noqa: E402
 from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
-from specula_server.request import StepPlan  # noqa: E402
 from specula_server.testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
 
 

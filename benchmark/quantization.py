@@ -36,14 +36,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto")]
 
 import torch  # noqa: E402
+from worker_decode import measure_bandwidth, time_worker  # noqa: E402
 
 from specula_server.request import StepPlan  # noqa: E402
 from specula_server.testing import code_corpus  # noqa: E402
 from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
 from specula_server.testing.worker import (  # noqa: E402
-    BlockPool, generate_alone, load_test_generator, make_spec, token_ids,
+    BlockPool,
+    generate_alone,
+    load_test_generator,
+    make_spec,
+    token_ids,
 )
-from worker_decode import measure_bandwidth, time_worker  # noqa: E402
 
 DEMO_MODEL = REPO / "launcher" / "specula_launcher" / "demo_model"
 

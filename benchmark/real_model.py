@@ -106,7 +106,7 @@ def rewrite_prompts(count: int) -> list[str]:
     found = []
     for module in (textwrap, string, shlex, csv, difflib, json_module.decoder, json_module.encoder, inspect,
                    posixpath, fnmatch, base64, calendar, heapq, glob):
-        for name, function in sorted(vars(module).items()):
+        for _name, function in sorted(vars(module).items()):
             if not inspect.isfunction(function) or function.__module__ != module.__name__:
                 continue
             try:

@@ -24,7 +24,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import speculation as bench  # noqa: E402  (puts the repo's packages on the path)
-
 import torch  # noqa: E402
 
 from specula_server.request import StepPlan  # noqa: E402

@@ -34,6 +34,7 @@ sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "router", 
 
 import llguidance  # noqa: E402
 import torch  # noqa: E402
+from structured_output_grammars import EXTRACTION_SCHEMA, FREE_TEXT_SCHEMA, JSON_SCHEMAS, REGEXES  # noqa: E402
 
 from specula_server.params import SamplingParams  # noqa: E402
 from specula_server.request import StepPlan  # noqa: E402
@@ -41,7 +42,6 @@ from specula_server.testing.code_corpus import read_sources, source_files  # noq
 from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
 from specula_server.testing.tokenizer import build_tokenizer  # noqa: E402
 from specula_server.testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
-from structured_output_grammars import EXTRACTION_SCHEMA, FREE_TEXT_SCHEMA, JSON_SCHEMAS, REGEXES  # noqa: E402
 
 DEMO = REPO / "launcher" / "specula_launcher" / "demo_model"
 JSON_OPTIONS = {"whitespace_flexible": False}  # what the router compiles schemas with

@@ -39,11 +39,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speculation import (  # noqa: E402
-    DEMO_MODEL, add_run_arguments, paired_ratio, run_continuous, side_by_side, workload_requests,
-)
-
 import torch  # noqa: E402
+from speculation import (  # noqa: E402
+    DEMO_MODEL,
+    add_run_arguments,
+    paired_ratio,
+    run_continuous,
+    side_by_side,
+    workload_requests,
+)
 
 from specula_server.speculation.speculator import Speculator  # noqa: E402
 from specula_server.speculation.suffix import SuffixDrafter  # noqa: E402

@@ -27,9 +27,12 @@ import torch  # noqa: E402
 
 from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
 from specula_server.testing.worker import (  # noqa: E402
-    BlockPool, generate_alone, load_test_generator, make_spec, token_ids,
+    BlockPool,
+    generate_alone,
+    load_test_generator,
+    make_spec,
+    token_ids,
 )
-
 
 
 def measure_bandwidth(device: torch.device, num_bytes: int = 1 << 30, repeats: int = 9) -> float:

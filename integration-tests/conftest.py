@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-
 from stack import MAX_BATCH_SIZE, MAX_POSITIONS, PAYLOAD_LIMIT, LauncherProcess, started, stopped
+
 from specula_server.testing import clients
 from specula_server.testing.models import build_tiny_model
 

@@ -13,7 +13,6 @@ import contextlib
 
 import httpx
 import pytest
-
 from stack import MAX_BATCH_SIZE
 from wire import LONG_GENERATION, REQUEST_TIMEOUT_S, generate, metric, wait_idle, wait_until
 

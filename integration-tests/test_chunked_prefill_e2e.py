@@ -6,7 +6,6 @@ from __future__ import annotations
 import concurrent.futures
 
 import pytest
-
 from wire import generate, metric
 
 LONG = "def process(items):\n    total = 0\n    for item in items:\n        total += item.value * 3\n" * 12

@@ -9,7 +9,6 @@ server answers over raw HTTP.
 from __future__ import annotations
 
 import httpx
-
 from wire import LONG_GENERATION, REQUEST_TIMEOUT_S, generate, wait_idle
 
 PROMPT = "The quick brown fox"

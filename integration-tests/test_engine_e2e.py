@@ -15,7 +15,6 @@ import time
 
 import httpx
 import pytest
-
 from wire import REQUEST_TIMEOUT_S, generate, metric
 
 KV_BLOCKS = 40

@@ -13,10 +13,16 @@ import math
 
 import httpx
 import pytest
-
 from stack import MAX_BATCH_SIZE, MAX_POSITIONS, PAYLOAD_LIMIT
 from wire import (
-    LONG_GENERATION, REQUEST_TIMEOUT_S, generate, generate_stream, metric, metric_samples, sse_events, wait_idle,
+    LONG_GENERATION,
+    REQUEST_TIMEOUT_S,
+    generate,
+    generate_stream,
+    metric,
+    metric_samples,
+    sse_events,
+    wait_idle,
 )
 
 PROMPT = "The quick brown fox"

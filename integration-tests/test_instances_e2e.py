@@ -23,12 +23,21 @@ import httpx
 import pytest
 import torch
 import transformers
-
 from stack import (
-    MAX_POSITIONS, REPO_ROOT, LauncherProcess, _cmdline, _environ, free_port, is_alive, source_env, started, stopped,
+    MAX_POSITIONS,
+    REPO_ROOT,
+    LauncherProcess,
+    _cmdline,
+    _environ,
+    free_port,
+    is_alive,
+    source_env,
+    started,
+    stopped,
 )
-from specula_server.testing.models import build_tiny_model
 from wire import REQUEST_TIMEOUT_S, generate, wait_until
+
+from specula_server.testing.models import build_tiny_model
 
 PROMPT = "def main():\n    return"
 NUM_TOKENS = 12

@@ -16,11 +16,11 @@ import httpx
 import pytest
 import torch
 import transformers
+from stack import LauncherProcess, is_alive
 from tokenizers import Tokenizer
+from wire import REQUEST_TIMEOUT_S, generate, metric, sse_events, wait_until
 
 from specula_launcher.config import DEMO_MODEL_DIR
-from stack import LauncherProcess, is_alive
-from wire import REQUEST_TIMEOUT_S, generate, metric, sse_events, wait_until
 
 PROMPTS = ["The quick brown fox", "héllo wörld, 漢字", "def main():\n    return"]
 

@@ -10,7 +10,6 @@ import signal
 
 import httpx
 import pytest
-
 from stack import LauncherProcess, free_port
 from wire import generate
 

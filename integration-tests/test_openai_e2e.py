@@ -13,11 +13,12 @@ import httpx
 import pytest
 import torch
 import transformers
+from stack import MAX_POSITIONS
+from wire import REQUEST_TIMEOUT_S, generate, metric
+
 from specula_server.testing.adapters import build_lora_adapter
 from specula_server.testing.chat_templates import TEMPLATES, WEATHER_TOOL, add_chat_template
 from specula_server.testing.models import build_tiny_model
-from stack import MAX_POSITIONS
-from wire import REQUEST_TIMEOUT_S, generate, metric
 
 PROMPT = "def fibonacci(n):"
 MESSAGES = [{"role": "user", "content": PROMPT}]
@@ -136,7 +137,8 @@ def test_official_openai_client(chat_server, run_client, reference, chat_model):
     assert "".join(t["token"] for t in content) == text
     assert all(len(t["top_logprobs"]) == 3 and t["logprob"] <= 0 for t in content)
     for t in content:  # greedy: the chosen token is the most likely alternative
-        assert t["top_logprobs"][0]["token"] == t["token"] and abs(t["top_logprobs"][0]["logprob"] - t["logprob"]) < 1e-4
+        top = t["top_logprobs"][0]
+        assert top["token"] == t["token"] and abs(top["logprob"] - t["logprob"]) < 1e-4
 
     plain = generate(url, PROMPT, max_new_tokens=12).json()["generated_text"]
     assert out["completion"]["choices"][0]["text"] == plain == out["no_speculation"]["choices"][0]["text"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-
 from wire import REQUEST_TIMEOUT_S, generate, metric
 
 SYSTEM = "You are a careful assistant. Answer in one short sentence, and never invent facts. " * 3

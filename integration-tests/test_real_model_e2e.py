@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-
 from stack import LauncherProcess, started, stopped
+
 from specula_server.testing.real_model import fetch_smollm2
 
 pytestmark = pytest.mark.real_model

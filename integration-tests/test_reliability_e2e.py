@@ -20,7 +20,6 @@ import time
 import httpx
 import pytest
 from openapi_spec_validator import validate
-
 from stack import is_alive
 from wire import REQUEST_TIMEOUT_S, generate, wait_until
 

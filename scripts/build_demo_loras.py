@@ -31,15 +31,15 @@ import math
 import re
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "server"), str(ROOT / "scripts")]  # runnable from a checkout without installing
 
 import torch  # noqa: E402
-
 from build_demo_model import sample_windows, token_stream  # noqa: E402  (the demo model's own training data)
+
 from specula_server.testing import code_corpus  # noqa: E402
 
 DEMO_MODEL = ROOT / "launcher" / "specula_launcher" / "demo_model"
@@ -134,7 +134,8 @@ ADAPTERS: dict[str, dict] = {
 
 # ------------------------------------------------------------------------------------------------ training
 
-def training_documents(transform: Callable[[str], str | None], num_edits: int, seed: int) -> tuple[list[str], list[str]]:
+def training_documents(transform: Callable[[str], str | None], num_edits: int, seed: int
+                       ) -> tuple[list[str], list[str]]:
     """(whole files, edit tasks) of the training side of the corpus, transformed."""
     texts = [t for t in map(transform, code_corpus.read_sources(code_corpus.source_files(held_out=False))) if t]
     edits = [e.document for e in code_corpus.code_edits(texts, num_edits, seed=seed)]

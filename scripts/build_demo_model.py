@@ -25,7 +25,8 @@ from it, `--tokenizer-from`), for draft-model speculation (`--speculator`): it i
 `--layers` and the other shape options override either recipe.
 
 The recipe is sized for a laptop: the bundled model was trained on two CPU cores in under an hour (the README
-the script writes next to it says where and how long). `--max-minutes` fits the step count to a time budget. Needs the dev dependencies (`pip install -e ".[dev]"`).
+the script writes next to it says where and how long). `--max-minutes` fits the step count to a time budget.
+Needs the dev dependencies (`pip install -e ".[dev]"`).
 """
 
 from __future__ import annotations
@@ -231,7 +232,8 @@ def optimise(model, recipe, next_batch, device: torch.device, started: float,
             if fitting < recipe.steps:
                 recipe = replace(recipe, steps=max(fitting, recipe.warmup + 1))
                 progress.total = recipe.steps
-                print(f"\n{seconds_per_step * 1e3:.0f} ms/step: {recipe.steps} steps fit in {max_minutes} min", flush=True)
+                print(f"\n{seconds_per_step * 1e3:.0f} ms/step: {recipe.steps} steps fit in {max_minutes} min",
+                      flush=True)
         batch = next_batch(gen).to(device)
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, recipe)

@@ -26,9 +26,8 @@ Two paths, one signature (a GPU kernel, flash-attn varlen with a block table or 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import ctypes
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+
 from specula_kernels.paged_attention import (
     PagedAttentionInputs,
     _gather,

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from specula_kernels.linear import (
-    default_num_parts, linear, linear_reference, onednn_linear, onednn_pack, onednn_supports, pack_weight, unpack_weight,
+    default_num_parts,
+    linear,
+    linear_reference,
+    onednn_linear,
+    onednn_pack,
+    onednn_supports,
+    pack_weight,
+    unpack_weight,
 )
 
 

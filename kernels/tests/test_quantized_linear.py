@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+
 from specula_kernels.quantized_linear import (
     KERNEL_DTYPE,
     dequantize_int4,

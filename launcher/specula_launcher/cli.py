@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional, TextIO
+from typing import TextIO
 
 import typer
 
@@ -37,21 +37,21 @@ SHARD_STOP_TIMEOUT_S = 10.0
     "ignore_unknown_options": True, "allow_extra_args": True})
 def main(
     ctx: typer.Context,
-    model_id: Optional[str] = typer.Option(
+    model_id: str | None = typer.Option(
         None, envvar="MODEL_ID", help="Hub model id, local directory or GGUF file (a path, or org/repo:FILE.gguf "
                                       "on the Hub). Default: the bundled demo model."),
-    revision: Optional[str] = typer.Option(None, envvar="REVISION", help="Hub revision (branch, tag or commit)."),
+    revision: str | None = typer.Option(None, envvar="REVISION", help="Hub revision (branch, tag or commit)."),
     num_shard: int = typer.Option(1, envvar="NUM_SHARD", help="Tensor-parallel shards (one process, one GPU each)."),
-    dtype: Optional[str] = typer.Option(
+    dtype: str | None = typer.Option(
         None, envvar="DTYPE", help="float32, bfloat16 or float16. Default: bfloat16 on cuda, float32 on cpu."),
-    quantize: Optional[str] = typer.Option(
+    quantize: str | None = typer.Option(
         None, envvar="QUANTIZE",
         help="Weight-only quantization of the linear layers, done by each shard at load time from the float "
              "checkpoint: int8 (a scale per output channel) or int4 (a scale and zero per group of inputs). "
              "Default: none."),
     quantize_group_size: int = typer.Option(
         64, envvar="QUANTIZE_GROUP_SIZE", help="int4: inputs per scale and zero (32, 64, 128 or 256)."),
-    device: Optional[str] = typer.Option(
+    device: str | None = typer.Option(
         None, envvar="DEVICE", help="cpu or cuda. Default: cuda when torch sees a GPU, else cpu."),
     port: int = typer.Option(3000, "--port", "-p", envvar="PORT", help="HTTP port of the router."),
     hostname: str = typer.Option("0.0.0.0", envvar="SPECULA_HOSTNAME", help="Address the router listens on."),
@@ -65,7 +65,7 @@ def main(
     ngram_max: int = typer.Option(3, envvar="NGRAM_MAX", help="Longest n-gram prompt lookup matches."),
     ngram_match: str = typer.Option(
         "latest", envvar="NGRAM_MATCH", help="Which earlier occurrence prompt lookup copies: latest or earliest."),
-    speculator: Optional[str] = typer.Option(
+    speculator: str | None = typer.Option(
         None, envvar="SPECULATOR",
         help="Medusa heads, an MLP speculator, an EAGLE-3 speculator (the `speculators` layout, trained for this "
              "model) or a draft model (a small causal LM with the model's tokenizer): "
@@ -82,11 +82,11 @@ def main(
         1, envvar="DRAFT_TREE_WIDTH",
         help="Candidates per Medusa head or MLP speculator stage: 1 verifies the top-1 chain, more verify a tree "
              "of the best nodes."),
-    adapter_source: Optional[str] = typer.Option(
+    adapter_source: str | None = typer.Option(
         None, "--adapter-source", "--default-adapter-source", envvar=["ADAPTER_SOURCE", "DEFAULT_ADAPTER_SOURCE"],
         help="Source of a request's adapter_id when it names none: hub or local. Default: hub; local when "
              "serving the bundled demo model. --default-adapter-source is LoRAX's name."),
-    adapter_dir: Optional[List[str]] = typer.Option(
+    adapter_dir: list[str] | None = typer.Option(
         None, envvar="ADAPTER_DIR",
         help="Directory whose subdirectories are the `local` adapters (repeat the flag or separate with commas). "
              "Default: none, local adapters are refused; the bundled demo adapters when serving the demo model."),
@@ -94,7 +94,7 @@ def main(
         8, envvar="MAX_ACTIVE_ADAPTERS",
         help="Adapters loaded at once; past it the least recently used adapter with no queued or running request "
              "is offloaded."),
-    preloaded_adapter_ids: Optional[List[str]] = typer.Option(
+    preloaded_adapter_ids: list[str] | None = typer.Option(
         None, "--preloaded-adapter-ids", "--lora-adapters", envvar=["PRELOADED_ADAPTER_IDS", "LORA_ADAPTERS"],
         help="Adapters loaded before the router serves (repeat the flag or separate with commas); a failure stops "
              "the launch. --lora-adapters is TGI's name."),
@@ -103,24 +103,25 @@ def main(
     max_best_of: int = typer.Option(2, envvar="MAX_BEST_OF", help="Largest best_of a request may ask for."),
     max_stop_sequences: int = typer.Option(4, envvar="MAX_STOP_SEQUENCES", help="Stop sequences per request."),
     max_top_n_tokens: int = typer.Option(5, envvar="MAX_TOP_N_TOKENS", help="Largest top_n_tokens per request."),
-    max_input_tokens: Optional[int] = typer.Option(
+    max_input_tokens: int | None = typer.Option(
         None, "--max-input-tokens", "--max-input-length", envvar=["MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH"],
         help="Longest prompt in tokens. Default: --max-total-tokens - 1."),
-    max_total_tokens: Optional[int] = typer.Option(
+    max_total_tokens: int | None = typer.Option(
         None, envvar="MAX_TOTAL_TOKENS",
         help="Longest prompt + generation. Default: the model's max_position_embeddings (less the speculative "
              "lookahead), lowered to what the KV cache holds."),
     waiting_served_ratio: float = typer.Option(
         1.2, envvar="WAITING_SERVED_RATIO", help="Waiting/running ratio above which new requests join early."),
-    max_batch_prefill_tokens: Optional[int] = typer.Option(
-        None, envvar="MAX_BATCH_PREFILL_TOKENS", help="Prompt tokens per step. Default: --max-input-tokens + 50, at most 4096; a longer prompt is "
-             "prefilled in chunks."),
-    max_batch_total_tokens: Optional[int] = typer.Option(
+    max_batch_prefill_tokens: int | None = typer.Option(
+        None, envvar="MAX_BATCH_PREFILL_TOKENS",
+        help="Prompt tokens per step. Default: --max-input-tokens + 50, at most 4096; a longer prompt is prefilled in "
+             "chunks."),
+    max_batch_total_tokens: int | None = typer.Option(
         None, envvar="MAX_BATCH_TOTAL_TOKENS", help="KV tokens across the batch. Default: measured at warmup."),
     max_waiting_tokens: int = typer.Option(
         20, envvar="MAX_WAITING_TOKENS", help="Steps before waiting requests are forced into the batch."),
-    max_batch_size: Optional[int] = typer.Option(None, envvar="MAX_BATCH_SIZE", help="Largest running batch."),
-    shard_uds_path: Optional[str] = typer.Option(
+    max_batch_size: int | None = typer.Option(None, envvar="MAX_BATCH_SIZE", help="Largest running batch."),
+    shard_uds_path: str | None = typer.Option(
         None, envvar="SHARD_UDS_PATH",
         help="Shard socket prefix; shard r listens on PATH-r. Refused when a live process serves one of them. "
              "Default: a new directory of this launcher's own under $XDG_RUNTIME_DIR (else the temp directory), "
@@ -128,7 +129,7 @@ def main(
     master_addr: str = typer.Option(
         "localhost", envvar="MASTER_ADDR",
         help="torch.distributed address: node 0's address (reachable from every node) with --nnodes > 1."),
-    master_port: Optional[int] = typer.Option(
+    master_port: int | None = typer.Option(
         None, envvar="MASTER_PORT",
         help="torch.distributed port (used with --num-shard > 1; refused when something listens on it). "
              "Default: a free port chosen at start; required with --nnodes > 1."),
@@ -138,11 +139,11 @@ def main(
              "same --num-shard (all nodes' shards), --nnodes, --master-addr and --master-port, and its own "
              "--node-rank; node 0 also runs the router, which reaches the other nodes' shards over TCP."),
     node_rank: int = typer.Option(0, envvar="NODE_RANK", help="This node's rank, 0 .. --nnodes - 1 (torchrun's)."),
-    node_host: Optional[str] = typer.Option(
+    node_host: str | None = typer.Option(
         None, envvar="NODE_HOST",
         help="With --node-rank > 0: the address node 0's router reaches this node's shards at (gRPC over TCP, "
              "a free port per shard). Default: this node's address on the route to --master-addr."),
-    huggingface_hub_cache: Optional[Path] = typer.Option(
+    huggingface_hub_cache: Path | None = typer.Option(
         None, envvar="HUGGINGFACE_HUB_CACHE", help="Hub cache directory."),
     json_output: bool = typer.Option(
         False, "--json-output", envvar="JSON_OUTPUT", help="Log JSON lines {\"process\", \"line\"}."),
@@ -156,23 +157,23 @@ def main(
         "specula", envvar="METRICS_PREFIX",
         help="Prefix of the router's /metrics names; `tgi` (or `lorax`) gives TGI's (LoRAX's) names, so dashboards "
              "built for those servers work unchanged."),
-    chat_template: Optional[str] = typer.Option(
+    chat_template: str | None = typer.Option(
         None, envvar="CHAT_TEMPLATE",
         help="Chat template for /v1/chat/completions: a file, or the jinja template itself. Default: the model's "
              "own (tokenizer_config.json or chat_template.jinja); without one, chat requests get a 400."),
-    max_grammar_bytes: Optional[int] = typer.Option(
+    max_grammar_bytes: int | None = typer.Option(
         None, envvar="MAX_GRAMMAR_BYTES",
         help="Largest structured-output grammar of a request (JSON schema, regex or tool-call grammar), in bytes "
              "as received. Default: the router's, 65536."),
-    grammar_compile_timeout: Optional[float] = typer.Option(
+    grammar_compile_timeout: float | None = typer.Option(
         None, envvar="GRAMMAR_COMPILE_TIMEOUT",
         help="Seconds the router may spend checking a request's grammar against the tokenizer before refusing it. "
              "Default: the router's, 10."),
-    cors_allow_origin: Optional[List[str]] = typer.Option(
+    cors_allow_origin: list[str] | None = typer.Option(
         None, envvar="CORS_ALLOW_ORIGIN", help="Allowed CORS origin (repeat the flag for several)."),
-    kv_cache_memory: Optional[str] = typer.Option(
+    kv_cache_memory: str | None = typer.Option(
         None, envvar="KV_CACHE_MEMORY", help="KV cache size per shard, e.g. 2GiB. Default: the shard's."),
-    kv_cache_dtype: Optional[str] = typer.Option(
+    kv_cache_dtype: str | None = typer.Option(
         None, envvar="KV_CACHE_DTYPE",
         help="What the KV cache stores keys and values in: auto (the --dtype), bfloat16, float16, fp8 or fp8_e4m3 "
              "(float8 e4m3fn; TGI's fp8_e4m3fn too), fp8_e5m2. Storage only, converted on write and read (fp8 with "
@@ -193,7 +194,7 @@ def main(
         help="Seconds a shard may take to answer one step (0: no limit). Past it the step's requests fail, "
              "/health turns unhealthy and every process is stopped, as for a shard that died."),
     log_level: str = typer.Option("INFO", envvar="LOG_LEVEL", help="DEBUG, INFO, WARNING or ERROR."),
-    api_key: Optional[str] = typer.Option(
+    api_key: str | None = typer.Option(
         None, envvar="API_KEY", show_default=False,
         help="Require `Authorization: Bearer <key>` on every route but /health, /ping and /metrics. Prefer the "
              "API_KEY environment variable: a flag's value shows in the process list. The router gets it in its "

@@ -17,8 +17,8 @@ The run's instance id (a random uuid) goes to every shard and to the router, whi
 another id: the last line of defence if two launchers still race to one path. With --nnodes > 1 the launchers of
 one group must agree on it without talking: it is derived from the rendezvous address and port they share (two
 groups cannot hold one rendezvous at once). A node other than node 0 also needs the address node 0's router
-reaches its shards at (--node-host; by default its own address on the route to --master-addr). A launcher killed by SIGKILL
-leaves its directory behind; the next launcher removes it (`sweep_stale_dirs`).
+reaches its shards at (--node-host; by default its own address on the route to --master-addr). A launcher killed by
+SIGKILL leaves its directory behind; the next launcher removes it (`sweep_stale_dirs`).
 """
 
 from __future__ import annotations

@@ -8,10 +8,11 @@ import io
 
 import pytest
 import typer
+from typer.testing import CliRunner
+
 from specula_launcher import cli
 from specula_launcher.commands import router_command, router_spec, shard_specs
 from specula_launcher.config import LauncherConfig, build_config
-from typer.testing import CliRunner
 
 KEY = "s3cret-key-0123"
 NO_GPU = {"count_cuda_devices": lambda: 0}

@@ -21,7 +21,12 @@ import pytest
 
 from specula_launcher.config import build_config
 from specula_launcher.endpoints import (
-    OWNER_FILE, check_master_port, claim_endpoints, is_live_socket, runtime_dir, sweep_stale_dirs,
+    OWNER_FILE,
+    check_master_port,
+    claim_endpoints,
+    is_live_socket,
+    runtime_dir,
+    sweep_stale_dirs,
 )
 
 LAUNCHER_DIR = Path(__file__).resolve().parent.parent

@@ -31,7 +31,8 @@ from specula_launcher.processes import ChildSpec, LogSink, Supervisor, describe_
 
 LAUNCHER_DIR = Path(__file__).resolve().parent.parent
 ENV_VARS = (
-    "MODEL_ID", "REVISION", "NUM_SHARD", "DTYPE", "DEVICE", "PORT", "SPECULA_HOSTNAME", "SPECULATIVE_TOKENS", "SPECULATOR",
+    "MODEL_ID", "REVISION", "NUM_SHARD", "DTYPE", "DEVICE", "PORT", "SPECULA_HOSTNAME", "SPECULATIVE_TOKENS",
+    "SPECULATOR",
     "ADAPTER_SOURCE", "MAX_CONCURRENT_REQUESTS", "MAX_BEST_OF", "MAX_STOP_SEQUENCES", "MAX_TOP_N_TOKENS",
     "MAX_GRAMMAR_BYTES", "GRAMMAR_COMPILE_TIMEOUT",
     "MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH", "MAX_TOTAL_TOKENS", "WAITING_SERVED_RATIO", "MAX_BATCH_PREFILL_TOKENS",
@@ -94,7 +95,8 @@ def test_the_demo_family_is_served_with_the_demo_model(tmp_path: Path) -> None:
     members = {"camel-case", "two-space", "medusa", "mlp-speculator", "draft-model"}
     assert members <= {p.name for p in DEMO_ADAPTERS_DIR.iterdir() if p.is_dir()}
     for name in ("camel-case", "two-space"):
-        assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (DEMO_ADAPTERS_DIR / name).iterdir()}
+        files = {p.name for p in (DEMO_ADAPTERS_DIR / name).iterdir()}
+        assert {"adapter_config.json", "adapter_model.safetensors"} <= files
     c = build_config(model_id=str(DEMO_MODEL_DIR), **NO_GPU)  # the demo model named explicitly
     assert (c.adapter_dir, c.adapter_source) == ((str(DEMO_ADAPTERS_DIR),), "local")
     assert shard_command(claimed(c))[-2:] == ["--adapter-dir", str(DEMO_ADAPTERS_DIR)]
@@ -263,8 +265,9 @@ def test_shard_command_and_environment(tmp_path: Path) -> None:
                                 "--max-active-adapters", "8", "--revision", "v1", "--huggingface-hub-cache", "/data",
                                 "--kv-cache-memory", "4GiB"]
     c = build_config(model_id=model, speculative_tokens=4, speculation_mode="fixed", ngram_max=4, **NO_GPU)
-    assert shard_command(claimed(c))[-12:] == ["--speculative-tokens", "4", "--speculation-mode", "fixed", "--ngram-min", "1",
-                                      "--ngram-max", "4", "--ngram-match", "latest", "--draft-tree-width", "1"]
+    assert shard_command(claimed(c))[-12:] == [
+        "--speculative-tokens", "4", "--speculation-mode", "fixed", "--ngram-min", "1", "--ngram-max", "4",
+        "--ngram-match", "latest", "--draft-tree-width", "1"]
     c = build_config(model_id=model, speculative_tokens=4, speculator="/m/heads", draft_tree_width=3, **NO_GPU)
     assert shard_command(claimed(c))[-4:] == ["--speculator", "/m/heads", "--draft-tree-width", "3"]
     with pytest.raises(ValueError, match="--speculation-mode"):
@@ -653,9 +656,8 @@ def test_describe_exit() -> None:
 
 
 def test_a_router_whose_drain_was_cut_makes_the_launcher_exit_with_its_code(tmp_path: Path) -> None:
-    from specula_router.lifecycle import DRAIN_CUT_EXIT_CODE as ROUTER_CODE
-
     from specula_launcher.processes import DRAIN_CUT_EXIT_CODE
+    from specula_router.lifecycle import DRAIN_CUT_EXIT_CODE as ROUTER_CODE
 
     assert DRAIN_CUT_EXIT_CODE == ROUTER_CODE
     h = Harness(tmp_path)

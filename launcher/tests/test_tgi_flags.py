@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import typer
+from typer.testing import CliRunner
+
 from specula_launcher import cli
 from specula_launcher.compat import (
     FOREIGN_FLAGS,
@@ -13,7 +15,6 @@ from specula_launcher.compat import (
     check_foreign,
 )
 from specula_launcher.config import LauncherConfig
-from typer.testing import CliRunner
 
 # Every variable an alias or a foreign flag reads, plus the Specula names they stand for.
 ENV_VARS = {"SPECULATIVE_TOKENS", "SPECULATE", "PRELOADED_ADAPTER_IDS", "LORA_ADAPTERS", "ADAPTER_SOURCE",

@@ -14,7 +14,6 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -321,26 +320,27 @@ def _setup_logging(level: str, json_output: bool) -> None:
 
 @app.command()
 def main(
-    model_id: str = typer.Option(..., envvar="MODEL_ID", help="Model id, directory or GGUF file (for the tokenizer and /info)."),
+    model_id: str = typer.Option(..., envvar="MODEL_ID",
+                                 help="Model id, directory or GGUF file (for the tokenizer and /info)."),
     master_shard_uds_path: str = typer.Option("/tmp/specula-server-0", envvar="MASTER_SHARD_UDS_PATH",
                                               help="Unix socket of shard 0."),
     instance_id: str = typer.Option(
         "", envvar="SPECULA_INSTANCE_ID",
         help="Id of the launcher run whose shards this router serves: a shard reporting another id in Info is "
              "refused at startup. Empty: any shard, as long as all report the same id."),
-    revision: Optional[str] = typer.Option(None, envvar="REVISION", help="Hub revision."),
-    huggingface_hub_cache: Optional[Path] = typer.Option(None, envvar="HUGGINGFACE_HUB_CACHE", help="Hub cache."),
+    revision: str | None = typer.Option(None, envvar="REVISION", help="Hub revision."),
+    huggingface_hub_cache: Path | None = typer.Option(None, envvar="HUGGINGFACE_HUB_CACHE", help="Hub cache."),
     hostname: str = typer.Option("0.0.0.0", envvar="SPECULA_HOSTNAME", help="HTTP bind address."),
     port: int = typer.Option(3000, envvar="PORT", help="HTTP port."),
     speculative_tokens: int = typer.Option(0, envvar="SPECULATIVE_TOKENS", help="Max draft tokens per step."),
-    speculator: Optional[str] = typer.Option(None, envvar="SPECULATOR", help="Speculator served for all requests."),
+    speculator: str | None = typer.Option(None, envvar="SPECULATOR", help="Speculator served for all requests."),
     adapter_source: str = typer.Option("hub", envvar="ADAPTER_SOURCE",
                                        help="Source of a request's adapter_id when it names none: hub or local."),
     max_active_adapters: int = typer.Option(
         8, envvar="MAX_ACTIVE_ADAPTERS", min=1,
         help="Adapters loaded at once (the workers' adapter slots); past it the least recently used adapter "
              "with no queued or running request is offloaded."),
-    preloaded_adapter_ids: List[str] = typer.Option(
+    preloaded_adapter_ids: list[str] = typer.Option(
         [], envvar="PRELOADED_ADAPTER_IDS",
         help="Adapters to load before serving (repeat the flag or separate with commas); a failure stops startup."),
     max_concurrent_requests: int = typer.Option(128, envvar="MAX_CONCURRENT_REQUESTS",
@@ -348,21 +348,21 @@ def main(
     max_best_of: int = typer.Option(2, envvar="MAX_BEST_OF", help="Largest best_of."),
     max_stop_sequences: int = typer.Option(4, envvar="MAX_STOP_SEQUENCES", help="Most stop sequences."),
     max_top_n_tokens: int = typer.Option(5, envvar="MAX_TOP_N_TOKENS", help="Largest top_n_tokens."),
-    max_input_tokens: Optional[int] = typer.Option(None, "--max-input-tokens", "--max-input-length",
+    max_input_tokens: int | None = typer.Option(None, "--max-input-tokens", "--max-input-length",
                                                    envvar="MAX_INPUT_TOKENS", help="Longest prompt in tokens."),
-    max_total_tokens: Optional[int] = typer.Option(None, envvar="MAX_TOTAL_TOKENS",
+    max_total_tokens: int | None = typer.Option(None, envvar="MAX_TOTAL_TOKENS",
                                                    help="Longest prompt + generation in tokens."),
     waiting_served_ratio: float = typer.Option(1.2, envvar="WAITING_SERVED_RATIO",
                                                help="Waiting/running ratio that triggers a prefill."),
-    max_batch_prefill_tokens: Optional[int] = typer.Option(None, envvar="MAX_BATCH_PREFILL_TOKENS",
+    max_batch_prefill_tokens: int | None = typer.Option(None, envvar="MAX_BATCH_PREFILL_TOKENS",
                                                            help="Most prompt tokens in one prefill."),
-    max_batch_total_tokens: Optional[int] = typer.Option(None, envvar="MAX_BATCH_TOTAL_TOKENS",
+    max_batch_total_tokens: int | None = typer.Option(None, envvar="MAX_BATCH_TOTAL_TOKENS",
                                                          help="Cap on KV cache tokens (default: what warmup finds)."),
     max_waiting_tokens: int = typer.Option(20, envvar="MAX_WAITING_TOKENS",
                                            help="Steps a waiting request may be delayed."),
-    max_batch_size: Optional[int] = typer.Option(None, envvar="MAX_BATCH_SIZE", help="Most requests in a batch."),
+    max_batch_size: int | None = typer.Option(None, envvar="MAX_BATCH_SIZE", help="Most requests in a batch."),
     payload_limit: int = typer.Option(2_000_000, envvar="PAYLOAD_LIMIT", help="Largest request body in bytes."),
-    cors_allow_origin: List[str] = typer.Option([], envvar="CORS_ALLOW_ORIGIN", help="Allowed CORS origins."),
+    cors_allow_origin: list[str] = typer.Option([], envvar="CORS_ALLOW_ORIGIN", help="Allowed CORS origins."),
     json_output: bool = typer.Option(False, envvar="JSON_OUTPUT", help="Log as JSON lines."),
     num_shard: int = typer.Option(1, envvar="NUM_SHARD", help="Number of shards (informational)."),
     shutdown_timeout: float = typer.Option(30.0, envvar="SHUTDOWN_TIMEOUT",
@@ -389,11 +389,11 @@ def main(
         False, "--no-prefix-caching", envvar="NO_PREFIX_CACHING",
         help="Turn off prefix caching, by which a prompt reuses the KV cache of a prefix an earlier request "
              "computed (whole blocks) and only the rest is prefilled."),
-    chat_template: Optional[str] = typer.Option(
+    chat_template: str | None = typer.Option(
         None, envvar="CHAT_TEMPLATE",
         help="Chat template for /v1/chat/completions: a file, or the jinja template itself. Default: the model's "
              "(tokenizer_config.json or chat_template.jinja)."),
-    adapter_dir: List[str] = typer.Option(
+    adapter_dir: list[str] = typer.Option(
         [], envvar="ADAPTER_DIR",
         help="The workers' adapter directories (repeat the flag): their adapters are listed by GET /v1/models."),
     max_grammar_bytes: int = typer.Option(
@@ -404,7 +404,7 @@ def main(
         10.0, envvar="GRAMMAR_COMPILE_TIMEOUT",
         help="Seconds a request's grammar may take to check against the tokenizer before it is refused (the "
              "result is cached per grammar)."),
-    api_key: Optional[str] = typer.Option(
+    api_key: str | None = typer.Option(
         None, envvar="API_KEY", show_default=False,
         help="Require `Authorization: Bearer <key>` on every route but /health, /ping and /metrics. Prefer the "
              "environment variable: a flag's value shows in the process list."),

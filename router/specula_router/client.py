@@ -3,16 +3,16 @@
 All shards run the same step in lockstep (tensor parallelism), so every RPC goes to all of them; Warmup takes
 the minimum budget over shards. Steps (`step`) carry sequence numbers from 1 after Warmup, so the workers run
 them in the order sent even when several are on the wire. A failing shard makes the whole call fail with
-`ShardError`, which the router reports to the requests of that step as a 424. LoadAdapter and OffloadAdapter run beside the steps and
-carry no step sequence number; a failed load is an answer (`loaded=False`), not an exception.
+`ShardError`, which the router reports to the requests of that step as a 424. LoadAdapter and OffloadAdapter run
+beside the steps and carry no step sequence number; a failed load is an answer (`loaded=False`), not an exception.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
-from typing import Awaitable, Sequence
 
 import grpc
 

@@ -64,7 +64,8 @@ class Metrics:
             "request_preemptions", "Running requests preempted for lack of KV blocks (resumed later)")
         self.queue_size = gauge("queue_size", "Requests waiting to be admitted")
         self.batch_current_size = gauge("batch_current_size", "Requests in the running batch")
-        self.batch_current_max_tokens = gauge("batch_current_max_tokens", "KV cache tokens in blocks the running requests hold")
+        self.batch_current_max_tokens = gauge("batch_current_max_tokens",
+                                              "KV cache tokens in blocks the running requests hold")
         self.request_duration = histogram("request_duration", "End-to-end request time (s)", _SECONDS, ["adapter"])
         self.request_validation_duration = histogram(
             "request_validation_duration", "Validation and tokenisation time (s)", _SECONDS)

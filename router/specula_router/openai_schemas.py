@@ -8,8 +8,8 @@ text-generation's `Client.chat` (which sends every field, mostly `null`) all par
 
 Specula's extras, sent by the official client as `extra_body`: `adapter_id`, `adapter_source`, `api_token`,
 `merged_adapters` (LoRAX's adapter fields) and `speculative_tokens`, `top_k`, `repetition_penalty`,
-`ignore_eos_token` (as in `parameters` of `/generate`). Responses are built as plain dicts in `openai_responses.py`, in OpenAI's exact shape;
-the response models at the end only describe them in the OpenAPI document.
+`ignore_eos_token` (as in `parameters` of `/generate`). Responses are built as plain dicts in `openai_responses.py`,
+in OpenAI's exact shape; the response models at the end only describe them in the OpenAPI document.
 
 The JSON schema states what each route accepts, field by field: the bounds of a field `/generate` also has are
 read from `GenerateParameters` (`_as_generate`), and `openapi.document` narrows the configured ones (`n`,

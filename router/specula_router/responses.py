@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 
 from specula_router.scheduler import Entry, ErrorEvent, FinalEvent, TokenOut, TokensEvent
 

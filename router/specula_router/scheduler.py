@@ -27,12 +27,13 @@ import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Awaitable, TypeVar
+from typing import TypeVar
 
 from specula_proto import generate_pb2 as pb
-from specula_router.admission import Admission, AdmissionConfig
 from specula_router.adapters import AdapterManager
+from specula_router.admission import Admission, AdmissionConfig
 from specula_router.block_allocator import BlockAllocator
 from specula_router.client import ShardedClient, ShardError, StepResponse
 from specula_router.entries import Entry, EntryState, ErrorEvent, FinalEvent, TokenOut, TokensEvent
@@ -76,7 +77,8 @@ class _SentStep:
 
 
 def _tokens(tokens: pb.Tokens) -> list[TokenOut]:
-    return [TokenOut(i, t, lp, sp) for i, t, lp, sp in zip(tokens.ids, tokens.texts, tokens.logprobs, tokens.is_special)]
+    columns = zip(tokens.ids, tokens.texts, tokens.logprobs, tokens.is_special)
+    return [TokenOut(i, t, lp, sp) for i, t, lp, sp in columns]
 
 
 class Scheduler:

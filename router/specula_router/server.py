@@ -19,9 +19,10 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator, Callable, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -36,12 +37,26 @@ from specula_router.metrics import Metrics
 from specula_router.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIChunk
 from specula_router.requests import ValidGenerateRequest
 from specula_router.responses import (
-    KEEPALIVE_COMMENT, ClientGone, DisconnectWatch, Generation, GenerationError, collect, generate_body, next_event, token_body,
+    KEEPALIVE_COMMENT,
+    ClientGone,
+    DisconnectWatch,
+    Generation,
+    GenerationError,
+    collect,
+    generate_body,
+    next_event,
+    token_body,
     top_tokens_body,
 )
 from specula_router.scheduler import Entry, EntryState, ErrorEvent, Scheduler, TokensEvent
 from specula_router.schemas import (
-    CompatGenerateRequest, ErrorResponse, GenerateRequest, GenerateResponse, Info, SimpleToken, StreamResponse,
+    CompatGenerateRequest,
+    ErrorResponse,
+    GenerateRequest,
+    GenerateResponse,
+    Info,
+    SimpleToken,
+    StreamResponse,
     TokenizeRequest,
 )
 from specula_router.validation import ValidationError, Validator

@@ -30,7 +30,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specula_proto import generate_pb2 as pb
-
 from specula_router.admission import Admission, AdmissionConfig, Admitted
 from specula_router.block_allocator import BlockAllocator
 from specula_router.entries import Entry, EntryState, ErrorEvent

@@ -42,7 +42,12 @@ import tokenizers
 
 from specula_router.grammar import DEFAULT_MAX_GRAMMAR_BYTES, Grammar, GrammarError, from_generate_parameters
 from specula_router.merges import (
-    ADAPTER_ID_CONFLICT, MERGED_ID_PREFIX, MergeError, MergeSpec, is_merged_id, merge_spec,
+    ADAPTER_ID_CONFLICT,
+    MERGED_ID_PREFIX,
+    MergeError,
+    MergeSpec,
+    is_merged_id,
+    merge_spec,
 )
 from specula_router.requests import SamplingParameters, StoppingParameters, ValidGenerateRequest
 from specula_router.schemas import (

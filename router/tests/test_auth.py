@@ -14,6 +14,7 @@ import httpx
 import pytest
 import tokenizers
 from fake_worker import FakeClient
+
 from specula_router.adapters import AdapterManager
 from specula_router.auth import ApiKeyMiddleware
 from specula_router.block_allocator import BlockAllocator
@@ -201,7 +202,8 @@ def test_the_openapi_document_declares_the_key(tokenizer):
     assert doc["components"]["securitySchemes"]["bearer"] == {
         "type": "http", "scheme": "bearer", "description": "The server's --api-key (env API_KEY)."}
     assert doc["security"] == [{"bearer": []}]
-    assert doc["paths"]["/health"]["get"]["security"] == [] and "401" not in doc["paths"]["/metrics"]["get"]["responses"]
+    assert doc["paths"]["/health"]["get"]["security"] == []
+    assert "401" not in doc["paths"]["/metrics"]["get"]["responses"]
     assert doc["paths"]["/generate"]["post"]["responses"]["401"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ErrorResponse"}
     v1 = doc["paths"]["/v1/completions"]["post"]["responses"]["401"]["content"]["application/json"]["schema"]

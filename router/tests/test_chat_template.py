@@ -14,6 +14,7 @@ import jinja2
 import pytest
 import tokenizers
 import transformers
+
 from specula_router.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from specula_router.schemas import GenerateParameters
 from specula_router.validation import ValidationLimits, Validator

@@ -113,7 +113,7 @@ def connect_to(tmp_path, shard_ids: list[str], router_id: str) -> str | None:
     async def main():
         urls = [f"unix://{tmp_path}/shard-{rank}" for rank in range(len(shard_ids))]
         servers = []
-        for rank, (url, shard_id) in enumerate(zip(urls, shard_ids)):
+        for url, shard_id in zip(urls, shard_ids):
             server = grpc.aio.server()
             generate_pb2_grpc.add_TextGenerationServiceServicer_to_server(
                 InstanceShard(urls, shard_id, model_id=f"model-of-{shard_id or 'none'}"), server)

@@ -17,6 +17,7 @@ import llguidance
 import pytest
 import tokenizers
 from fake_worker import FakeClient
+
 from specula_router import grammar as g
 from specula_router.adapters import AdapterManager
 from specula_router.block_allocator import BlockAllocator
@@ -630,8 +631,8 @@ def test_a_ref_that_only_leads_to_itself_means_any_json_value(tokenizer, lltok, 
 
 
 def test_recursion_through_a_constraint_is_kept():
-    tree = {"$defs": {"t": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/t"}}}}},
-            "$ref": "#/$defs/t"}
+    kids = {"type": "array", "items": {"$ref": "#/$defs/t"}}
+    tree = {"$defs": {"t": {"type": "object", "properties": {"kids": kids}}}, "$ref": "#/$defs/t"}
     assert g.without_ref_cycles(tree) is tree
 
 

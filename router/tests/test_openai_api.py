@@ -15,6 +15,7 @@ import pytest
 import tokenizers
 import transformers
 from fake_worker import AdapterBehaviour, FakeClient
+
 from specula_proto import generate_pb2 as pb
 from specula_router.adapters import AdapterManager
 from specula_router.block_allocator import BlockAllocator

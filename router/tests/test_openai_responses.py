@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+
 from specula_router.openai_responses import StopTrimmer, trim_at_stop
 from specula_router.tool_calls import could_be_tool_call, parse_tool_calls
 

@@ -15,7 +15,12 @@ from specula_router.client import ShardError
 from specula_router.metrics import Metrics
 from specula_router.requests import SamplingParameters, StoppingParameters, ValidGenerateRequest
 from specula_router.scheduler import (
-    ErrorEvent, FinalEvent, Scheduler, SchedulerConfig, ShardUnresponsive, TokensEvent,
+    ErrorEvent,
+    FinalEvent,
+    Scheduler,
+    SchedulerConfig,
+    ShardUnresponsive,
+    TokensEvent,
 )
 
 

@@ -40,6 +40,7 @@ from specula_router.validation import ValidationLimits, Validator
 from specula_server.testing import clients
 from specula_server.testing.tokenizer import build_tokenizer
 
+
 def run_clients(script: str, payload: Any = None) -> Any:
     """Run `script` with the published clients' interpreter; it reads JSON on stdin and prints JSON."""
     result = subprocess.run(

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from specula_kernels.paged_attention import GroupedAttentionInputs, PagedAttentionInputs
 from torch.nn.utils.rnn import pad_sequence
 
+from specula_kernels.paged_attention import GroupedAttentionInputs, PagedAttentionInputs
 from specula_server.request import RequestState
 from specula_server.speculation.drafters import Draft
 

@@ -10,7 +10,6 @@ import asyncio
 import logging
 import re
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -39,9 +38,9 @@ def serve(
     model_id: str = typer.Argument(..., envvar="MODEL_ID", help="Hub model id, local directory or GGUF file."),
     uds_path: str = typer.Option("/tmp/specula-server", envvar="UDS_PATH",
                                  help="Unix socket path prefix; shard r listens on PATH-r."),
-    revision: Optional[str] = typer.Option(None, envvar="REVISION", help="Hub revision (branch, tag or commit)."),
+    revision: str | None = typer.Option(None, envvar="REVISION", help="Hub revision (branch, tag or commit)."),
     dtype: str = typer.Option("float32", envvar="DTYPE", help="float32, bfloat16 or float16."),
-    quantize: Optional[str] = typer.Option(
+    quantize: str | None = typer.Option(
         None, envvar="QUANTIZE",
         help="Weight-only quantization of the linear layers, done at load time from the float checkpoint: int8 "
              "(a scale per output channel) or int4 (a scale and zero per group of inputs). Default: none."),
@@ -54,10 +53,10 @@ def serve(
              "with a scale of 1.0): a narrower cache holds more blocks in --kv-cache-memory."),
     device: str = typer.Option("cpu", envvar="DEVICE", help="cpu or cuda."),
     block_size: int = typer.Option(16, envvar="BLOCK_SIZE", help="Tokens per KV cache block."),
-    kv_cache_memory: Optional[str] = typer.Option(
+    kv_cache_memory: str | None = typer.Option(
         None, envvar="KV_CACHE_MEMORY",
         help="KV cache size, e.g. 2GiB. Default: 1GiB on CPU, 90% of free memory after warmup on CUDA."),
-    huggingface_hub_cache: Optional[Path] = typer.Option(None, envvar="HUGGINGFACE_HUB_CACHE",
+    huggingface_hub_cache: Path | None = typer.Option(None, envvar="HUGGINGFACE_HUB_CACHE",
                                                          help="Hub cache directory."),
     rank: int = typer.Option(0, envvar="RANK", help="This shard's rank."),
     world_size: int = typer.Option(1, envvar="WORLD_SIZE", help="Number of shards."),
@@ -71,7 +70,7 @@ def serve(
     ngram_max: int = typer.Option(3, envvar="NGRAM_MAX", min=1, help="Longest n-gram prompt lookup matches."),
     ngram_match: str = typer.Option("latest", envvar="NGRAM_MATCH",
                                     help="Which earlier occurrence drafts: latest or earliest."),
-    speculator: Optional[str] = typer.Option(
+    speculator: str | None = typer.Option(
         None, envvar="SPECULATOR",
         help="Medusa heads, an MLP speculator, an EAGLE-3 speculator (the `speculators` layout, trained for this "
              "model) or a draft model (a small causal LM with the model's tokenizer): "
@@ -90,11 +89,11 @@ def serve(
         100_000, envvar="SUFFIX_CACHE_TOKENS", min=0,
         help="With --speculator suffix: output tokens of finished requests the global suffix trees keep for "
              "drafting (per shard, all adapters together; the oldest request's leave first)."),
-    local_rank: Optional[int] = typer.Option(
+    local_rank: int | None = typer.Option(
         None, envvar="LOCAL_RANK", min=0,
         help="This shard's rank on its node, the index of its GPU (default: --rank; set per node when the group "
              "spans several nodes)."),
-    grpc_host: Optional[str] = typer.Option(
+    grpc_host: str | None = typer.Option(
         None, envvar="GRPC_HOST",
         help="Also serve gRPC over TCP on this address (a free port), and give that address to the router: for "
              "shards on a node without the router (multi-node tensor parallelism)."),
@@ -104,7 +103,8 @@ def serve(
              "the shard. Empty when started alone."),
 ) -> None:
     """Load a model shard and serve it over gRPC on a unix socket."""
-    from specula_server.server import ServerConfig, serve as serve_async
+    from specula_server.server import ServerConfig
+    from specula_server.server import serve as serve_async
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     memory = parse_size(kv_cache_memory) if kv_cache_memory else (2**30 if device == "cpu" else None)

@@ -119,8 +119,9 @@ class GGUFCheckpoint:
         for tensor in reader.tensors:
             type_name = tensor.tensor_type.name
             if tensor.data_offset + tensor.n_bytes > size:
-                raise GGUFError(path, f"truncated: tensor {tensor.name} ends at byte {tensor.data_offset + tensor.n_bytes}"
-                                      f" but the file has {size} bytes")
+                end = tensor.data_offset + tensor.n_bytes
+                raise GGUFError(path, f"truncated: tensor {tensor.name} ends at byte {end} but the file has {size} "
+                                      f"bytes")
             shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
             if tensor.name in _IGNORED:
                 extra[tensor.name] = _Tensor(tensor.name, type_name, shape, tensor.data)

@@ -228,8 +228,9 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 class MaskJob:
     """The allowed-token masks of one step, computed on a worker thread while the forward runs.
 
-    `items`: (request index, grammar, draft tokens, draft parents) per constrained request. `bitmask` holds their masks one request after another (`spans`); `errors` the messages
-    of the requests whose grammar failed, by request index (they fail alone).
+    `items`: (request index, grammar, draft tokens, draft parents) per constrained request. `bitmask` holds their
+    masks one request after another (`spans`); `errors` the messages of the requests whose grammar failed, by
+    request index (they fail alone).
     """
 
     _executor = helper_executor("specula-masks")

@@ -28,8 +28,8 @@ from pathlib import Path
 from huggingface_hub import hf_hub_download, snapshot_download
 from huggingface_hub.errors import (
     GatedRepoError,
-    HFValidationError,
     HfHubHTTPError,
+    HFValidationError,
     LocalEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
@@ -220,8 +220,9 @@ def _require_file(directory: Path, filename: str, model_id: str, revision: str |
 def weight_files(model_dir: Path) -> list[Path]:
     """The files holding `model_dir`'s weights, in a stable order.
 
-    The GGUF file a `gguf.json` names (a directory made from a GGUF file); else `model.safetensors` if present; else the shards named by `model.safetensors.index.json` (its `weight_map`
-    values, deduplicated and sorted); else every `*.safetensors` in the directory.
+    The GGUF file a `gguf.json` names (a directory made from a GGUF file); else `model.safetensors` if present;
+    else the shards named by `model.safetensors.index.json` (its `weight_map` values, deduplicated and sorted);
+    else every `*.safetensors` in the directory.
 
     Raises:
         FileNotFoundError: no safetensors weights, or a shard named by the index is missing.

@@ -21,7 +21,7 @@ Example: a decode step over requests [a, b, c] whose row 1 holds a NaN: `nonfini
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -47,7 +47,6 @@ import torch
 
 from .params import SamplingParams
 
-
 # Independent random streams of one request (see `seed_for`).
 TARGET_STREAM = 0  # the target model's token at a position (a plain step, a verified row, a prompt's end)
 DRAFT_STREAM = 1  # a draft model's sampled draft at a position
@@ -161,9 +160,9 @@ def draw_by_inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.
     """[m] long: for each row of `logprobs` [m, vocab], the smallest token i with `cdf[i] > u * total`.
 
     The cumulative sum runs in float64 over the float32 probabilities, so the partition of [0, total) into
-    the tokens' intervals is exact to float64 rounding (under 1e-10 of the mass at a 128k vocabulary). A token of probability 0 (filtered, -inf) has
-    an empty interval and can never be chosen; the target is kept strictly below the total so rounding in
-    `u * total` cannot run past the last token of positive probability.
+    the tokens' intervals is exact to float64 rounding (under 1e-10 of the mass at a 128k vocabulary). A token of
+    probability 0 (filtered, -inf) has an empty interval and can never be chosen; the target is kept strictly
+    below the total so rounding in `u * total` cannot run past the last token of positive probability.
     """
     cdf = (logprobs - logprobs.amax(dim=-1, keepdim=True)).exp().to(torch.float64).cumsum_(dim=-1)  # [m, vocab]
     total = cdf[:, -1:]

@@ -21,7 +21,9 @@ import grpc
 import torch
 
 from specula_proto import generate_pb2_grpc
+from specula_server.adapters.medusa import MedusaHeads, load_medusa
 from specula_server.adapters.registry import AdapterRegistry
+from specula_server.adapters.sources import AdapterError, detect_adapter_kind, resolve_adapter
 from specula_server.distributed import ShardGroup, init_distributed
 from specula_server.generator import SpeculationConfig, TextGenerator
 from specula_server.hub import resolve_model_dir, weight_files
@@ -29,19 +31,20 @@ from specula_server.kv_cache import parse_kv_cache_dtype
 from specula_server.layers.quantization import DEFAULT_GROUP_SIZE, Quantization, check_float_checkpoint
 from specula_server.models import build_model
 from specula_server.models.config import ModelConfig
-from specula_server.adapters.medusa import MedusaHeads, load_medusa
-from specula_server.adapters.sources import AdapterError, detect_adapter_kind, resolve_adapter
+from specula_server.service import ExceptionInterceptor, TextGenerationService, WorkerInfo, fault_policy
 from specula_server.speculation.draft_model import DraftModelDrafter, find_draft_model, load_draft_model
 from specula_server.speculation.drafters import PromptLookupDrafter
 from specula_server.speculation.eagle3 import find_eagle3, load_eagle3
 from specula_server.speculation.eagle3_drafter import Eagle3Drafter
 from specula_server.speculation.medusa import MedusaDrafter
+from specula_server.speculation.mlp_speculator import (
+    MLPSpeculator,
+    MLPSpeculatorDrafter,
+    find_mlp_speculator,
+    load_mlp_speculator,
+)
 from specula_server.speculation.suffix import DEFAULT_CACHE_TOKENS, SUFFIX, SuffixDrafter
 from specula_server.threads import worker_threads
-from specula_server.speculation.mlp_speculator import (
-    MLPSpeculator, MLPSpeculatorDrafter, find_mlp_speculator, load_mlp_speculator,
-)
-from specula_server.service import ExceptionInterceptor, TextGenerationService, WorkerInfo, fault_policy
 from specula_server.tokens import eos_token_ids, load_tokenizer
 from specula_server.weights import Weights
 

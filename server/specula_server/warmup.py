@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -71,7 +71,8 @@ def calibrate_step_cost(generator: TextGenerator, sizes: Sequence[int] = (1, 4, 
             seconds = generator.agreed_seconds(time.perf_counter_ns() - start)  # the same anchors on every rank
         generator.step_cost.anchor(size, seconds)
 
-def _warmup_prefill(generator: TextGenerator, max_input_tokens: int, max_prefill_tokens: int, blocks_per_request: int) -> None:
+def _warmup_prefill(generator: TextGenerator, max_input_tokens: int, max_prefill_tokens: int,
+                    blocks_per_request: int) -> None:
     specs, remaining, next_block = [], max_prefill_tokens, 0
     while remaining > 0:
         length = min(max_input_tokens, remaining)

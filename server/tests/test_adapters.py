@@ -11,7 +11,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specula_server.testing.adapters import medusa_tensors as random_medusa_tensors
 from specula_server.adapters import (
     AdapterError,
     LoraConfig,
@@ -22,6 +21,7 @@ from specula_server.adapters import (
 )
 from specula_server.adapters.lora import COLUMN_PARALLEL, PROJECTIONS
 from specula_server.models.config import ModelConfig
+from specula_server.testing.adapters import medusa_tensors as random_medusa_tensors
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 SECRET = "hf_secret_token_never_shown"
@@ -333,8 +333,8 @@ def hand_logits(tensors, num_heads, num_layers, hidden, lm_head=None):
     rows = []
     for h in range(num_heads):
         x = hidden.double()
-        for l in range(num_layers):
-            w, b = tensors[f"{h}.{l}.linear.weight"].double(), tensors[f"{h}.{l}.linear.bias"].double()
+        for j in range(num_layers):
+            w, b = tensors[f"{h}.{j}.linear.weight"].double(), tensors[f"{h}.{j}.linear.bias"].double()
             z = x @ w.T + b
             x = x + z * torch.sigmoid(z)
         rows.append(lm_head(x) if lm_head is not None else x @ tensors[f"{h}.{num_layers}.weight"].double().T)

@@ -14,7 +14,13 @@ from specula_server.batch import _single_token_step, _spans_step
 from specula_server.params import FinishReason, SamplingParams
 from specula_server.request import RequestUpdate
 from specula_server.testing.worker import (
-    BlockPool, generate_alone, load_test_generator, make_spec, step, stop_ending_inside_a_token, token_ids,
+    BlockPool,
+    generate_alone,
+    load_test_generator,
+    make_spec,
+    step,
+    stop_ending_inside_a_token,
+    token_ids,
     token_texts,
 )
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_speculation import PROMPTS, chi_square_p_value, memory_bound_costs
 
 from specula_server.kv_cache import KVCache
 from specula_server.models.config import ModelConfig
@@ -25,10 +26,15 @@ from specula_server.speculation.verify import Verdict
 from specula_server.testing.adapters import build_medusa_adapter
 from specula_server.testing.models import build_tiny_model
 from specula_server.testing.worker import (
-    BlockPool, assert_same_greedy_output, generate_alone, load_test_generator, make_spec, run_steps, step, token_ids,
+    BlockPool,
+    assert_same_greedy_output,
+    generate_alone,
+    load_test_generator,
+    make_spec,
+    run_steps,
+    step,
+    token_ids,
 )
-
-from test_speculation import PROMPTS, chi_square_p_value, memory_bound_costs
 
 K = 3  # draft tokens per step in fixed mode
 

@@ -9,7 +9,13 @@ from specula_server.params import FinishReason, SamplingParams
 from specula_server.service import request_from_pb
 from specula_server.testing.models import build_tiny_model
 from specula_server.testing.worker import (
-    BlockPool, generate_alone, load_test_generator, make_spec, stop_ending_inside_a_token, token_ids, token_texts,
+    BlockPool,
+    generate_alone,
+    load_test_generator,
+    make_spec,
+    stop_ending_inside_a_token,
+    token_ids,
+    token_texts,
 )
 
 PROMPT = [1, 50, 60, 70, 80, 90, 100]

@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from test_model_parity import PROMPTS, reference_greedy
+from test_tensor_parallel import run_two_ranks
 from tokenizers import Tokenizer
 
 from specula_server import hub
@@ -19,8 +21,6 @@ from specula_server.testing.gguf_files import write_gguf
 from specula_server.testing.models import build_tiny_model
 from specula_server.testing.tokenizer import MULTILINGUAL_TEXT, training_corpus
 from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
-from test_model_parity import PROMPTS, reference_greedy
-from test_tensor_parallel import run_two_ranks
 
 BLOCK_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]  # 256-wide blocks: written from a 256-wide model

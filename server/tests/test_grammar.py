@@ -15,6 +15,7 @@ import jsonschema
 import llguidance
 import pytest
 import torch
+from test_speculation import chi_square_p_value, memory_bound_costs
 
 from specula_server.grammar import GrammarCompiler, MaskJob, apply_masks, mask_words
 from specula_server.params import SamplingParams
@@ -22,9 +23,14 @@ from specula_server.speculation.drafters import Draft
 from specula_server.speculation.speculator import GRAMMAR_METHOD, within_grammar
 from specula_server.testing.adapters import build_medusa_adapter
 from specula_server.testing.worker import (
-    BlockPool, generate_alone, load_test_generator, make_spec, run_steps, step, token_ids,
+    BlockPool,
+    generate_alone,
+    load_test_generator,
+    make_spec,
+    run_steps,
+    step,
+    token_ids,
 )
-from test_speculation import chi_square_p_value, memory_bound_costs
 
 # Nested objects, arrays, enums, integer ranges and string lengths; every string and array is bounded, so a
 # complete output exists within a known number of tokens whatever a random model prefers.
@@ -243,7 +249,7 @@ def test_masks_of_a_tree_follow_each_path(plain):
     parents = list(range(-1, len(ids) - 1)) + [-1, 1]
     out = torch.zeros(1 + len(tokens), mask_words(vocab), dtype=torch.int32)
     grammar.fill_masks(out, 0, tokens, parents)
-    for node, parent in enumerate(parents):
+    for node in range(len(parents)):
         path = []
         at = node
         while at >= 0:

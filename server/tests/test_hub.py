@@ -14,8 +14,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-import huggingface_hub
 import httpx2
+import huggingface_hub
 import pytest
 import torch
 from huggingface_hub import constants as hf_constants

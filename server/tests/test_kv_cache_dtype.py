@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from specula_server.kv_cache import KV_CACHE_DTYPES, KVCache, parse_kv_cache_dtype
 from specula_server.server import ServerConfig
 from specula_server.testing.worker import (
@@ -87,12 +88,13 @@ def test_the_launcher_passes_the_flag_to_every_shard(value, monkeypatch, tmp_pat
     """Given (as TGI users write it, flag or KV_CACHE_DTYPE), it reaches each shard's command line, which the
     worker's CLI parses; not given, the shards apply their own default (auto)."""
     import typer
+    from typer.testing import CliRunner
+
     from specula_launcher import cli as launcher_cli
     from specula_launcher.commands import shard_command
     from specula_launcher.config import build_config
     from specula_launcher.endpoints import claim_endpoints
     from specula_server import cli as server_cli
-    from typer.testing import CliRunner
 
     monkeypatch.delenv("KV_CACHE_DTYPE", raising=False)
     serve = typer.main.get_command(server_cli.app).commands["serve"]  # type: ignore[attr-defined]

@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 import torch
+from test_speculation import PROMPTS, memory_bound_costs
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from specula_proto import generate_pb2 as pb
@@ -16,10 +17,13 @@ from specula_server.params import SamplingParams
 from specula_server.sampling import Sampler, SamplingRow
 from specula_server.service import request_from_pb
 from specula_server.testing.worker import (
-    BlockPool, assert_same_greedy_output, generate_alone, load_test_generator, make_spec, token_ids,
+    BlockPool,
+    assert_same_greedy_output,
+    generate_alone,
+    load_test_generator,
+    make_spec,
+    token_ids,
 )
-
-from test_speculation import PROMPTS, memory_bound_costs
 
 VOCAB = 16
 

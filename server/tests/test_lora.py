@@ -5,16 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_model_parity import reference_greedy
+from test_tensor_parallel import free_port
 
 from specula_server.adapters.sources import AdapterError
 from specula_server.params import SamplingParams
 from specula_server.testing.adapters import build_lora_adapter, load_peft_reference
 from specula_server.testing.worker import (
-    BlockPool, generate_alone, load_test_generator, make_spec, run_steps, step, token_ids,
+    BlockPool,
+    generate_alone,
+    load_test_generator,
+    make_spec,
+    run_steps,
+    step,
+    token_ids,
 )
-
-from test_model_parity import reference_greedy
-from test_tensor_parallel import free_port
 
 PROMPTS = [[1, 50, 60, 70, 80, 90, 100], [1, 7, 8, 7, 8, 7], [1] + list(range(100, 140))]
 NUM_NEW = 24

@@ -14,6 +14,8 @@ from unittest import mock
 import pytest
 import torch
 import torch.multiprocessing as mp
+from test_model_parity import reference_greedy
+from test_tensor_parallel import free_port
 
 from specula_server.adapters.lora import read_lora
 from specula_server.adapters.merge import MergeSpec, combine, merge_lora
@@ -21,11 +23,13 @@ from specula_server.adapters.sources import AdapterError
 from specula_server.models.config import ModelConfig
 from specula_server.testing.adapters import build_lora_adapter, build_medusa_adapter
 from specula_server.testing.worker import (
-    BlockPool, generate_alone, load_test_generator, make_spec, run_steps, token_ids,
+    BlockPool,
+    generate_alone,
+    load_test_generator,
+    make_spec,
+    run_steps,
+    token_ids,
 )
-
-from test_model_parity import reference_greedy
-from test_tensor_parallel import free_port
 
 PROMPTS = [[1, 50, 60, 70, 80, 90, 100], [1, 7, 8, 7, 8, 7, 8, 7], [1] + list(range(100, 130))]
 NUM_NEW = 16

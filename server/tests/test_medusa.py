@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-import torch
 import pytest
+import torch
+from test_speculation import PROMPTS, memory_bound_costs
 
 from specula_server.params import SamplingParams
 from specula_server.speculation.drafters import Draft
 from specula_server.speculation.medusa import best_first_tree
 from specula_server.testing.adapters import build_medusa_adapter
 from specula_server.testing.worker import (
-    BlockPool, assert_same_greedy_output, generate_alone, load_test_generator, make_spec, run_steps, token_ids,
+    BlockPool,
+    assert_same_greedy_output,
+    generate_alone,
+    load_test_generator,
+    make_spec,
+    run_steps,
+    token_ids,
 )
-
-from test_speculation import PROMPTS, memory_bound_costs
 
 
 @pytest.fixture(scope="module")

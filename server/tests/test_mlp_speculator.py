@@ -12,20 +12,27 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_medusa import run, run_together, speculative
+from test_speculation import PROMPTS
 
 from specula_server.models.config import ModelConfig
 from specula_server.params import SamplingParams
 from specula_server.speculation.drafters import PromptLookupDrafter
 from specula_server.speculation.mlp_speculator import (
-    MLPSpeculatorDrafter, MLPSpeculatorError, find_mlp_speculator, load_mlp_speculator,
+    MLPSpeculatorDrafter,
+    MLPSpeculatorError,
+    find_mlp_speculator,
+    load_mlp_speculator,
 )
 from specula_server.testing.adapters import build_medusa_adapter, build_mlp_speculator
 from specula_server.testing.worker import (
-    BlockPool, assert_same_greedy_output, generate_alone, load_test_generator, make_spec, token_ids,
+    BlockPool,
+    assert_same_greedy_output,
+    generate_alone,
+    load_test_generator,
+    make_spec,
+    token_ids,
 )
-
-from test_medusa import run, run_together, speculative
-from test_speculation import PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -349,7 +356,6 @@ def test_two_ranks_draft_alike(llama_dir, mlp_dir):
     """Tensor parallel: every rank loads the speculator whole and reads the same full hidden state, so the
     ranks draft, verify and accept alike, and give one rank's tokens."""
     import torch.multiprocessing as mp
-
     from test_tensor_parallel import free_port
 
     expected = tp_requests(llama_dir, mlp_dir)

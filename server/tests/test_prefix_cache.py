@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from specula_server.request import RequestUpdate
 from specula_server.params import SamplingParams
+from specula_server.request import RequestUpdate
 from specula_server.testing.adapters import build_lora_adapter
 from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, run_steps, step
 

@@ -12,6 +12,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
+from test_model_parity import reference_greedy
+from test_tensor_parallel import free_port, run_two_ranks
+from typer.testing import CliRunner
+
+from specula_kernels import native
 from specula_kernels.quantized_linear import (
     dequantize_int4,
     dequantize_int8,
@@ -20,7 +25,6 @@ from specula_kernels.quantized_linear import (
 )
 from specula_proto import generate_pb2 as pb
 from specula_server.cli import app
-from specula_kernels import native
 from specula_server.layers import quantization
 from specula_server.layers.quantization import (
     Int4Linear,
@@ -43,9 +47,6 @@ from specula_server.testing.worker import (
     make_spec,
     token_ids,
 )
-from test_model_parity import reference_greedy
-from test_tensor_parallel import free_port, run_two_ranks
-from typer.testing import CliRunner
 
 PROMPTS = [[1, 50, 60, 70, 80, 90, 100], [1, 7, 8, 7, 8, 7], [1] + list(range(100, 140))]
 NUM_NEW = 16

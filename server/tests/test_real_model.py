@@ -14,6 +14,7 @@ import jinja2
 import pytest
 import torch
 import transformers
+from test_tensor_parallel import run_ranks
 from tokenizers import pre_tokenizers
 
 from specula_router.chat_template import load_chat_template
@@ -30,7 +31,6 @@ from specula_server.testing.worker import (
     token_ids,
 )
 from specula_server.tokens import load_tokenizer
-from test_tensor_parallel import run_ranks
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 

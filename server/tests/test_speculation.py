@@ -10,11 +10,22 @@ import torch
 
 from specula_server.params import FinishReason, SamplingParams
 from specula_server.speculation.controller import (
-    AcceptanceEstimate, ConfidenceCalibration, RealizedAcceptance, StepCostModel, choose_draft_lengths, drafting_bar,
+    AcceptanceEstimate,
+    ConfidenceCalibration,
+    RealizedAcceptance,
+    StepCostModel,
+    choose_draft_lengths,
+    drafting_bar,
 )
 from specula_server.speculation.drafters import Draft, PromptLookupDrafter
 from specula_server.testing.worker import (
-    BlockPool, generate_alone, load_test_generator, make_spec, stop_ending_inside_a_token, token_ids, token_texts,
+    BlockPool,
+    generate_alone,
+    load_test_generator,
+    make_spec,
+    stop_ending_inside_a_token,
+    token_ids,
+    token_texts,
 )
 from specula_server.testing.worker import step as one_step
 
@@ -98,7 +109,7 @@ def test_drafter_matches_the_definition_on_random_sequences():
 
 def test_greedy_output_is_identical_with_speculation(plain, speculative):
     drafted = 0
-    for i, prompt in enumerate(PROMPTS):
+    for prompt in PROMPTS:
         expected = run(plain, prompt, max_new_tokens=40)
         got = run(speculative, prompt, max_new_tokens=40)
         assert token_ids(got) == token_ids(expected)

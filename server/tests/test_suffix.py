@@ -12,7 +12,13 @@ import torch
 from specula_server.speculation import suffix_native
 from specula_server.speculation.drafters import PromptLookupDrafter
 from specula_server.speculation.suffix import (
-    MIN_MATCH, GlobalSuffixCache, SuffixDrafter, SuffixTree, draft_from, follow, resolve_backend,
+    MIN_MATCH,
+    GlobalSuffixCache,
+    SuffixDrafter,
+    SuffixTree,
+    draft_from,
+    follow,
+    resolve_backend,
 )
 
 needs_native = pytest.mark.skipif(not suffix_native.AVAILABLE, reason="arctic-inference is not installed")

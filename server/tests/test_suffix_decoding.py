@@ -4,13 +4,18 @@ request drafts from the output of the first."""
 from __future__ import annotations
 
 import pytest
+from test_speculation import PROMPTS, chi_square_p_value, sample_prefixes
 
 from specula_server.params import SamplingParams
 from specula_server.speculation import suffix_native
 from specula_server.testing.worker import (
-    BlockPool, assert_same_greedy_output, generate_alone, load_test_generator, make_spec, token_ids,
+    BlockPool,
+    assert_same_greedy_output,
+    generate_alone,
+    load_test_generator,
+    make_spec,
+    token_ids,
 )
-from test_speculation import PROMPTS, chi_square_p_value, sample_prefixes
 
 # Both suffix tree backends (the native one where arctic-inference is installed); the sampling test runs on the
 # default one (native where installed).

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+
 from specula_server import threads
 
 pytestmark = pytest.mark.skipif(threads._omp_set_num_threads() is None,

@@ -96,7 +96,8 @@ class LoraConfig:
             rank = int(raw["r"])
             alpha = float(raw.get("lora_alpha", 8))  # PEFT's default
         except (KeyError, TypeError, ValueError) as error:
-            raise adapter_error(adapter_id, f"{LORA_CONFIG} has no valid rank `r` or `lora_alpha` ({error!r})")
+            raise adapter_error(adapter_id, f"{LORA_CONFIG} has no valid rank `r` or `lora_alpha` ({error!r})") \
+                from None
         if rank < 1:
             raise adapter_error(adapter_id, f"LoRA rank must be positive, got r={rank}")
         # `fan_in_fan_out` only says how the *base* weight is stored (GPT-2 Conv1D); lora_A/lora_B are always
@@ -234,7 +235,8 @@ def _parse_targets(raw: Any, adapter_id: str, num_layers: int) -> frozenset[str]
         try:
             pattern = re.compile(raw)
         except re.error as error:
-            raise adapter_error(adapter_id, f"`target_modules` is not a valid regular expression ({error})")
+            raise adapter_error(adapter_id, f"`target_modules` is not a valid regular expression ({error})") \
+                from None
         others = [m for m in ("model.embed_tokens", "lm_head") if pattern.fullmatch(m)]
         found = frozenset(p for p in PROJECTIONS for i in range(num_layers)
                           if pattern.fullmatch(f"model.layers.{i}.{_MODULE_OF[p]}.{p}"))

@@ -72,7 +72,7 @@ class MedusaConfig:
             version = int(float(raw.get("version", 1)))  # written as "2" by some tools
         except (KeyError, TypeError, ValueError) as error:
             raise adapter_error(adapter_id, f"{MEDUSA_CONFIG} has no valid medusa_num_heads / medusa_num_layers "
-                                            f"/ version ({error!r})")
+                                            f"/ version ({error!r})") from None
         return cls(num_heads, num_layers, raw.get("base_model_name_or_path") or None, version, version >= 2)
 
 
@@ -153,9 +153,9 @@ def load_medusa(
         return weight
 
     heads, layers = range(medusa.num_heads), range(medusa.num_layers)
-    linear_weight = torch.stack([torch.stack([read(f"{h}.{l}.linear.weight", [hidden, hidden]) for l in layers])
+    linear_weight = torch.stack([torch.stack([read(f"{h}.{j}.linear.weight", [hidden, hidden]) for j in layers])
                                  for h in heads])  # [H, L, hidden, hidden]
-    linear_bias = torch.stack([torch.stack([read(f"{h}.{l}.linear.bias", [hidden]) for l in layers])
+    linear_bias = torch.stack([torch.stack([read(f"{h}.{j}.linear.bias", [hidden]) for j in layers])
                                for h in heads])  # [H, L, hidden]
     head_weight = None
     if not medusa.uses_base_lm_head:

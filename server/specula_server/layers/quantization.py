@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+
 from specula_kernels import native
 from specula_kernels.linear import default_num_parts, linear, onednn_linear, onednn_pack, onednn_supports, pack_weight
 from specula_kernels.quantized_linear import (
@@ -38,7 +40,6 @@ from specula_kernels.quantized_linear import (
     quantize_int4,
     quantize_int8,
 )
-from torch import nn
 
 QUANTIZE_METHODS = ("int8", "int4")
 DEFAULT_GROUP_SIZE = 64

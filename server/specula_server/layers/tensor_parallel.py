@@ -8,7 +8,7 @@ format `Weights.quantization` asks for (`quantization.build_linear`: float, int8
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

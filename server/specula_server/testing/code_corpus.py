@@ -28,9 +28,9 @@ import random
 import re
 import sysconfig
 import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 # Directories left out: third-party packages, the test suites (huge and repetitive) and generated tables.
 _SKIPPED_PARTS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings",

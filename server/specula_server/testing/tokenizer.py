@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 

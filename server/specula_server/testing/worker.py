@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 from specula_server.distributed import ShardGroup
 from specula_server.generator import TextGenerator
