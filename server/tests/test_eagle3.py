@@ -19,6 +19,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_speculation import PROMPTS
+
 from specula_server.kv_cache import KVCache
 from specula_server.models.config import ModelConfig
 from specula_server.params import SamplingParams
@@ -38,7 +40,6 @@ from specula_server.testing.worker import (
     run_steps,
     token_ids,
 )
-from test_speculation import PROMPTS
 
 K = 3
 VARIANTS = {
@@ -110,8 +111,10 @@ class ReferenceDraft:
     chained steps of the last row that see the first step's keys and their own earlier steps' (the training
     mask's diagonal), which is what drafting a chain after the last row is."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, embed: torch.Tensor | None = None):
         self.w = load_file(directory / "model.safetensors")
+        if embed is not None:  # a checkpoint without its own embedding uses the verifier's
+            self.w["embed_tokens.weight"] = embed
         config = json.loads((directory / "config.json").read_text())
         self.c, layer = config, config["transformer_layer_config"]
         self.eps, self.theta = layer["rms_norm_eps"], layer["rope_parameters"]["rope_theta"]
@@ -152,22 +155,22 @@ class ReferenceDraft:
         normed = rms(h, self.w["norm.weight"], self.eps)
         return normed @ self.w["lm_head.weight"].T, normed if self.c["norm_output"] else h
 
-    def chain(self, aux: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, k: int):
+    def chain(self, aux: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, k: int, fed=None):
         """Logits `[k, draft_vocab]` of the chain after the last row: `aux [T, A*H]` and `tokens [T]` are the
-        pairs (g_p, token p + 1) at `positions`; each step feeds the previous step's argmax."""
+        pairs (g_p, token p + 1) at `positions`; each step feeds the previous step's argmax (or `fed[s]`)."""
         w, eps = self.w, self.eps
         if self.c["norm_before_fc"]:
             aux = rms(aux, w["input_norm.weight"], eps)
         if self.c["fc_norm"]:
             chunks = aux.chunk(len([n for n in w if n.startswith("fc_norm.")]), -1)
             aux = torch.cat([rms(c, w[f"fc_norm.{a}.weight"], eps) for a, c in enumerate(chunks)], -1)
-        cache = [(torch.empty(0, self.kv_heads, self.w["layers.0.self_attn.k_proj.weight"].shape[0] // self.kv_heads),) * 2
-                 for _ in range(self.num_layers)]
+        head_dim = self.w["layers.0.self_attn.k_proj.weight"].shape[0] // self.kv_heads
+        cache = [(torch.empty(0, self.kv_heads, head_dim),) * 2 for _ in range(self.num_layers)]
         logits, state = self.step(tokens, aux @ w["fc.weight"].T, positions, cache)
         out = [logits[-1]]
         position, state = positions[-1:], state[-1:]
-        for _ in range(k - 1):
-            token = out[-1].argmax() + self.d2t[out[-1].argmax()]
+        for s in range(k - 1):
+            token = out[-1].argmax() + self.d2t[out[-1].argmax()] if fed is None else fed[s]
             position = position + 1
             logits, state = self.step(token.view(1), state, position, cache)
             out.append(logits[0])
@@ -461,11 +464,25 @@ def test_the_test_writer_writes_what_speculators_writes(package_checkpoint, llam
 
 @pytest.mark.slow
 @needs_speculators
-def test_draft_logits_match_speculators_forward(package_checkpoint, llama_dir, model_config, tmp_path):
+@pytest.mark.parametrize("written_by", ["speculators", "specula-train"])
+def test_draft_logits_match_speculators_forward(package_checkpoint, llama_dir, model_config, plain, tmp_path,
+                                                written_by):
     """The package's training forward, run on our drafted chain (teacher forcing): at the last context row,
-    step s reads token index T - 1 + s, so appending the drafts makes its steps our chain's."""
+    step s reads token index T - 1 + s, so appending the drafts makes its steps our chain's. On a checkpoint
+    the package saved, and on one `specula-train eagle3` saves (no embedding: the verifier's)."""
+    from specula_server.training.eagle3 import Eagle3Trainee
+
+    checkpoint = package_checkpoint
+    if written_by == "specula-train":
+        checkpoint = tmp_path / "trainee"
+        lm_head = plain.model.lm_head(torch.eye(64)).T.contiguous()
+        Eagle3Trainee(plain.model, lm_head, torch.arange(1, 512, 3), (0, 1, 2), init_std=0.1).save(
+            checkpoint, llama_dir, str(llama_dir), torch.float32)
     torch.manual_seed(2)
-    drafter = drafter_for(package_checkpoint, llama_dir, model_config)
+    drafter = drafter_for(checkpoint, llama_dir, model_config) if written_by == "speculators" else \
+        Eagle3Drafter(load_eagle3(checkpoint, str(llama_dir), model_config, plain.model.embed_tokens),
+                      torch.device("cpu"))
+    drafter.allocate_kv_cache(16, 16)
     tokens = torch.randint(0, model_config.vocab_size, (13,))
     aux = torch.randn(12, drafter.model.fc.shape[1])
     drafts, seen = recorded_logits(drafter, [fake_request(tokens, aux)], [K])
@@ -477,7 +494,7 @@ def test_draft_logits_match_speculators_forward(package_checkpoint, llama_dir, m
         "position_ids": torch.arange(1, 13 + len(chain))[None],
     }
     save_file(inputs, tmp_path / "inputs.safetensors")
-    speculators("forward", str(package_checkpoint), str(tmp_path / "inputs.safetensors"),
+    speculators("forward", str(checkpoint), str(tmp_path / "inputs.safetensors"),
                 str(tmp_path / "outputs.safetensors"), str(K))
     theirs = load_file(tmp_path / "outputs.safetensors")["logits"][:, 11]  # [steps, draft_vocab] at the last row
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
@@ -489,3 +506,69 @@ def test_a_speculators_checkpoint_loads_and_decodes_exactly(package_checkpoint, 
     generator = with_eagle(llama_dir, package_checkpoint)
     got = assert_same_greedy_output(plain, generator, PROMPTS[:2], run, max_new_tokens=16)
     assert sum(o.num_drafted for outputs in got for o in outputs) > 0
+
+
+# --- training: `specula-train eagle3` ---------------------------------------------------------------------
+
+
+def test_the_training_forward_is_the_served_forward(llama_dir, plain, tmp_path):
+    """The trainee's step s at position t (teacher-forced tokens) equals the chain drafted after t, fed the
+    same tokens, as the reference computes it on the checkpoint the trainee saves."""
+    from specula_server.training.data import TrainingBatch
+    from specula_server.training.eagle3 import Eagle3Trainee
+
+    model = plain.model
+    lm_head = model.lm_head(torch.eye(64)).T.contiguous()  # [vocab, hidden]
+    trainee = Eagle3Trainee(model, lm_head, torch.arange(0, 512, 2), (0, 1, 2), steps=3, init_std=0.1)
+    with torch.no_grad():
+        for weight in trainee.norms.values():
+            weight.add_(0.2 * torch.randn_like(weight))
+    trainee.save(tmp_path / "trainee", llama_dir, str(llama_dir), torch.float32)
+    torch.manual_seed(3)
+    n, t = 14, 10
+    tokens, aux = torch.randint(0, 512, (n,)), torch.randn(n, 192)
+    batch = TrainingBatch(aux[None], tokens[None], torch.ones(1, n, dtype=torch.bool), torch.tensor([n]))
+    with torch.no_grad():
+        got = torch.stack([logits[0, t] for logits in trainee.step_logits(aux[None], batch)])
+    reference = ReferenceDraft(tmp_path / "trainee", embed=model.embed_tokens.weight.detach().clone())
+    expected = reference.chain(aux[: t + 1], tokens[1 : t + 2], torch.arange(t + 1), 3, fed=tokens[t + 2 :])
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def write_prompts(path: Path, count: int) -> Path:
+    words = ["def", "return", "class", "import", "value", "self", "for", "in", "range", "print", "if", "else"]
+    with path.open("w") as f:
+        for i in range(count):
+            f.write(json.dumps({"prompt": " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(4 + i % 5))})
+                    + "\n")
+    return path
+
+
+@pytest.mark.slow
+def test_specula_train_eagle3_learns_what_the_server_accepts(llama_dir, plain, tmp_path):
+    from typer.testing import CliRunner
+
+    from specula_server.training.cli import app
+    from specula_server.training.data import read_prompts
+
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 96)
+    out = tmp_path / "eagle3"
+    result = CliRunner().invoke(app, [
+        "eagle3", "--model-id", str(llama_dir), "--prompts", str(prompts), "--output", str(out),
+        "--draft-vocab-size", "256", "--max-new-tokens", "24", "--epochs", "20", "--batch-size", "8",
+        "--lr", "1e-2", "--eval-fraction", "0.25",
+    ])
+    assert result.exit_code == 0, result.output
+    held = json.loads((out / "training.json").read_text())["held_out"]
+    assert held["mean_accepted_after"] > held["mean_accepted_before"] + 0.8, held
+    config = json.loads((out / "config.json").read_text())
+    assert config["draft_vocab_size"] == 256 and config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    # Served: identical greedy output, and most drafts accepted (an untrained drafter gets almost none).
+    generator = with_eagle(llama_dir, out)
+    texts = read_prompts(prompts)[:12]
+    drafted = accepted = 0
+    for got in assert_same_greedy_output(plain, generator, [generator.tokenizer.encode(p).ids for p in texts], run,
+                                         max_new_tokens=24, lookahead=4):
+        drafted += sum(o.num_drafted for o in got)
+        accepted += sum(o.num_accepted for o in got)
+    assert accepted > 0.5 * drafted, (accepted, drafted)

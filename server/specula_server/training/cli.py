@@ -2,10 +2,12 @@
 
     specula-train medusa --model-id MODEL --prompts prompts.jsonl --output medusa/
     specula-train mlp    --model-id MODEL --prompts prompts.jsonl --output mlp-speculator/
+    specula-train eagle3 --model-id MODEL --prompts prompts.jsonl --output eagle3/
 
 The base model (loaded as the server loads it) continues every prompt; the speculator learns those
 continuations from the base model's hidden states. The output directory is ready for the server: a Medusa
-adapter (`adapter_id` per request, or `--speculator` for all) or an MLP speculator (`--speculator`). It also
+adapter (`adapter_id` per request, or `--speculator` for all), an MLP speculator or an EAGLE-3 drafter
+(`--speculator`). It also
 holds `training.json`: the settings and the held-out top-1 accuracy of each head before and after training.
 Every option also reads an environment variable.
 """
@@ -26,7 +28,7 @@ import torch
 import typer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="Train Medusa heads or an MLP speculator for a model, by self-distillation.")
+                  help="Train Medusa heads, an MLP speculator or an EAGLE-3 drafter for a model, by self-distillation.")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -218,6 +220,49 @@ def mlp(
     _finish(common, "mlp_speculator", trainee, report, dtype, extra,
             lambda out, save_dtype: trainee.save(out, common["model_id"], save_dtype, top_k[:n_predict],
                                                  n_candidates))
+
+
+@_command
+def eagle3(
+    draft_vocab_size: int = typer.Option(32000, "--draft-vocab-size", envvar="EAGLE3_DRAFT_VOCAB_SIZE", min=2,
+                                         help="Draft vocabulary: the tokens most frequent in the continuations "
+                                              "(at most the model's vocabulary)."),
+    layer_ids: Optional[str] = typer.Option(None, "--layer-ids", envvar="EAGLE3_LAYER_IDS",
+                                            help="Target layers whose outputs the drafter reads, comma-separated "
+                                                 "(default: 2, L // 2, L - 3 of an L-layer model, or its last "
+                                                 "three for a shallow one)."),
+    steps: int = typer.Option(3, "--steps", envvar="EAGLE3_STEPS", min=1, max=10,
+                              help="Training-time test depth: step s learns the token s + 2 places ahead."),
+    norm_before_residual: bool = typer.Option(False, "--norm-before-residual/--no-norm-before-residual",
+                                              envvar="EAGLE3_NORM_BEFORE_RESIDUAL",
+                                              help="The draft layer's residual is the normed input state."),
+    common: dict | None = None,
+) -> None:
+    """An EAGLE-3 drafter (the `speculators` layout, `speculators_model_type: eagle3`)."""
+    from specula_server.hub import resolve_model_dir
+    from specula_server.training import eagle3 as training
+    from specula_server.training.trainer import train
+
+    train_samples, eval_samples, hidden_states, lm_head, dtype = _prepare(common)
+    model = hidden_states.model
+    num_layers = model.config.num_layers
+    try:
+        ids = tuple(int(i) for i in layer_ids.split(",")) if layer_ids else training.default_layer_ids(num_layers)
+    except ValueError:
+        raise typer.BadParameter(f"--layer-ids must be comma-separated integers; got {layer_ids!r}") from None
+    if len(set(ids)) != len(ids) or min(ids) < 0 or max(ids) > num_layers:
+        raise typer.BadParameter(f"--layer-ids {list(ids)}: distinct layer ids in [0, {num_layers}] are needed")
+    draft_ids = training.choose_draft_vocabulary(train_samples, model.config.vocab_size,
+                                                 min(draft_vocab_size, model.config.vocab_size)).to(lm_head.device)
+    trainee = training.Eagle3Trainee(model, lm_head, draft_ids, ids, steps, norm_before_residual,
+                                     seed=common["seed"]).to(lm_head.device)
+    aux_states = training.Eagle3HiddenStates(hidden_states, ids)
+    report = train(trainee, train_samples, eval_samples, aux_states, _settings(common))
+    verifier_dir = resolve_model_dir(common["model_id"], common["revision"], None)
+    extra = dict(draft_vocab_size=int(draft_ids.numel()), layer_ids=list(ids), steps=steps,
+                 norm_before_residual=norm_before_residual)
+    _finish(common, "eagle3", trainee, report, dtype, extra,
+            lambda out, save_dtype: trainee.save(out, verifier_dir, common["model_id"], save_dtype))
 
 
 def _settings(common: dict):
