@@ -15,9 +15,12 @@ write and attention converts the gathered context back to the query's dtype. A s
 This one formulation covers prefill, decode, and the verification of speculative drafts: a query row sees
 every key whose position is at most its own (or, for a tree of drafts, the mask the caller builds).
 
-Two paths, one signature (a GPU kernel, flash-attn varlen with a block table or Triton, can take the same):
+Three paths, one signature:
 
-- sequences with a few query rows each (decode, verification of drafts: at most `NATIVE_MAX_QUERY`), float32
+- on CUDA, sequences with a few query rows each (decode, verification of drafts, trees included: at most
+  `triton_paged_attention.MAX_QUERY`), float32/bfloat16/float16 query and cache, where triton is installed:
+  `triton_paged_attention.py`, which reads each visible key and value where it lies in the cache;
+- on CPU, sequences with a few query rows each (decode, verification of drafts: at most `NATIVE_MAX_QUERY`), float32
   query and cache, on a CPU where the native kernels build: `csrc/paged_attention.cpp`, which reads each visible
   key and value where it lies in the cache;
 - everything else (prompts, other dtypes and devices): the context gathered into a dense buffer and
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from specula_kernels import native
+from specula_kernels import native, triton_paged_attention
 
 # Query rows per sequence up to which the native kernel attends. It reads a sequence's keys once per query row
 # (from cache after the first), where SDPA's blocked kernel computes many rows' scores as one product: prompts
@@ -120,6 +123,8 @@ def paged_attention(
 
     The new tokens' keys and values must already be in the cache (`write_kv_cache`).
     """
+    if use_triton(query, key_cache, value_cache):
+        return _paged_attention_triton(query, key_cache, value_cache, inputs, scale)
     lib = _native_library(query, key_cache, value_cache)
     if isinstance(inputs, GroupedAttentionInputs):
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -138,6 +143,38 @@ def paged_attention(
         _attend_native(lib, query, key_cache, value_cache, inputs, scale, out, inputs.query_index)
         return out
     return _attend(query, key_cache, value_cache, inputs, scale)
+
+
+def use_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether decode and verification rows go to the Triton kernel: CUDA tensors it serves, triton installed."""
+    return triton_paged_attention.supports(query, key_cache, value_cache)
+
+
+def _paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            inputs: PagedAttentionInputs | GroupedAttentionInputs, scale: float) -> torch.Tensor:
+    """`paged_attention` on CUDA: groups of at most `MAX_QUERY` rows per sequence on the Triton kernel, the
+    others (prompts) on the gathered-context SDPA path."""
+    groups = inputs.groups if isinstance(inputs, GroupedAttentionInputs) else [(None, inputs)]
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    for rows, group in groups:
+        if group.query_index.shape[1] > triton_paged_attention.MAX_QUERY:
+            if rows is None:
+                return _attend(query, key_cache, value_cache, group, scale)
+            out[rows] = _attend(query[rows], key_cache, value_cache, group, scale)
+            continue
+        # Per step, shared by every layer: each padded query's row of the whole step, each sequence's length.
+        step_rows = group.workspace.get("triton.rows")
+        if step_rows is None:
+            step_rows = group.query_index if rows is None else rows[group.query_index]
+            group.workspace["triton.rows"] = step_rows
+        lengths = group.workspace.get("triton.lengths")
+        if lengths is None:
+            lengths = triton_paged_attention.context_lengths(group.context_slots, group.mask)
+            group.workspace["triton.lengths"] = lengths
+        triton_paged_attention.paged_attention_triton(
+            query, key_cache, value_cache, group.context_slots, step_rows, group.query_valid, group.mask, lengths,
+            scale, out=out)  # the context slots are a block table of one-slot blocks
+    return out
 
 
 def _native_library(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor):

@@ -27,7 +27,8 @@ from specula_kernels.quantized_linear import (
     quantize_int8,
 )
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                 reason="needs CUDA")])]
 
 
 def _weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:

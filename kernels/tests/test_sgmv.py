@@ -237,6 +237,7 @@ TRITON_CASES = {
 }
 
 
+@pytest.mark.cuda
 @needs_triton_device
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", TRITON_CASES)
@@ -253,6 +254,7 @@ def test_triton_case_matches_reference(case, dtype):
         torch.testing.assert_close(sgmv(*args), out, rtol=0, atol=0)  # dispatch picks the kernel
 
 
+@pytest.mark.cuda
 @needs_triton_device
 def test_triton_case_strided_operands():
     """x a column slice of a wider activation, weight stored transposed (`[slots, d_out, d_in]`, as peft keeps it)."""
@@ -265,6 +267,7 @@ def test_triton_case_strided_operands():
                                sgmv_reference(x, weight, starts, slots).cpu(), **TOLERANCES[torch.float32])
 
 
+@pytest.mark.cuda
 @needs_triton_device
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_case_lora_shrink_then_expand(dtype):
