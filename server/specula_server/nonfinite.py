@@ -34,8 +34,8 @@ def nonfinite_requests(logits: torch.Tensor, counts: Sequence[int]) -> list[int]
     `logits` `[sum(counts), vocab]` holds the requests' rows one request after another, `counts[i]` each.
     """
     # A row is finite iff its largest and smallest values are: max and min propagate NaN, and an infinity is
-    # an extreme. Two vectorised reductions: `isfinite(logits).all(-1)` materialises a bool per logit and
-    # took 17x as long on CPU (4.9 ms against 0.28 ms for 64 rows of 32k).
+    # an extreme. Two vectorised reductions: `isfinite(logits).all(-1)` materialises a bool per logit, which is
+    # far slower on CPU.
     finite = torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))  # [num_rows]
     if bool(finite.all()):
         return []

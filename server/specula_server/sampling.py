@@ -135,8 +135,8 @@ class Sampler:
         position and stream (`seed_for`) and its own distribution, never on the other rows, so a seed reproduces
         its tokens whatever the batch. The draw is by inverse CDF: one uniform u per row from its generator, then the
         first token whose cumulative mass exceeds u times the total (`draw_by_inverse_cdf`). One random number
-        per row instead of one per vocabulary entry: at a 32k vocabulary and 32 sampling rows the per-entry
-        noise of an exponential race took 34 ms a step on 2 CPU cores, this 2 ms.
+        per row instead of one per vocabulary entry (an exponential race), whose cost grew with the vocabulary
+        times the sampling rows (docs/benchmarks.md#decode-in-the-worker).
         """
         token_ids = logprobs.argmax(dim=-1)  # [n]
         sampled = [i for i, row in enumerate(rows) if not row.params.is_greedy]

@@ -3,8 +3,8 @@
 PyTorch's CPU operators (and the native kernels) run on GNU OpenMP, which keeps one team of threads per thread that
 starts a parallel region, and lets its idle threads spin for the next region only while the process's OpenMP
 threads are no more than its CPUs. One more team, even an idle one, and every thread sleeps at the end of every
-region and must be woken for the next: a decode step of the 134M benchmark model went from 7.3 to 12.2 ms (int8)
-and from 22.6 to 26.2 ms (float32) once a second thread had run a single parallel operator.
+region and must be woken for the next, which slows every CPU decode step once a second thread has run a single
+parallel operator (measured in docs/benchmarks.md#decode-in-the-worker).
 
 So a worker runs its model (loading, warm-up, steps) on one thread, `compute_executor()`, and every other thread
 that may touch a tensor calls `single_threaded()` first, which limits the OpenMP regions that thread starts to

@@ -110,13 +110,13 @@ class ConfidenceCalibration:
     trees: the mean of each step's count ratio along the likeliest path).
 
     A confidence is the drafter's own guess from counts in its trees; on text the trees have seen it is close,
-    on text they have not (a two-token match in a large tree of other outputs) it can say 0.5-1.0 where drafts
-    are accepted at 0.1. Taking it at its word made every request verify such drafts at every step: 0.76-0.87x
-    of no speculation on novel text at 4-64 streams. Here each tenth of [0, 1] keeps the decayed record of the
-    drafts verified with a confidence in it, and a draft counts with what its bin achieved (its confidence as
-    the prior, weighted as two trials). `ceiling` is the best any bin achieved lately: when even that is below
-    the drafting bar, the drafter is not asked at all (drafting costs time too); the records drift back toward
-    the confidences meanwhile, so drafting is tried again later, as requests' own estimates do."""
+    on text they have not (a two-token match in a large tree of other outputs) it can be high where drafts are
+    rarely accepted. Taking it at its word made every request verify such drafts at every step, a slowdown on
+    novel text under load (docs/benchmarks.md#suffix-decoding). Here each tenth of [0, 1] keeps the decayed
+    record of the drafts verified with a confidence in it, and a draft counts with what its bin achieved (its
+    confidence as the prior, weighted as two trials). `ceiling` is the best any bin achieved lately: when even
+    that is below the drafting bar, the drafter is not asked at all (drafting costs time too); the records drift
+    back toward the confidences meanwhile, so drafting is tried again later, as requests' own estimates do."""
 
     decay: float = PRIOR_DECAY
     _methods: dict[str, list[AcceptanceEstimate]] = field(default_factory=dict)
@@ -159,11 +159,11 @@ class RealizedAcceptance:
     expected when they were granted (`sum a^i` over the granted drafts), decayed per verification.
 
     Drafts are granted where a request's acceptance estimate is high, and estimates from a few decayed trials are
-    noisy, so the granted drafts are those whose estimates erred upward (on sampled novel text at 4 streams the
-    drafts granted at an estimate of 0.6-0.9 were accepted for a third to a half of what was expected, while the
-    step costs were predicted within 4%). The ratio of realized to expected tokens measures exactly that
-    selection; `factor` scales the expected gains of the method's drafts by it, never above 1 (a method whose
-    drafts do better than expected keeps the estimates as they are)."""
+    noisy, so the granted drafts are those whose estimates erred upward (on sampled novel text the granted drafts
+    were accepted for well under what was expected, while the step costs were predicted closely). The ratio of
+    realized to expected tokens measures exactly that selection; `factor` scales the expected gains of the
+    method's drafts by it, never above 1 (a method whose drafts do better than expected keeps the estimates as
+    they are)."""
 
     decay: float = PRIOR_DECAY
     _methods: dict[str, list[float]] = field(default_factory=dict)  # method -> [expected, realized]
@@ -202,8 +202,7 @@ class StepCostModel:
 
     A sequence and a draft cost different things. A sequence brings its context's keys and values to read and
     attend over, its sampling, its bookkeeping; a draft adds one row to the matrix products and one query over
-    a context already read. On the demo model at concurrency 32 a plain step is 24 ms, and verifying adds about
-    4 ms plus 0.13 ms per draft: a draft costs a sixth of what a sequence's share of the step is. A model in
+    a context already read, so on a CPU a draft costs a fraction of a sequence's share of the step. A model in
     tokens alone, `T(N)` with drafts and sequences both counted as tokens, cannot see that difference.
 
     `P` is a recency-weighted least-squares line over plain decode steps (`decay` per step). When S has not
@@ -242,11 +241,11 @@ class StepCostModel:
         extra = min(max(seconds - plain, 0.0), MAX_EXTRA_STEPS * plain)
         prior = self.token_cost()
         # A step timed across a pause would otherwise enter the fit at up to four plain steps and, decaying by
-        # VERIFY_DECAY per verifying step, raise the price of every draft for a dozen verifying steps (one 50 ms
-        # pause at 64 sequences doubled the predicted cost of 100 drafts). A real rise in cost is still learned,
+        # VERIFY_DECAY per verifying step, raise the price of every draft for a dozen verifying steps (one pause
+        # was seen to double the predicted cost of a large batch's drafts). A real rise in cost is still learned,
         # each step's sample allowed up to double what the fit predicted. Before any fit the prediction is the
-        # prior (no fixed part): a first verifying step that ran slow alone (15 ms where plain steps took 9, at
-        # the start of an agentic replay at 64 streams) was the whole fit, and kept drafts off for 60 steps.
+        # prior (no fixed part): a first verifying step that ran slow alone (at the start of an agentic replay
+        # under load) was the whole fit, and kept drafts off for dozens of steps.
         v0, c = self._fitted_verification(prior) or (0.0, prior)
         extra = min(extra, OUTLIER_FACTOR * (v0 + c * num_drafts) + OUTLIER_SLACK * plain)
         point = (*_point(num_drafts, plain + extra), float(num_sequences), float(num_drafts) * num_sequences)
@@ -313,9 +312,9 @@ class StepCostModel:
         if weight <= 0:
             return None
         # The excess V = T - P(S) over the plain step as it is fitted now, not as it was when the step ran: the
-        # first verifying steps at a new load were measured against a plain cost fitted at the old one (at 64
-        # streams after a lighter load, 4.7 ms for a 8.8 ms step), and their whole error stayed in v0, above a
-        # plain step, until enough declines wore it down (70 steps of an agentic replay without drafts).
+        # first verifying steps at a new load were measured against a plain cost fitted at the old one (a
+        # heavier load after a lighter one), and their whole error stayed in v0, above a plain step, until enough
+        # declines wore it down (dozens of steps without drafts).
         p0, p1 = self.coefficients()
         line = _line((weight, sum_d, sum_t - p0 * weight - p1 * sum_s, sum_dd, sum_dt - p0 * sum_d - p1 * sum_ds),
                      0.5)
@@ -346,14 +345,14 @@ def proposal_backoff(declined_in_a_row: int, ask_cost: float = 0.0) -> int:
     step are still asked.
 
     Proposing costs something even when nothing is verified: every request's prompt lookup and the choice
-    itself, about 30 microseconds per request on the 2-core benchmark machine, 2-3% of a step at concurrency
-    32 with nothing to copy, where nearly every step used to propose and then decline. Each skipped step still
+    itself, per request at every step that proposes, which shows at high concurrency with nothing to copy,
+    where nearly every step used to propose and then decline. Each skipped step still
     counts as declined for the verification cost estimate, so probing happens as often as before.
 
     `ask_cost`: what asking every request costs, in plain steps (measured on fruitless asks). Where one ask in 8
     steps would cost more than `ASK_BUDGET` of the time, the back-off goes on doubling (15, 31, ...) up to the
-    length that keeps it there: suffix trees on novel text at 64 streams cost a fifth of a step per ask on the
-    benchmark machine, 2.5% of the time at one ask in 8."""
+    length that keeps it there: suffix trees on novel text under load cost a sizeable part of a step per ask
+    (docs/benchmarks.md#suffix-decoding)."""
     longest = max(MAX_PROPOSAL_BACKOFF, min(math.ceil(ask_cost / ASK_BUDGET) - 1, LONGEST_PROPOSAL_BACKOFF))
     return min(2 ** max(declined_in_a_row - 1, 0), longest + 1) - 1
 

@@ -161,8 +161,8 @@ class PromptLookupDrafter:
         """Draft for one token sequence (a CPU tensor).
 
         The search runs over the sequence's bytes (8 per token id) with `bytes.find` / `rfind`, a C substring
-        search: a few microseconds for thousands of tokens, where tensor comparisons cost a dozen operator calls
-        per n-gram length. A match must start on a token boundary; an unaligned one is skipped.
+        search, where tensor comparisons cost a dozen operator calls per n-gram length. A match must start on a
+        token boundary; an unaligned one is skipped.
         """
         length = history.numel()
         if max_tokens <= 0 or length < 2:

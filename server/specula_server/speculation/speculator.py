@@ -153,8 +153,8 @@ class Speculator:
                 # The bar withheld every draft: a declined step for the cost model too. Its fitted excess fades
                 # until drafts are asked for and measured again; else one step that fitted the cost of a draft
                 # too high kept the bar above every request (and a confident drafter's ceiling) for good. It
-                # backs off as a decline does: deciding so for every request at every step cost prompt lookup
-                # 1.1% of a novel-text turn at 16 streams, 0.6% with the back-off.
+                # backs off as a decline does: deciding so for every request at every step has a cost of its
+                # own, which the back-off cuts.
                 self.step_cost.declined()
                 self._verified_nothing(backing_off)
             return None

@@ -21,11 +21,11 @@ the sequence's length. Each request keeps a cursor per tree (the nodes of its cu
 is O(depth) per step too; a global tree that lost an output since a cursor was built (evicted) rebuilds that
 cursor, O(depth^2) once (an output added leaves cursors valid: they find the longer matches as they follow).
 Nodes are Python objects (about 260 bytes each with their children's dict): a 2,000-token prompt at depth 24
-makes up to 48,000 nodes in its own tree, freed when it ends. In Python this is the cost of the method: 0.1-0.8
-ms per request per drafting step on the demo model (docs/benchmarks.md, "Suffix decoding").
+makes up to 48,000 nodes in its own tree, freed when it ends. In Python this is the cost of the method, a large
+share of a small model's step (docs/benchmarks.md#suffix-decoding).
 
 Backends. Where arctic-inference is installed (`suffix_native`: Snowflake's C++ suffix tree, path-compressed,
-children sorted by count), the same drafter runs on it instead, 30-66 us per request per step as served; the
+children sorted by count), the same drafter runs on it instead, much cheaper; the
 Python trees here are the fallback without it, and `backend="python"` (or SPECULA_SUFFIX_BACKEND=python) forces them.
 The two draft alike where the likeliest continuations are unique; `suffix_native` says where they may differ.
 
@@ -62,8 +62,8 @@ class _Node:
     __slots__ = ("children", "count")
 
     def __init__(self) -> None:
-        # A dict of its own only once it gets a child: the deepest nodes never do (11% less time extending
-        # requests' trees in a profile of 32 demo-model requests).
+        # A dict of its own only once it gets a child: the deepest nodes never do, which saves allocating one
+        # per leaf when requests' trees are extended.
         self.children: dict[int, _Node] = _LEAF
         self.count = 0
 

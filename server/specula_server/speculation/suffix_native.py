@@ -4,7 +4,7 @@ The same drafter as `suffix.py` (a tree per request over its prompt and output, 
 outputs of recent finished requests, `cache_tokens` output tokens in all, oldest out; the better of the two
 drafts), with the trees kept by Snowflake's implementation of the method instead of Python objects: a
 path-compressed suffix tree whose children are kept sorted by count, so appending a token and drafting cost
-microseconds, not the 0.1-0.8 ms per request per step of the Python trees (docs/benchmarks.md).
+far less than on the Python trees (docs/benchmarks.md#suffix-decoding).
 
 Arctic's own `SuffixDecodingCache` is not used, only its tree (`SuffixTree`, which that class wraps): the
 cache adds a request's output to the shared tree while the request runs (so a request later cancelled or
@@ -134,6 +134,6 @@ def to_draft(native) -> Draft:
 
 
 def _long_tensor(values: list[int]) -> torch.Tensor:
-    """A long tensor of a non-empty list, over an array's buffer: 1 us for a 6-token draft where `torch.tensor`
-    takes 3, at every request's every drafting step."""
+    """A long tensor of a non-empty list, over an array's buffer (cheaper than `torch.tensor` for a short list,
+    which this is at every request's every drafting step)."""
     return torch.frombuffer(array("q", values), dtype=torch.long)
