@@ -9,22 +9,14 @@ separate threads:
     x [m, in] --expand--> [parts, m, in] @ packed [parts, in, out/parts] -> [parts, m, out/parts] -> [m, out]
 
 Each output element is still one dot product over the full input, so results equal `F.linear` up to the
-GEMM's summation order. Measured on the 2-core benchmark machine (12 layers of a 125M Llama + LM head):
-20.9 ms per token with `x @ W^T` in one block, 15.4 ms with two blocks. On CUDA one block is used.
+GEMM's summation order. On CUDA one block is used.
 
 On CPUs where PyTorch ships oneDNN (every x86 build), the float layers use oneDNN's own packed format instead
 (`onednn_pack` / `onednn_linear`: the weight reordered once at load time into the blocked layout its GEMM
-kernels read, as torch.compile's CPU backend does for frozen weights). Measured on the 2-core benchmark VM for
-the 49 products of one decoded token of the 134M Llama (`benchmark/linear_kernels.py --pack-hint 1`):
-
-    rows (sequences in the step)                1      4      8      32     64
-    float32, column blocks (above)              21.1   40.7   42.9   73.2   121.3 ms
-    float32, oneDNN packed (PACK_ROWS_HINT)     21.4   18.7   20.8   39.5   72.1
-    float32, oneDNN packed for 1 row            21.3   28.9   30.2   54.0   88.7
-    bfloat16, oneDNN packed                     11.2   10.5   11.6   21.1   37.5     (a CPU with AVX512-BF16)
-
-so float32 batches gain up to 2.2x over the column blocks and bfloat16 runs at 1.8-1.9x float32, where bfloat16
-through plain `matmul` was slower than float32 (0.94x per decoded token). oneDNN is used for bfloat16 only where
+kernels read, as torch.compile's CPU backend does for frozen weights): float32 batches run faster on it than on
+the column blocks, and bfloat16 faster than float32 on a CPU with native bfloat16 kernels, where bfloat16 through
+plain `matmul` is slower than float32 (`benchmark/linear_kernels.py`; figures in
+docs/benchmarks.md#float-products-on-onednn-and-bfloat16-on-cpu). oneDNN is used for bfloat16 only where
 it reports native support (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`); elsewhere bfloat16 and float16 keep
 the column blocks.
 
@@ -87,11 +79,10 @@ def onednn_supports(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 # The row count oneDNN is told to expect when it picks the packed layout (any row count works with any layout).
-# Told 1, it picks a layout for matrix-vector products that float32 batches pay for: measured on the 2-core
-# benchmark VM for the 49 products of the 134M Llama (`benchmark/linear_kernels.py --pack-hint 1 64`), packed for
-# 1 row vs 64 rows, float32: 18.8 vs 19.5 ms at 1 row, 28.5 vs 20.0 at 4 rows (a speculative verify), 28.8 vs
-# 20.4 at 8, 51-59 vs 40-47 at 32, 95 vs 78 at 64. Every hint from 16 to 256 measured alike; bfloat16 did not
-# depend on it.
+# Told 1, it picks a layout for matrix-vector products that float32 batches and speculative verifies pay for,
+# while a single row costs the same either way (`benchmark/linear_kernels.py --pack-hint 1 64`;
+# docs/benchmarks.md#float-products-on-onednn-and-bfloat16-on-cpu). Every hint from 16 to 256 measured alike;
+# bfloat16 did not depend on it.
 PACK_ROWS_HINT = 64
 
 

@@ -1,9 +1,9 @@
 """Native CPU kernels (`csrc/`), compiled for this machine on first use and loaded with ctypes.
 
 Why by hand: the weight-only int8/int4 products of a decode step must stream weights at the memory's pace, and
-the packed kernels PyTorch ships for them are compute-bound on CPU (docs/benchmarks.md, "Weight-only
-quantization"); decode attention must read the paged KV cache where it lies, where PyTorch's path gathers a
-dense copy first (`csrc/paged_attention.cpp`); and a layer's small operators (norms, rotary, SiLU) cost their
+the packed kernels PyTorch ships for them are compute-bound on CPU (docs/benchmarks.md#weight-only-quantization);
+decode attention must read the paged KV cache where it lies, where PyTorch's path gathers a dense copy first
+(`csrc/paged_attention.cpp`); and a layer's small operators (norms, rotary, SiLU) cost their
 dispatch more than their arithmetic at a few rows (`csrc/fused.cpp`). The sources are plain C++ with vector
 extensions and OpenMP, built with `-O3 -march=native` by the system's C++ compiler into one library in a cache
 (`$SPECULA_KERNEL_CACHE`, else `~/.cache/specula/kernels`, else a temporary directory), keyed by the sources, the

@@ -251,8 +251,8 @@ def _gather(cache: torch.Tensor, inputs: PagedAttentionInputs, name: str,
     """`cache[inputs.context_slots].to(dtype)`, as one `index_select` over the flattened slots into a reused
     buffer (and, for a cache stored in another dtype than `dtype`, one conversion into a second reused buffer).
 
-    Advanced indexing with a 2-D index runs a general gather; on CPU it took 13x as long for 32 sequences of
-    250 tokens (2.9 ms vs 0.22 ms per layer for 4 KV heads of 32). A narrower cache (fp8, bfloat16) is gathered
+    Advanced indexing with a 2-D index runs a general gather and allocates a tensor per layer, far slower on CPU
+    than one `index_select` into a reused buffer. A narrower cache (fp8, bfloat16) is gathered
     as stored, then converted: only the context is converted, and the gather moves fewer bytes.
     """
     dtype = dtype or cache.dtype
@@ -269,7 +269,7 @@ def _gather(cache: torch.Tensor, inputs: PagedAttentionInputs, name: str,
     table = _float8_values(cache.dtype, dtype, cache.device)
     if table is None:
         out.copy_(raw)
-    else:  # a float8 byte indexes its value: 5x as fast as the cast on CPU, and as exact (NaN included)
+    else:  # a float8 byte indexes its value: faster than the cast on CPU, and as exact (NaN included)
         index = _buffer(inputs, f"{name}.index", shape, torch.int32, cache.device)
         index.copy_(raw.view(torch.uint8))
         torch.index_select(table, 0, index.view(-1), out=out.view(-1))
@@ -282,8 +282,8 @@ _FLOAT8_VALUES: dict[tuple[torch.dtype, torch.dtype], torch.Tensor] = {}
 def _float8_values(storage: torch.dtype, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
     """On CPU, the 256 values of float8 `storage` in `dtype`, indexed by their bytes; None elsewhere.
 
-    torch's CPU cast from float8 runs about 3 ns an element (3.2 ms for the 1M keys of 32 sequences of 256
-    positions, 4 KV heads of 32), a lookup in this table 0.66 ms. CUDA casts natively.
+    A lookup in this table is faster than torch's CPU cast from float8 (docs/benchmarks.md#kv-cache-dtype). CUDA
+    casts natively.
     """
     if device.type != "cpu" or storage not in (torch.float8_e4m3fn, torch.float8_e5m2):
         return None

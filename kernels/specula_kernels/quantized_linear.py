@@ -12,9 +12,9 @@ are a quarter of float32's, int4 an eighth. Two formats, both quantized from flo
   made by its convert op (`pack_int4`).
 
 The products run on bfloat16 activations: on CPU both kernels are vectorised for bfloat16 inputs only (with
-float32 inputs they are several times slower than the float32 product they replace; docs/benchmarks.md has the
-figures), and the CUDA int4 kernel accepts nothing else. So a product rounds its input to bfloat16 and
-returns its bfloat16 output in the caller's dtype; everything around it (residual stream, norms, attention,
+float32 inputs they are slower than the float32 product they replace, as measured when this path was chosen:
+docs/benchmarks.md's history), and the CUDA int4 kernel accepts nothing else. So a product rounds its input to
+bfloat16 and returns its bfloat16 output in the caller's dtype; everything around it (residual stream, norms, attention,
 LoRA deltas, logits) stays in the model's dtype. Scales and zeros are rounded to bfloat16 *before* the values
 are quantized, so the kernels dequantize with exactly the scales the values were rounded against.
 
