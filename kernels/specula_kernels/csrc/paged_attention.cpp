@@ -4,7 +4,8 @@
 // The PyTorch path (`paged_attention._attend`) first gathers every sequence's context into a dense buffer, then
 // runs `scaled_dot_product_attention` over it: the context crosses memory three times (read, written, read
 // again), and SDPA's CPU kernel is built for blocks of queries, not the one row a decode step has per sequence.
-// At 32 sequences the two took 16 ms of a 79 ms float32 step of the 134M model (docs/benchmarks.md). Here a
+// With many sequences the two were a large share of a float32 decode step
+// (docs/benchmarks.md#attention-in-place-fused-layer-operations-the-whole-step). Here a
 // thread takes a sequence and a range of its heads (all of them when there are sequences enough for the
 // threads) and, for each query row, reads each visible slot's keys for those heads as one contiguous run (dot
 // products), then its values the same way (weighted sums): the context crosses memory once per row.

@@ -2,8 +2,8 @@
 // or 4 bits and dequantized in registers, never in memory.
 //
 // Decoding multiplies a few activation rows by every weight once per step, so the product is bound by the speed
-// at which the weights stream from memory. PyTorch's packed int8/int4 CPU kernels are compute-bound on a 2-core
-// AVX-512 VM (12-15 GB/s of weights where the machine reads 32-36 GB/s, docs/benchmarks.md); these loops convert
+// at which the weights stream from memory. PyTorch's packed int8/int4 CPU kernels are compute-bound, reading
+// weights well below the memory's bandwidth (docs/benchmarks.md#weight-only-quantization); these loops convert
 // 16 weights per vector instruction and keep several outputs' accumulators in registers, so a thread's share of
 // the weights is read once, in order, at the memory's pace.
 //
@@ -13,7 +13,7 @@
 //
 // Formats (made by `quantized_linear.py`): weight rows in blocks of 4, interleaved so that a thread reads one
 // sequential stream of whole cache lines, each holding the same inputs of the block's 4 rows (with rows read one
-// after another, the same loops streamed 19 GB/s of the 36 the VM reads; interleaved, 32-36):
+// after another, the same loops streamed well below the memory's bandwidth; interleaved, at it):
 //   int8: q [N / 4][K / 16][4 rows][16 inputs] int8, scale [N] float32: w[n, k] = q * scale[n].
 //   int4: q4 [N / 4][K / 32][4 rows][16 bytes], byte j of a row holding input j in its low half and input j + 16
 //         in its high half; sz [N / 4][K / group][4 rows][2] bfloat16 (scale, zero):
@@ -21,8 +21,8 @@
 // N is padded to a multiple of 4 with zero rows, whose outputs are not written.
 //
 // AVX-512 only (GCC/Clang vector extensions and intrinsics); other CPUs use PyTorch's kernels. An AVX2 variant of
-// the first, row-by-row version of these loops measured 2.4x slower than its AVX-512 build on the benchmark VM,
-// no faster than PyTorch's kernels, and was not kept.
+// the first, row-by-row version of these loops measured slower than its AVX-512 build and no faster than
+// PyTorch's kernels, and was not kept.
 
 #include <cstdint>
 #include <cstring>
