@@ -356,7 +356,10 @@ class TextGenerator:
         sample = self._sample([reqs[i] for i in kept], logits)
         if self.speculator is not None:  # timed up to the chosen tokens, as a verifying step is
             self.speculator.observe_plain(len(reqs), time.perf_counter_ns() - start)
-        return outputs + self._commit_sampled([reqs[i] for i in kept], sample, last_hidden[kept])
+        outputs += self._commit_sampled([reqs[i] for i in kept], sample, last_hidden[kept])
+        if self.eagle is not None:
+            self.eagle.bound_kept_rows([r for r in reqs if not r.is_finished])
+        return outputs
 
     def _masks(self, reqs: Sequence[RequestState], plan: DraftPlan | None = None) -> MaskJob | None:
         """Starts computing the allowed-token masks of the constrained requests among `reqs` (each feeding one row,
@@ -452,6 +455,8 @@ class TextGenerator:
             out.num_drafted, out.num_accepted, out.draft_method = v.num_drafted, min(v.num_accepted,
                                                                                      len(out.tokens)), method
             outputs.append(out)
+        if self.eagle is not None:
+            self.eagle.bound_kept_rows([r for r in reqs if not r.is_finished])
         return outputs
 
     def _lora(self, requests: Sequence[RequestState], counts: Sequence[int]) -> LoraBatch | None:

@@ -24,6 +24,7 @@ from test_speculation import PROMPTS
 from specula_server.kv_cache import KVCache
 from specula_server.models.config import ModelConfig
 from specula_server.params import SamplingParams
+from specula_server.speculation import eagle3_drafter
 from specula_server.speculation.eagle3 import Eagle3Error, load_eagle3
 from specula_server.speculation.eagle3_drafter import Eagle3Drafter
 from specula_server.testing.eagle3 import (
@@ -375,9 +376,12 @@ def test_batched_greedy_output_is_identical(llama_dir, checkpoints, plain):
     assert got == expected
 
 
-def test_incremental_drafts_equal_drafts_from_scratch(llama_dir, checkpoints, plain, monkeypatch):
-    """Every draft made over the paged KV (caught up after accepted and rejected drafts) equals the draft
-    computed from the whole history again, from the target's states over it."""
+@pytest.mark.parametrize("max_kept_rows", [64, 1])
+def test_incremental_drafts_equal_drafts_from_scratch(llama_dir, checkpoints, plain, monkeypatch, max_kept_rows):
+    """Every draft made over the paged KV (caught up after accepted and rejected drafts, and at the end of steps
+    once a request keeps more than `max_kept_rows` rows) equals the draft computed from the whole history again,
+    from the target's states over it."""
+    monkeypatch.setattr(eagle3_drafter, "MAX_KEPT_ROWS", max_kept_rows)
     generator = with_eagle(llama_dir, checkpoints["echo"])
     drafter = generator.draft_model
     made = []

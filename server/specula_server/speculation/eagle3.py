@@ -38,11 +38,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from specula_kernels.fused import rms_norm
 from torch import nn
 
+from specula_kernels.fused import rms_norm
 from specula_server.distributed import ShardGroup
-from specula_server.layers.rotary import RotaryEmbedding
 from specula_server.models.config import ModelConfig
 from specula_server.models.llama import (
     MLP,
@@ -63,9 +62,9 @@ CONFIG_FILE = "config.json"
 HUB_ALLOW_PATTERNS = (CONFIG_FILE, "*.safetensors", "*.safetensors.index.json")
 # transformers' LlamaConfig defaults: `speculators` writes transformer_layer_config as its difference from them.
 LLAMA_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
-    "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_bias": False, "mlp_bias": False,
-    "hidden_act": "silu",
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+    "attention_bias": False,
 }
 LAYER_TYPES = ("llama",)  # transformer_layer_config model types the draft layer implements
 
@@ -244,6 +243,8 @@ class Eagle3Model(nn.Module):
         self.lm_head = weights.get_tensor("lm_head.weight")  # [draft_vocab, hidden]
         d2t = weights.get_tensor("d2t") if weights.has("d2t") else torch.zeros(spec.draft_vocab_size, dtype=torch.long)
         self.draft_to_target = (torch.arange(spec.draft_vocab_size) + d2t.long().cpu()).to(device)
+        from specula_server.layers.rotary import RotaryEmbedding  # here: rotary imports the models package
+
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
                                       device=device, dtype=self.lm_head.dtype)
 
@@ -372,7 +373,8 @@ def check_shapes(weights: Weights, spec: Eagle3Config, num_aux: int, name: str) 
             f"{p}.self_attn.k_proj.weight": [kv * cfg.head_dim, width],
             f"{p}.self_attn.v_proj.weight": [kv * cfg.head_dim, width],
             f"{p}.self_attn.o_proj.weight": [h, heads * cfg.head_dim],
-            f"{p}.mlp.gate_proj.weight": [cfg.intermediate_size, h], f"{p}.mlp.up_proj.weight": [cfg.intermediate_size, h],
+            f"{p}.mlp.gate_proj.weight": [cfg.intermediate_size, h],
+            f"{p}.mlp.up_proj.weight": [cfg.intermediate_size, h],
             f"{p}.mlp.down_proj.weight": [h, cfg.intermediate_size],
         })
     if spec.norm_before_fc:

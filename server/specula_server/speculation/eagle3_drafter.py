@@ -17,6 +17,10 @@ a prompt's rows, a plain step's row, a verification's accepted rows). With N tok
     chain      slot N - 2 + j takes d_j and the draft's own output state at slot N - 3 + j, and gives d_(j+1):
                k - 1 one-token forwards, requests batched, each dropping out once it has its k
 
+Steps that draft nothing (the controller backing off, a request below its bar) only keep rows; past
+`MAX_KEPT_ROWS` the draft layer runs over all but the last of them at the end of the step, so what a request
+keeps stays bounded. A request that turned speculation off keeps none.
+
 The chain's entries (slots N - 1 ..) are never marked cached: after verification the next catch-up rewrites
 them from the target's states for the tokens it accepted. Drafts are the draft layer's argmax for every
 request, so they are deterministic and verification is exact for greedy and sampled requests alike
@@ -41,6 +45,8 @@ from specula_server.speculation.drafters import Draft
 from specula_server.speculation.eagle3 import Eagle3Model
 
 logger = logging.getLogger("specula.speculation")
+
+MAX_KEPT_ROWS = 64  # a request's target rows kept between drafts before the draft layer runs over them anyway
 
 
 class Eagle3Drafter:
@@ -82,11 +88,14 @@ class Eagle3Drafter:
     # --- the target's states --------------------------------------------------------------------------------
 
     def keep_aux(self, r: RequestState, aux: torch.Tensor, first_position: int) -> None:
-        """Keeps the target's auxiliary rows `aux [n, A * target_hidden]` of positions `first_position ..`.
+        """Keeps the target's auxiliary rows `aux [n, A * target_hidden]` of positions `first_position ..`
+        (none for a request that turned speculation off).
 
         They continue the rows kept so far; a prompt that starts past position 0 (a reused prefix) or a gap
         (which the generator never leaves) restarts them there, over the draft entries already in the blocks.
         """
+        if r.spec.speculative_tokens == 0:
+            return
         kept = sum(rows.shape[0] for rows in r.eagle_aux)
         if first_position != r.draft_cached + kept:
             r.eagle_aux.clear()
@@ -117,16 +126,7 @@ class Eagle3Drafter:
         assert all(k >= 1 for k in lengths)
         model, kv = self.model, self.kv_cache.layers
         n0 = [r.num_tokens for r in requests]
-        starts = [r.draft_cached for r in requests]
-        step = build_step(requests, starts, [n - 1 - s for n, s in zip(n0, starts)], self.device)
-        tokens = torch.cat([r.token_ids[s + 1 : n] for r, s, n in zip(requests, starts, n0)]).to(self.device)
-        aux = torch.cat([torch.cat(r.eagle_aux)[: n - 1 - s] for r, s, n in zip(requests, starts, n0)])
-        logits, state = model(tokens, model.combine(aux), step.positions, kv, step.attn)
-        logits, state = logits[step.last_rows], state[step.last_rows]
-        for r, n in zip(requests, n0):
-            r.eagle_aux.clear()
-            r.draft_cached = n - 1
-
+        logits, state = self._catch_up(requests, [n - 1 - r.draft_cached for r, n in zip(requests, n0)])
         drafted: list[list[int]] = [[] for _ in requests]
         active = list(range(len(requests)))  # the requests whose next draft `logits` rows (in order) give
         for j in range(max(lengths)):
@@ -143,3 +143,27 @@ class Eagle3Drafter:
                               self.device)
             logits, state = model(chosen[rows], state[rows], step.positions, kv, step.attn)
         return [Draft(torch.tensor(t, dtype=torch.long)) for t in drafted]
+
+    def _catch_up(self, requests: Sequence[RequestState], counts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Runs the draft layer over the next `counts[i] >= 1` slots from `draft_cached` of each request, with
+        their kept rows (then dropped); returns the logits and output state of each request's last slot."""
+        model = self.model
+        starts = [r.draft_cached for r in requests]
+        step = build_step(requests, starts, counts, self.device)
+        tokens = torch.cat([r.token_ids[s + 1 : s + 1 + c] for r, s, c in zip(requests, starts, counts)])
+        aux = [torch.cat(r.eagle_aux) for r in requests]
+        logits, state = model(tokens.to(self.device), model.combine(torch.cat([a[:c] for a, c in zip(aux, counts)])),
+                              step.positions, self.kv_cache.layers, step.attn)
+        for r, a, s, c in zip(requests, aux, starts, counts):
+            r.eagle_aux[:] = [a[c:]] if a.shape[0] > c else []
+            r.draft_cached = s + c
+        return logits[step.last_rows], state[step.last_rows]
+
+    @torch.inference_mode()
+    def bound_kept_rows(self, requests: Sequence[RequestState]) -> None:
+        """Runs the draft layer over the kept rows of requests that kept more than `MAX_KEPT_ROWS` (steps without
+        drafts: a backing-off controller, a bar a request never clears), all but the last row, whose entry the
+        next draft starts from: the rows a request keeps stay bounded, and so does its next catch-up."""
+        over = [r for r in requests if sum(a.shape[0] for a in r.eagle_aux) > MAX_KEPT_ROWS]
+        if over and self.kv_cache is not None:
+            self._catch_up(over, [sum(a.shape[0] for a in r.eagle_aux) - 1 for r in over])

@@ -44,7 +44,8 @@ def build_eagle3(
         weights.update(load_file(path))
     generator = torch.Generator().manual_seed(seed)
     hidden, vocab = verifier["hidden_size"], verifier["vocab_size"]
-    heads, kv_heads = verifier["num_attention_heads"], verifier.get("num_key_value_heads") or verifier["num_attention_heads"]
+    heads = verifier["num_attention_heads"]
+    kv_heads = verifier.get("num_key_value_heads") or heads
     head_dim, inter = verifier.get("head_dim") or hidden // heads, verifier["intermediate_size"]
     draft_vocab = draft_vocab_size or vocab
     selected = torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values
