@@ -431,6 +431,51 @@ def test_adaptive_mode_and_kv_budget(llama_dir, checkpoints, plain):
     assert generator.bytes_per_block() == 2 * plain.bytes_per_block()
 
 
+def test_greedy_output_is_identical_under_lora(llama_dir, checkpoints, tmp_path):
+    """A request with a LoRA adapter: the target's states the draft layer reads are the adapted model's."""
+    from specula_server.testing.adapters import build_lora_adapter
+
+    build_lora_adapter(llama_dir, tmp_path / "lora")
+    plain_gen = load_test_generator(llama_dir, adapter_dirs=(tmp_path,))
+    generator = with_eagle(llama_dir, checkpoints["echo"], adapter_dirs=(tmp_path,))
+    for g in (plain_gen, generator):
+        g.adapters.load("lora", "local")
+    drafted = accepted = 0
+    for got in assert_same_greedy_output(plain_gen, generator, PROMPTS, run, max_new_tokens=24, adapter_id="lora"):
+        drafted += sum(o.num_drafted for o in got)
+        accepted += sum(o.num_accepted for o in got)
+    assert drafted > 0 and accepted > 0
+
+
+def test_constrained_greedy_output_is_identical(llama_dir, checkpoints, plain):
+    """JSON-schema and regex requests: EAGLE-3's chains end before a token the grammar forbids, forced tokens
+    still draft as the grammar's."""
+    from test_grammar import MAX_JSON_TOKENS, REGEX, SCHEMA, json_grammar, regex_grammar
+
+    generator = with_eagle(llama_dir, checkpoints["echo"])
+    methods = set()
+    for grammar in (json_grammar(SCHEMA), regex_grammar(REGEX)):
+        for prompt in (PROMPTS[3], PROMPTS[0]):
+            spec = {"max_new_tokens": MAX_JSON_TOKENS, "grammar": grammar, "lookahead": 8}
+            got = run(generator, prompt, **spec)
+            assert token_ids(got) == token_ids(run(plain, prompt, **spec))
+            methods |= {o.draft_method for o in got if o.num_drafted}
+    assert methods == {"eagle3", "grammar"}
+
+
+def test_two_ranks_draft_and_accept_the_same_tokens(llama_dir, checkpoints, tmp_path):
+    """Tensor parallel: the draft layer whole on every rank, the target's states the full ones, the verifier's
+    embedding (a checkpoint without its own) sharded: greedy and seeded sampled requests give the same tokens on
+    both ranks as on one rank."""
+    from test_tensor_parallel import run_requests, run_two_ranks
+
+    no_embedding = rewrite(checkpoints["echo"], tmp_path / "echo", drop=("embed_tokens.weight",))
+    settings = {"speculative_tokens": K, "speculation_mode": "fixed", "speculator": str(no_embedding)}
+    expected = run_requests(llama_dir, **settings)
+    results = run_two_ranks(llama_dir, settings)
+    assert results[0] == results[1] == expected
+
+
 # --- the `speculators` package itself ---------------------------------------------------------------------
 
 
