@@ -346,6 +346,24 @@ def test_no_config_or_weights(checkpoints, llama_dir, model_config, tmp_path):
         load_eagle3(tmp_path / "empty", str(llama_dir), model_config, None)
 
 
+def test_a_checkpoint_from_the_hub_cache(llama_dir, checkpoints, plain, tmp_path, monkeypatch):
+    from specula_server.speculation.eagle3 import find_eagle3
+
+    repo = tmp_path / "models--org--tiny-eagle3"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(checkpoints["echo"], repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert find_eagle3("org/tiny-eagle3", tmp_path) == repo / "snapshots" / commit
+    assert find_eagle3("org/not-cached", tmp_path) is None
+    assert find_eagle3(str(llama_dir), tmp_path) is None  # a model directory is no EAGLE-3 checkpoint
+    generator = with_eagle(llama_dir, "org/tiny-eagle3", hub_cache=tmp_path)
+    assert generator.speculation.drafter.name == "eagle3"
+    expected = token_ids(run(plain, PROMPTS[0], max_new_tokens=8))
+    assert token_ids(run(generator, PROMPTS[0], max_new_tokens=8)) == expected
+
+
 # --- exact decoding ---------------------------------------------------------------------------------------
 
 
