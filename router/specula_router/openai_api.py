@@ -1,13 +1,14 @@
 """The OpenAI-compatible routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models[/{id}]`.
 
-Registered by `server.create_app` beside the TGI routes, and built on them: each request is translated into the
-router's one `GenerateParameters` and goes through the same admission, validation (`Validator`, with the limits
-and messages of `/generate`, field names translated), scheduler, metrics and timing headers as `/generate`;
-events come back as OpenAI's bodies and chunks (`openai_responses.py`, `openai_streams.py`).
+Registered by `server.create_app` beside the TGI routes, and, like them, a translator over a `RequestSession`
+(`session.py`): each request becomes the router's one `GenerateParameters` and goes through the same admission,
+validation (`Validator`, with the limits and messages of `/generate`, field names translated), scheduler, metrics
+and timing headers as `/generate`; events come back as OpenAI's bodies and chunks (`openai_responses.py`,
+`openai_streams.py`), and typed refusals (`Refused`, `GenerationError`) as OpenAI's errors.
 
     chat body ── model → adapter (openai_models) ── messages → chat template (chat_template) → prompt text
-              └─ sampling fields → GenerateParameters ── server._admit (validation, in flight, 429) ──
-              n entries (seed + i) → scheduler → events → choices, usage / SSE chunks, data: [DONE]
+              └─ sampling fields → GenerateParameters ── session.admit (in flight, 429, validation, grammar) ──
+              session.submit: n entries (seed + i) → scheduler → events → choices, usage / SSE chunks, [DONE]
 
 Structured output (`grammar.py`): `response_format` (both routes) and, on chat, `tool_choice` "required" or a named
 function become one llguidance grammar, checked against the tokenizer before admission (400 naming the field) and
@@ -20,18 +21,16 @@ without adding special tokens again: the template writes them.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import time
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from specula_router import openai_errors, openapi
 from specula_router.chat_template import ChatTemplateError
-from specula_router.entries import Entry
 from specula_router.grammar import (
     Grammar,
     GrammarError,
@@ -58,11 +57,13 @@ from specula_router.openai_schemas import (
 )
 from specula_router.openai_streams import ChatChoiceStream, CompletionChoiceStream, stream_response
 from specula_router.requests import ValidGenerateRequest
-from specula_router.responses import ClientGone, Generation, GenerationError, collect
+from specula_router.responses import ClientGone, Generation, GenerationError
 from specula_router.schemas import GenerateParameters
-from specula_router.server import RouterState, _admit, _Rejected, _timing_headers
+from specula_router.session import Job, Refused, RequestSession
 from specula_router.tool_calls import parse_tool_calls
-from specula_router.validation import ValidationError
+
+if TYPE_CHECKING:
+    from specula_router.server import RouterState
 
 # How `/generate`'s field names read in a message about an OpenAI request: {route: {generate name: OpenAI name}}.
 _CHAT_FIELDS = {"inputs": "messages", "max_new_tokens": "max_tokens", "top_n_tokens": "top_logprobs"}
@@ -111,15 +112,6 @@ def register(app: FastAPI, state: RouterState) -> None:
         return JSONResponse(card)
 
 
-@dataclass
-class Job:
-    """One admitted prompt and the entries of its choices."""
-
-    valid: ValidGenerateRequest
-    validation_s: float
-    entries: list[Entry] = dataclasses.field(default_factory=list)
-
-
 class OpenAIRoutes:
     def __init__(self, state: RouterState, settings: OpenAISettings, catalog: ModelCatalog) -> None:
         self.state = state
@@ -130,54 +122,60 @@ class OpenAIRoutes:
     # --- chat ------------------------------------------------------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest, request: Request):
-        arrived = time.monotonic()
-        try:
-            # `max_completion_tokens` wins when given, even 0 (refused), rather than falling back to `max_tokens`.
-            newer = body.max_completion_tokens is not None
-            params = self._parameters(body, body.max_completion_tokens if newer else body.max_tokens,
-                                      body.top_logprobs)
-            template = self.settings.chat_template
-            if template is None:
-                raise OpenAIError(400, "this model has no chat template: start the server with --chat-template "
-                                       "(a file or a template), or use /v1/completions", "messages", "chat_template")
-            tools = _template_tools(body)
-            grammar = await self._chat_grammar(body, template.templates[template.template_for(tools)])
-            messages = _template_messages(body)
+        async with RequestSession(self.state, request.is_disconnected) as session:
             try:
-                prompt = await self.state.in_validation_worker(template.render, messages, tools, True)
-            except ChatTemplateError as e:
-                raise OpenAIError(422, f"the chat template refused the messages: {e}", "messages",
-                                  "chat_template") from None
-            fields = dict(_CHAT_FIELDS, max_new_tokens="max_completion_tokens" if newer else "max_tokens")
-            jobs = await self._admit([prompt], params, body.n, body.stream, False, fields,
-                                     greedy=_greedy(body), alternatives=body.logprobs, grammar=grammar)
-        except OpenAIError as e:
-            return e.response()
-        names = {t.function.name for t in body.tools or ()} if _parses_tools(body) else set()
-        model = body.model or self.catalog.model_id
-        if body.stream:
-            choices = [ChatChoiceStream(i, jobs[0].valid.stopping.stop_sequences, body.logprobs, names)
-                       for i in range(body.n)]
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await stream_response(self.state, jobs, choices, request, arrived, "chat.completion.chunk",
-                                   new_id("chatcmpl"), model, self.fingerprint, include_usage)
-        outcome = await self._collect(jobs, request, arrived)
-        if isinstance(outcome, JSONResponse):
-            return outcome
+                prompt, grammar, fields = await self._chat_prompt(body)
+                params = self._parameters(body, body.max_completion_tokens if body.max_completion_tokens is not None
+                                          else body.max_tokens, body.top_logprobs)
+                jobs = await self._admit(session, [prompt], params, body.n, body.stream, False, fields,
+                                         greedy=_greedy(body), alternatives=body.logprobs, grammar=grammar)
+            except OpenAIError as e:
+                return e.response()
+            names = {t.function.name for t in body.tools or ()} if _parses_tools(body) else set()
+            model = body.model or self.catalog.model_id
+            stops = jobs[0].valid.stopping.stop_sequences
+            if body.stream:
+                choices = [ChatChoiceStream(i, stops, body.logprobs, names) for i in range(body.n)]
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                return await stream_response(session, choices, "chat.completion.chunk", new_id("chatcmpl"), model,
+                                             self.fingerprint, include_usage)
+            outcome = await self._collect(session)
+            if isinstance(outcome, JSONResponse):
+                return outcome
         generations, headers = outcome
-        job = jobs[0]
-        choices = [_chat_choice(i, g, job.valid.stopping.stop_sequences, body.logprobs, names)
-                   for i, g in enumerate(generations[0])]
+        choices = [_chat_choice(i, g, stops, body.logprobs, names) for i, g in enumerate(generations[0])]
         completion_tokens = sum(g.final.generated_tokens for g in generations[0])
         return JSONResponse({
             "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
             "system_fingerprint": self.fingerprint, "choices": choices,
-            "usage": usage(job.valid.input_length, completion_tokens)}, headers=headers)
+            "usage": usage(jobs[0].valid.input_length, completion_tokens)}, headers=headers)
+
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, str, dict[str, str]]:
+        """The prompt the chat template renders for the messages, the answer's grammar ("" none), and the field
+        names of `/generate` as this request calls them. Raises `OpenAIError`."""
+        # `max_completion_tokens` wins when given, even 0 (refused), rather than falling back to `max_tokens`.
+        newer = body.max_completion_tokens is not None
+        template = self.settings.chat_template
+        if template is None:
+            raise OpenAIError(400, "this model has no chat template: start the server with --chat-template "
+                                   "(a file or a template), or use /v1/completions", "messages", "chat_template")
+        tools = _template_tools(body)
+        grammar = await self._chat_grammar(body, template.templates[template.template_for(tools)])
+        messages = _template_messages(body)
+        try:
+            prompt = await self.state.in_validation_worker(template.render, messages, tools, True)
+        except ChatTemplateError as e:
+            raise OpenAIError(422, f"the chat template refused the messages: {e}", "messages",
+                              "chat_template") from None
+        return prompt, grammar, dict(_CHAT_FIELDS, max_new_tokens="max_completion_tokens" if newer else "max_tokens")
 
     # --- completions -----------------------------------------------------------------------------------------
 
     async def complete(self, body: CompletionRequest, request: Request):
-        arrived = time.monotonic()
+        async with RequestSession(self.state, request.is_disconnected) as session:
+            return await self._complete(session, body)
+
+    async def _complete(self, session: RequestSession, body: CompletionRequest):
         try:
             if body.suffix is not None:
                 raise OpenAIError(400, "`suffix` is not supported: the models served here are not trained to fill "
@@ -192,7 +190,7 @@ class OpenAIRoutes:
             grammar = await self._check_grammar(self._built(from_openai_response_format, body.response_format))
             if body.echo and body.logprobs is not None and not body.stream:
                 params = params.model_copy(update={"decoder_input_details": True})
-            jobs = await self._admit(prompts, params, body.n, body.stream, True, _COMPLETION_FIELDS,
+            jobs = await self._admit(session, prompts, params, body.n, body.stream, True, _COMPLETION_FIELDS,
                                      greedy=_greedy(body), grammar=grammar)
         except OpenAIError as e:
             return e.response()
@@ -202,9 +200,9 @@ class OpenAIRoutes:
                                               job.valid.inputs if body.echo else "")
                        for p, job in enumerate(jobs) for i in range(body.n)]
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return await stream_response(self.state, jobs, choices, request, arrived, "text_completion", new_id("cmpl"),
-                                   model, self.fingerprint, include_usage)
-        outcome = await self._collect(jobs, request, arrived)
+            return await stream_response(session, choices, "text_completion", new_id("cmpl"), model,
+                                         self.fingerprint, include_usage)
+        outcome = await self._collect(session)
         if isinstance(outcome, JSONResponse):
             return outcome
         generations, headers = outcome
@@ -277,8 +275,8 @@ class OpenAIRoutes:
                       **_adapter(choice, body.adapter_source))
         return GenerateParameters.model_validate({k: v for k, v in fields.items() if v is not None})
 
-    async def _admit(self, prompts: list[str], params: GenerateParameters, n: int, stream: bool,
-                     add_special_tokens: bool, fields: dict[str, str], greedy: bool = False,
+    async def _admit(self, session: RequestSession, prompts: list[str], params: GenerateParameters, n: int,
+                     stream: bool, add_special_tokens: bool, fields: dict[str, str], greedy: bool = False,
                      alternatives: bool = True, grammar: str = "") -> list[Job]:
         """Admits every prompt through `/generate`'s admission and submits `n` entries for each.
 
@@ -291,45 +289,27 @@ class OpenAIRoutes:
             raise OpenAIError(422, f"`n` must be >= 1, and `n` times the number of prompts at most {limit} "
                                    f"(--max-concurrent-requests). Given: n={n}, {len(prompts)} prompt(s)", "n",
                               "validation")
-        jobs: list[Job] = []
         try:
             for prompt in prompts:
-                valid, validation_s = await _admit(self.state, prompt, params, stream, add_special_tokens)
-                valid = dataclasses.replace(_as_requested(valid, greedy, alternatives), grammar=grammar)
-                jobs.append(Job(valid, validation_s))
-        except _Rejected as r:
-            self.state.in_flight -= len(jobs)  # the prompts admitted before this one
+                job = await session.admit(prompt, params, stream, add_special_tokens)
+                job.valid = dataclasses.replace(_as_requested(job.valid, greedy, alternatives), grammar=grammar)
+        except Refused as r:
             raise _openai_error(r, fields) from None
-        for job in jobs:
-            for i in range(n):
-                sampling = dataclasses.replace(job.valid.sampling, seed=(job.valid.sampling.seed + i) % 2**64)
-                job.entries.append(self.state.scheduler.submit(dataclasses.replace(job.valid, sampling=sampling)))
-        return jobs
+        for job in session.jobs:
+            session.submit(job, n)
+        return session.jobs
 
-    async def _collect(self, jobs: list[Job], request: Request, arrived: float):
+    async def _collect(self, session: RequestSession):
         """Every choice's generation ([job][choice]) and the first one's timing headers, or an error response."""
-        state = self.state
-        entries = [e for job in jobs for e in job.entries]
         try:
-            flat = await asyncio.gather(*(collect(e, request.is_disconnected) for e in entries))
+            per_job = await session.collect()
         except GenerationError as e:
-            return OpenAIError(e.status, str(e), None, e.error_type).response()
+            return OpenAIError(e.status, e.message, None, e.error_type).response()
         except ClientGone:
             return OpenAIError(499, "client disconnected", None, "cancelled").response()
-        finally:
-            state.in_flight -= len(jobs)
-            for entry in entries:
-                state.scheduler.cancel(entry)  # no-op for finished entries; frees the rest
-        per_job, k = [], 0
-        for job in jobs:
-            per_job.append(flat[k:k + len(job.entries)])
-            k += len(job.entries)
-            state.metrics.request_duration.labels(state.metrics.adapter_label(job.valid.adapter_id)).observe(
-                time.monotonic() - arrived)
-        first = jobs[0]
-        headers = _timing_headers(state, first.entries[0], arrived, first.validation_s, per_job[0][0],
-                                  first.valid.input_length)
-        return per_job, headers
+        session.observe_duration()
+        first = session.jobs[0]
+        return per_job, session.timing_headers(first, first.entries[0], per_job[0][0])
 
 
 def _greedy(body: SamplingFields) -> bool:
@@ -360,17 +340,15 @@ def _adapter(choice: ModelChoice, source: str | None) -> dict:
     return {"adapter_id": choice.adapter_id, "adapter_source": choice.adapter_source or source}
 
 
-def _openai_error(rejected: _Rejected, fields: dict[str, str]) -> OpenAIError:
+def _openai_error(refused: Refused, fields: dict[str, str]) -> OpenAIError:
     """`/generate`'s refusal, with the OpenAI request's field names in its message and `param`."""
-    cause = rejected.cause
-    if isinstance(cause, ValidationError):
-        message = cause.message
+    if refused.field is not None:  # a validation error
+        message = refused.message
         for generate_name, openai_name in fields.items():
             message = message.replace(f"`{generate_name}`", f"`{openai_name}`")
-        return OpenAIError(422, message, fields.get(cause.field, cause.field), "validation")
-    response = rejected.response
-    body = openai_errors.from_tgi(response.status_code, json.loads(response.body))["error"]
-    return OpenAIError(response.status_code, body["message"], None, body["code"])
+        return OpenAIError(refused.status, message, fields.get(refused.field, refused.field), refused.error_type)
+    body = openai_errors.from_tgi(refused.status, {"error": refused.message, "error_type": refused.error_type})
+    return OpenAIError(refused.status, body["error"]["message"], None, body["error"]["code"])
 
 
 def _parses_tools(body: ChatCompletionRequest) -> bool:

@@ -18,10 +18,9 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from specula_router.entries import Entry, EntryState, ErrorEvent, FinalEvent, TokensEvent
+from specula_router.entries import Entry, ErrorEvent, FinalEvent, TokensEvent
 from specula_router.openai_errors import OpenAIError, error_body
 from specula_router.openai_responses import (
     DONE,
@@ -32,7 +31,8 @@ from specula_router.openai_responses import (
     error_event,
     finish_reason,
 )
-from specula_router.responses import KEEPALIVE_COMMENT, ClientGone, DisconnectWatch, next_event
+from specula_router.responses import KEEPALIVE_COMMENT, ClientGone, DisconnectWatch, GenerationError, next_event
+from specula_router.session import RequestSession
 from specula_router.tool_calls import could_be_tool_call, parse_tool_calls
 
 
@@ -143,34 +143,25 @@ class _EventSource:
             pump.cancel()
 
 
-async def stream_response(state, jobs, choices: list, request: Request, arrived: float, object_name: str,
-                          response_id: str, model: str, fingerprint: str, include_usage: bool):
-    """The SSE response of admitted `jobs` (whose entries are `choices`, in order), or an error response when
-    their adapter failed to load before the stream started."""
-    entries = [e for job in jobs for e in job.entries]
-    watch = DisconnectWatch(request.is_disconnected)
-    first = None
-    if any(e.state is EntryState.WAITING_ADAPTER for e in entries):
-        streaming = False
-        try:
-            first = await next_event(entries[0], watch)
-            if isinstance(first, ErrorEvent):
-                return OpenAIError(first.status, first.message, None, first.error_type).response()
-            streaming = True
-        except ClientGone:
-            return OpenAIError(499, "client disconnected", None, "cancelled").response()
-        finally:
-            if not streaming:
-                _end(state, jobs, entries)
+async def stream_response(session: RequestSession, choices: list, object_name: str, response_id: str, model: str,
+                          fingerprint: str, include_usage: bool):
+    """The SSE response of the session's admitted jobs (whose entries are `choices`, in order), or an error
+    response when their adapter failed to load before the stream started. The stream closes the session."""
+    watch = DisconnectWatch(session.is_disconnected)
+    try:
+        first = await session.adapter_loaded(watch)
+    except GenerationError as e:
+        return OpenAIError(e.status, e.message, None, e.error_type).response()
+    except ClientGone:
+        return OpenAIError(499, "client disconnected", None, "cancelled").response()
     writer = ChunkWriter(object_name, response_id, int(time.time()), model, fingerprint, include_usage)
-    headers = {"x-compute-type": state.compute_type, "x-accel-buffering": "no", "cache-control": "no-cache"}
-    source = _EventSource(entries, watch, first)
-    return StreamingResponse(_events(state, jobs, choices, source, writer, include_usage, arrived),
-                             media_type="text/event-stream", headers=headers)
+    source = _EventSource(session.entries, watch, first)
+    return StreamingResponse(_events(session.keep_open(), choices, source, writer, include_usage),
+                             media_type="text/event-stream", headers=session.stream_headers())
 
 
-async def _events(state, jobs, choices: list, source: _EventSource, writer: ChunkWriter, include_usage: bool,
-                  arrived: float) -> AsyncIterator[str]:
+async def _events(session: RequestSession, choices: list, source: _EventSource, writer: ChunkWriter,
+                  include_usage: bool) -> AsyncIterator[str]:
     num_done, completion_tokens = 0, 0
     try:
         while num_done < len(source.entries):
@@ -191,20 +182,12 @@ async def _events(state, jobs, choices: list, source: _EventSource, writer: Chun
             if final is not None:
                 num_done += 1
                 completion_tokens += final.generated_tokens
-        for job in jobs:
-            state.metrics.request_duration.labels(state.metrics.adapter_label(job.valid.adapter_id)).observe(
-                time.monotonic() - arrived)
+        session.observe_duration()
         if include_usage:
-            yield writer.usage(sum(job.valid.input_length for job in jobs), completion_tokens)
+            yield writer.usage(sum(job.valid.input_length for job in session.jobs), completion_tokens)
         yield DONE
     except ClientGone:
         return
     finally:
         source.close()
-        _end(state, jobs, source.entries)
-
-
-def _end(state, jobs, entries: list[Entry]) -> None:
-    state.in_flight -= len(jobs)
-    for entry in entries:
-        state.scheduler.cancel(entry)  # no-op for finished entries; frees the rest
+        session.close()

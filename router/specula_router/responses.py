@@ -21,6 +21,7 @@ class GenerationError(Exception):
 
     def __init__(self, message: str, status: int = 424, error_type: str = "generation") -> None:
         super().__init__(message)
+        self.message = message
         self.status = status
         self.error_type = error_type
 

@@ -6,7 +6,8 @@ its alias `/ping`), `/info`, `/metrics`, OpenAPI at `/docs` and `/api-doc/openap
 failure), 400 an adapter id the workers refuse, 401 a missing or wrong `--api-key` (`auth.py`), 413 payload too
 large, 503 unhealthy, 404/405 unknown route or method (`http_errors.py`); inside a started stream an error is
 an SSE event. A stream whose adapter is still loading starts only once it is loaded, so a failed load is an HTTP
-status too.
+status too. The routes translate: a request's life (admission, fan-out, collecting, cancelling) is a
+`RequestSession` (`session.py`), shared with the OpenAI routes (`openai_api.py`).
 
 Nothing slow runs on the event loop, which also answers /health: validation and tokenisation run in a bounded
 pool of `validation_workers` threads (the tokenizer releases the GIL), and /metrics renders in a thread.
@@ -15,7 +16,6 @@ pool of `validation_workers` threads (the tokenizer releases the GIL), and /metr
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import logging
 import time
@@ -28,10 +28,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from specula_router import openapi
+from specula_router import openai_api, openapi
 from specula_router.auth import ApiKeyMiddleware, document_api_key
 from specula_router.client import ShardedClient
-from specula_router.grammar import Grammar, GrammarChecker, GrammarError, generate_parameters_field
+from specula_router.grammar import Grammar, GrammarChecker
 from specula_router.http_errors import PayloadLimitMiddleware, error, install_error_handlers
 from specula_router.metrics import Metrics
 from specula_router.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIChunk
@@ -40,15 +40,13 @@ from specula_router.responses import (
     KEEPALIVE_COMMENT,
     ClientGone,
     DisconnectWatch,
-    Generation,
     GenerationError,
-    collect,
     generate_body,
     next_event,
     token_body,
     top_tokens_body,
 )
-from specula_router.scheduler import Entry, EntryState, ErrorEvent, Scheduler, TokensEvent
+from specula_router.scheduler import Entry, ErrorEvent, Scheduler, TokensEvent
 from specula_router.schemas import (
     CompatGenerateRequest,
     ErrorResponse,
@@ -59,6 +57,7 @@ from specula_router.schemas import (
     StreamResponse,
     TokenizeRequest,
 )
+from specula_router.session import Refused, RequestSession
 from specula_router.validation import ValidationError, Validator
 
 if TYPE_CHECKING:
@@ -111,12 +110,6 @@ class RouterState:
 
 
 
-class _Rejected(Exception):
-    def __init__(self, response: JSONResponse, cause: Exception | None = None) -> None:
-        self.response = response
-        self.cause = cause  # the ValidationError refused, for routes that word it their own way (/v1/*)
-
-
 def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins: list[str] | None = None,
                api_key: str | None = None) -> FastAPI:
     """The app; with `api_key`, every route but the probes needs `Authorization: Bearer <api_key>` (auth.py)."""
@@ -167,16 +160,15 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
               responses={200: {"model": list[SimpleToken]}, **{code: errors[code] for code in (413, 422, 429)}})
     async def tokenize(body: TokenizeRequest):
         """Tokenize the inputs with the model's tokenizer; the input limits of `/generate` apply."""
-        if state.in_flight >= state.max_concurrent_requests:
-            return error(429, "Model is overloaded", "overloaded")
-        state.in_flight += 1  # a long input is as costly to tokenise here as in /generate: same admission
-        try:
-            tokens = await state.in_validation_worker(state.validator.tokenize, body.inputs, body.add_special_tokens,
-                                                      body.parameters.truncate)
-        except ValidationError as e:
-            return error(422, e.message, "validation")
-        finally:
-            state.in_flight -= 1
+        async with RequestSession(state) as session:
+            try:
+                session.hold()  # a long input is as costly to tokenise here as in /generate: same admission
+                tokens = await state.in_validation_worker(state.validator.tokenize, body.inputs,
+                                                          body.add_special_tokens, body.parameters.truncate)
+            except Refused as e:
+                return error(e.status, e.message, e.error_type)
+            except ValidationError as e:
+                return error(422, e.message, "validation")
         return JSONResponse([t if isinstance(t, dict) else t.model_dump() for t in tokens])
 
     @app.get("/health", tags=["Text Generation Inference"], response_class=Response,
@@ -216,8 +208,6 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
         """Prometheus metrics, rendered off the event loop."""
         return Response(await state.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
-    from specula_router import openai_api  # imported here: it builds on this module's admission and headers
-
     openai_api.register(app, state)
     return app
 
@@ -245,117 +235,40 @@ def _copy_headers(response: Response) -> dict:
     return {k: v for k, v in response.headers.items() if k.startswith("x-")}
 
 
-async def _admit(state: RouterState, inputs: str, parameters, stream: bool,
-                 add_special_tokens: bool = True) -> tuple[ValidGenerateRequest, float]:
-    """Concurrency limit, then validation (in a thread: tokenising a long prompt is slow), then the grammar's
-    check against the tokenizer when the request has one (`grammar.py`: in a thread, cached).
-
-    On success the request counts as in flight; the caller must decrement `state.in_flight` when it ends.
-    """
-    if state.in_flight >= state.max_concurrent_requests:
-        state.metrics.request_failure.labels("overloaded", "").inc()
-        raise _Rejected(error(429, "Model is overloaded", "overloaded"))
-    state.in_flight += 1  # counted before the first await, so concurrent arrivals see it
-    start = time.monotonic()
-    try:
-        valid = await state.in_validation_worker(state.validator.validate, inputs, parameters, stream,
-                                                 add_special_tokens)
-        if valid.grammar:
-            field = generate_parameters_field(parameters.grammar, parameters.response_format)
-            try:
-                await state.check_grammar(Grammar(valid.grammar, field))
-            except GrammarError as e:
-                raise ValidationError(e.message, e.field) from None
-    except ValidationError as e:
-        state.in_flight -= 1
-        state.metrics.request_failure.labels("validation", "").inc()
-        raise _Rejected(error(422, e.message, "validation"), e) from None
-    elapsed = time.monotonic() - start
-    state.metrics.request_validation_duration.observe(elapsed)
-    m, adapter = state.metrics, state.metrics.adapter_label(valid.adapter_id)
-    m.request_count.labels(adapter).inc()
-    m.request_input_length.labels(adapter).observe(valid.input_length)
-    m.request_max_new_tokens.observe(valid.stopping.max_new_tokens)
-    return valid, elapsed
-
-
-def _timing_headers(state: RouterState, entry: Entry, arrived: float, validation_s: float,
-                    generation: Generation, prompt_tokens: int) -> dict[str, str]:
-    now = time.monotonic()
-    admitted = entry.admitted_at or now
-    inference = now - admitted
-    generated = len(generation.tokens)
-    ms = lambda s: str(int(s * 1000))  # noqa: E731
-    return {
-        "x-compute-type": state.compute_type,
-        "x-compute-time": f"{inference:.6f}",
-        "x-total-time": ms(now - arrived),
-        "x-validation-time": ms(validation_s),
-        "x-queue-time": ms(admitted - entry.queued_at),
-        "x-inference-time": ms(inference),
-        "x-time-per-token": ms(inference / max(generated, 1)),
-        "x-prompt-tokens": str(prompt_tokens),
-        "x-generated-tokens": str(generated),
-        "x-skipped-tokens": str(generation.num_skipped),
-    }
-
-
 async def _generate(state: RouterState, inputs: str, parameters, request: Request) -> JSONResponse:
-    arrived = time.monotonic()
-    try:
-        valid, validation_s = await _admit(state, inputs, parameters, stream=False)
-    except _Rejected as r:
-        return r.response
-    seeds = [(valid.sampling.seed + i) % 2**64 for i in range(valid.best_of)]
-    requests = [dataclasses.replace(valid, sampling=dataclasses.replace(valid.sampling, seed=s)) for s in seeds]
-    entries = [state.scheduler.submit(r) for r in requests]
-    try:
-        generations = await asyncio.gather(*(collect(e, request.is_disconnected) for e in entries))
-    except GenerationError as e:
-        return error(e.status, str(e), e.error_type)
-    except ClientGone:
-        return error(499, "client disconnected", "cancelled")
-    finally:
-        state.in_flight -= 1
-        for entry in entries:
-            state.scheduler.cancel(entry)  # no-op for finished entries; frees the rest
-    ranked = sorted(zip(generations, entries), key=lambda ge: ge[0].sum_logprob, reverse=True)
+    async with RequestSession(state, request.is_disconnected) as session:
+        try:
+            job = await session.admit(inputs, parameters, stream=False)
+            session.submit(job, job.valid.best_of)
+            [generations] = await session.collect()
+        except (Refused, GenerationError) as e:
+            return error(e.status, e.message, e.error_type)
+        except ClientGone:
+            return error(499, "client disconnected", "cancelled")
+    valid = job.valid
+    ranked = sorted(zip(generations, job.entries), key=lambda ge: ge[0].sum_logprob, reverse=True)
     texts = [(valid.inputs if valid.return_full_text else "") + g.final.generated_text for g, _ in ranked]
     best, best_entry = ranked[0]
     others = [(t, g) for t, (g, _) in zip(texts[1:], ranked[1:])]
     body = generate_body(texts[0], best, others, valid.input_length, valid.details, valid.top_n_tokens > 0,
                          best_entry.num_cached_tokens)
-    headers = _timing_headers(state, best_entry, arrived, validation_s, best, valid.input_length)
-    state.metrics.request_duration.labels(state.metrics.adapter_label(valid.adapter_id)).observe(
-        time.monotonic() - arrived)
+    headers = session.timing_headers(job, best_entry, best)
+    session.observe_duration()
     return JSONResponse(body, headers=headers)
 
 
 async def _generate_stream(state: RouterState, inputs: str, parameters, request: Request):
-    arrived = time.monotonic()
-    try:
-        valid, _ = await _admit(state, inputs, parameters, stream=True)
-    except _Rejected as r:
-        return r.response
-    entry = state.scheduler.submit(valid)
-    first = None
-    if entry.state is EntryState.WAITING_ADAPTER:
-        # Answer only once the adapter is loaded, so a failed load gets its HTTP status like any refusal.
-        streaming = False
+    async with RequestSession(state, request.is_disconnected) as session:
         try:
-            first = await next_event(entry, DisconnectWatch(request.is_disconnected))
-            if isinstance(first, ErrorEvent):
-                return error(first.status, first.message, first.error_type)
-            streaming = True
+            job = await session.admit(inputs, parameters, stream=True)
+            [entry] = session.submit(job)
+            first = await session.adapter_loaded()
+        except (Refused, GenerationError) as e:
+            return error(e.status, e.message, e.error_type)
         except ClientGone:
             return error(499, "client disconnected", "cancelled")
-        finally:
-            if not streaming:
-                state.in_flight -= 1
-                state.scheduler.cancel(entry)
-    headers = {"x-compute-type": state.compute_type, "x-accel-buffering": "no", "cache-control": "no-cache"}
-    return StreamingResponse(_events(state, valid, entry, request, arrived, first), media_type="text/event-stream",
-                             headers=headers)
+        return StreamingResponse(_events(session.keep_open(), job.valid, entry, first),
+                                 media_type="text/event-stream", headers=session.stream_headers())
 
 
 class InvocationsMiddleware:
@@ -399,14 +312,15 @@ def _sse(payload: dict) -> str:
     return f"data:{json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
-async def _events(state: RouterState, valid: ValidGenerateRequest, entry: Entry, request: Request,
-                  arrived: float, first: object | None = None) -> AsyncIterator[str]:
-    """One SSE event per token; the last carries the generated text and details (TGI's stream format).
+async def _events(session: RequestSession, valid: ValidGenerateRequest, entry: Entry,
+                  first: object | None = None) -> AsyncIterator[str]:
+    """One SSE event per token; the last carries the generated text and details (TGI's stream format). Closes
+    `session` when the stream ends, however it ends.
 
     `first` is an event already taken from the entry (while waiting for its adapter), sent before the rest.
     """
     text_prefix = valid.inputs if valid.return_full_text else ""
-    watch = DisconnectWatch(request.is_disconnected)
+    watch = DisconnectWatch(session.is_disconnected)
     index = 0  # TGI's `index`: the token's position in the generation, 1-based, across speculative blocks
     try:
         while True:
@@ -440,11 +354,9 @@ async def _events(state: RouterState, valid: ValidGenerateRequest, entry: Entry,
                                               "cached_tokens": entry.num_cached_tokens}
                 yield _sse(payload)
             if final is not None:
-                state.metrics.request_duration.labels(state.metrics.adapter_label(valid.adapter_id)).observe(
-                    time.monotonic() - arrived)
+                session.observe_duration()
                 return
     except ClientGone:
         return
     finally:
-        state.in_flight -= 1
-        state.scheduler.cancel(entry)
+        session.close()
