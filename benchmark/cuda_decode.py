@@ -140,6 +140,10 @@ def main() -> None:
                         torch=torch.__version__, model=shape,
                         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, runs=[], errors=[])
     real_use_triton = paged_attention_module.use_triton
+
+    def never(*args) -> bool:
+        return False
+
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         model_dir = args.model_dir or write_model(Path(tmp) / "model", device, shape)
@@ -150,11 +154,12 @@ def main() -> None:
         generator = load_test_generator(model_dir, num_blocks=num_blocks, dtype="bfloat16", device=device.type,
                                         speculative_tokens=args.speculative_tokens)
         report["load_s"] = round(time.perf_counter() - start, 1)
-        for attention in ("sdpa", "triton"):
-            paged_attention_module.use_triton = real_use_triton if attention == "triton" else lambda *a: False
-            for speculation in ("off", "prompt_lookup"):
-                k = 0 if speculation == "off" else args.speculative_tokens
-                for num_streams in args.streams:
+        # Each configuration under both attention paths in turn, so a time limit leaves complete pairs.
+        for speculation in ("off", "prompt_lookup"):
+            k = 0 if speculation == "off" else args.speculative_tokens
+            for num_streams in args.streams:
+                for attention in ("sdpa", "triton"):
+                    paged_attention_module.use_triton = real_use_triton if attention == "triton" else never
                     name = f"{attention}/{speculation}/{num_streams}"
                     try:
                         run_streams(generator, num_streams, argparse.Namespace(**{**vars(args), "new_tokens": 8}),
@@ -164,24 +169,37 @@ def main() -> None:
                         report["errors"].append(dict(run=name, error=repr(error), trace=traceback.format_exc()))
                         print(f"{name}: FAILED {error!r}", flush=True)
                         generator.requests.clear()
+                        save(report, args.json)
                         continue
                     result |= dict(attention=attention, speculation=speculation)
                     report["runs"].append(result)
+                    save(report, args.json)  # what ran so far survives a time limit
                     print(f"{name}: {result['tokens_per_s']} tokens/s, {result['ms_per_step']} ms/step, "
                           f"{result['accepted']}/{result['drafted']} drafts accepted", flush=True)
         paged_attention_module.use_triton = real_use_triton
-    by_key = {(r["speculation"], r["streams"], r["attention"]): r for r in report["runs"]}
-    for r in report["runs"]:
+    save(report, args.json)
+    print(json.dumps(summary(report), indent=1))
+
+
+def summary(report: dict) -> dict:
+    """The report without the token ids, each Triton run with the share of its tokens equal to SDPA's."""
+    runs = report["runs"]
+    by_key = {(r["speculation"], r["streams"], r["attention"]): r for r in runs}
+    out = []
+    for r in runs:
+        r = dict(r)
         other = by_key.get((r["speculation"], r["streams"], "sdpa"))
         if r["attention"] == "triton" and other is not None:
             pairs = [(a, b) for i in r["tokens"] for a, b in zip(r["tokens"][i], other["tokens"][i])]
             r["same_tokens_as_sdpa"] = round(sum(a == b for a, b in pairs) / max(len(pairs), 1), 4)
-    for r in report["runs"]:
         del r["tokens"]
-    text = json.dumps(report, indent=1)
-    if args.json:
-        args.json.write_text(text)
-    print(text)
+        out.append(r)
+    return {**report, "runs": out}
+
+
+def save(report: dict, path: Path | None) -> None:
+    if path is not None:
+        path.write_text(json.dumps(summary(report), indent=1))
 
 
 if __name__ == "__main__":
