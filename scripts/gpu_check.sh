@@ -113,10 +113,13 @@ step_pytest() {
 import sys
 import xml.etree.ElementTree as ET
 cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
-failed = [c for c in cases if c.find("failure") is not None or (c.find("error") is not None and c.get("name"))]
-uncollected = [c.get("classname") for c in cases if c.find("error") is not None and not c.get("name")]
+def uncollected(case):
+    error = case.find("error")
+    return error is not None and error.get("message") == "collection failure"
+failed = [c for c in cases if (c.find("failure") is not None or c.find("error") is not None) and not uncollected(c)]
+not_collected = [c.get("name") for c in cases if uncollected(c)]
 passed = [c for c in cases if not list(c)]
-print(f"cuda tests: {len(passed)} passed, {len(failed)} failed, files not collected: {uncollected or 'none'}")
+print(f"cuda tests: {len(passed)} passed, {len(failed)} failed, files not collected: {not_collected or 'none'}")
 raise SystemExit(1 if failed or not passed else 0)
 EOF
 }
