@@ -271,7 +271,7 @@ class TextGenerator:
                                            self._lora(requests, step.counts),
                                            self.eagle.layer_ids if self.eagle is not None else ())
 
-    def _keep_aux(self, reqs: Sequence[RequestState], aux: torch.Tensor | None, rows: Sequence[torch.Tensor | list[int]],
+    def _keep_aux(self, reqs: Sequence[RequestState], aux: torch.Tensor | None, rows: Sequence[slice | list[int]],
                   first_positions: Sequence[int]) -> None:
         """Hands each request's auxiliary rows (of consecutive positions from `first_positions[i]`) to EAGLE-3."""
         if aux is None or self.eagle is None:
