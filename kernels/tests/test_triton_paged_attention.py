@@ -283,7 +283,8 @@ def test_kernel_compiles_for_a_gpu(dtype, group, block_d):
                   "scale": "fp32"}
     signature |= {name: "i32" for name in names[10:27]}
     constexprs = {"GROUP": group, "BLOCK_SIZE": 1, "HAS_MASK": True, "BLOCK_M": 64,
-                  "BLOCK_N": 32 if block_d > 64 else 64, "BLOCK_D": block_d, "UPCAST": False, "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}
+                  "BLOCK_N": 32 if block_d > 64 else 64, "BLOCK_D": block_d, "UPCAST": False,
+                  "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}
     signature |= {name: "constexpr" for name in constexprs}
     assert list(signature) == names, names
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 80, 32),
