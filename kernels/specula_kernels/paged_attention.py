@@ -153,14 +153,15 @@ def use_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.
 def _paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                             inputs: PagedAttentionInputs | GroupedAttentionInputs, scale: float) -> torch.Tensor:
     """`paged_attention` on CUDA: groups of at most `MAX_QUERY` rows per sequence on the Triton kernel, the
-    others (prompts) on the gathered-context SDPA path."""
+    others (prompts) on the gathered-context SDPA path, a whole prompt of one sequence as causal SDPA."""
     groups = inputs.groups if isinstance(inputs, GroupedAttentionInputs) else [(None, inputs)]
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     for rows, group in groups:
         if group.query_index.shape[1] > triton_paged_attention.MAX_QUERY:
+            attend = _attend_whole_prompt if _is_whole_prompt(group) else _attend
             if rows is None:
-                return _attend(query, key_cache, value_cache, group, scale)
-            out[rows] = _attend(query[rows], key_cache, value_cache, group, scale)
+                return attend(query, key_cache, value_cache, group, scale)
+            out[rows] = attend(query[rows], key_cache, value_cache, group, scale)
             continue
         # Per step, shared by every layer: each padded query's row of the whole step, each sequence's length.
         step_rows = group.workspace.get("triton.rows")
@@ -175,6 +176,26 @@ def _paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_
             query, key_cache, value_cache, group.context_slots, step_rows, group.query_valid, group.mask, lengths,
             scale, out=out)  # the context slots are a block table of one-slot blocks
     return out
+
+
+def _is_whole_prompt(inputs: PagedAttentionInputs) -> bool:
+    """One sequence whose every position is new this step (a prompt from position 0, no cached prefix, no earlier
+    chunk): its mask is the plain causal one, known from the shapes without reading it. Trees of drafts never
+    match, they follow a context."""
+    return inputs.num_seqs == 1 and inputs.context_slots.shape[1] == inputs.query_index.shape[1]
+
+
+def _attend_whole_prompt(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         inputs: PagedAttentionInputs, scale: float) -> torch.Tensor:
+    """`_attend` for `_is_whole_prompt` inputs, as causal SDPA: with no mask tensor, CUDA's flash kernel takes it
+    (bfloat16, float16), where a boolean mask leaves only the slower memory-efficient and math kernels."""
+    num_heads, num_kv_heads = query.shape[1], key_cache.shape[1]
+    keys = _gather(key_cache, inputs, "keys", query.dtype)[0]  # [num_tokens, num_kv_heads, head_dim]
+    values = _gather(value_cache, inputs, "values", query.dtype)[0]
+    # [1, heads, num_tokens, head_dim]: SDPA's fused kernels take four dimensions only
+    out = F.scaled_dot_product_attention(*(x.transpose(0, 1).unsqueeze(0) for x in (query, keys, values)),
+                                         is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads)
+    return out[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
 
 
 def _native_library(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor):

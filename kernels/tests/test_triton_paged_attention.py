@@ -181,6 +181,19 @@ def test_cpu_attention_never_takes_the_kernel(monkeypatch):
     torch.testing.assert_close(out, reference(query, key_cache, value_cache, inputs))
 
 
+@pytest.mark.parametrize("spans", [[(0, 20)], [(5, 18)], [(0, 17), (0, 20)]])
+def test_prompts_take_sdpa_and_a_whole_prompt_the_causal_form(spans, monkeypatch):
+    """More rows than the kernel serves: SDPA; one sequence from position 0 (no cached prefix) as causal SDPA
+    without a mask tensor (CUDA's flash kernel takes that), the others with their mask."""
+    causal = []
+    real = paged_attention_module._attend_whole_prompt
+    monkeypatch.setattr(paged_attention_module, "_attend_whole_prompt", lambda *a: causal.append(1) or real(*a))
+    query, key_cache, value_cache, _, inputs = build_case(Case(spans, 8, 2, 16, 4), torch.float32, "cpu")
+    out = paged_attention_module._paged_attention_triton(query, key_cache, value_cache, inputs, 16**-0.5)
+    torch.testing.assert_close(out, reference(query, key_cache, value_cache, inputs))
+    assert len(causal) == (spans == [(0, 20)])
+
+
 # --- Triton -------------------------------------------------------------------------------------------------------
 
 needs_triton_device = pytest.mark.skipif(
