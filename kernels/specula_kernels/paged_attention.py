@@ -155,6 +155,8 @@ def _paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_
     """`paged_attention` on CUDA: groups of at most `MAX_QUERY` rows per sequence on the Triton kernel, the
     others (prompts) on the gathered-context SDPA path, a whole prompt of one sequence as causal SDPA."""
     groups = inputs.groups if isinstance(inputs, GroupedAttentionInputs) else [(None, inputs)]
+    if query.stride(2) != 1:  # the kernel reads each head's vector in one piece
+        query = query.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     for rows, group in groups:
         if group.query_index.shape[1] > triton_paged_attention.MAX_QUERY:

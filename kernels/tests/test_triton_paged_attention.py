@@ -254,6 +254,17 @@ def test_triton_case_groups_strided_query_and_prompt_fallback():
 
 
 @pytest.mark.cuda
+@needs_triton_device
+def test_triton_case_query_not_contiguous_within_a_head():
+    """A query whose head vectors are strided (stored head-minor) is made contiguous before the kernel."""
+    query, key_cache, value_cache, _, inputs = build_case(TRITON_CASES["verify"], torch.float32, TRITON_DEVICE)
+    strided = query.transpose(1, 2).contiguous().transpose(1, 2)  # the same values, stride 8 within a head
+    assert strided.stride(2) != 1
+    out = paged_attention_module._paged_attention_triton(strided, key_cache, value_cache, inputs, 16**-0.5)
+    torch.testing.assert_close(out.cpu(), reference(query, key_cache, value_cache, inputs), **TOLERANCES[torch.float32])
+
+
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
 def test_cuda_attention_takes_the_kernel_for_decode_rows(monkeypatch):
     calls = []
@@ -277,7 +288,7 @@ def test_triton_interpreter():
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     summary = result.stdout.strip().splitlines()[-1]
-    assert re.match(rf"{3 * len(TRITON_CASES) + 1} passed", summary), summary  # every case ran, none skipped
+    assert re.match(rf"{3 * len(TRITON_CASES) + 2} passed", summary), summary  # every case ran, none skipped
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
