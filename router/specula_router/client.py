@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
 
 import grpc
 
 from specula_proto import generate_pb2 as pb
 from specula_proto import generate_pb2_grpc
+from specula_router.entries import FinalEvent, TokenOut
 from specula_router.merges import MergeSpec
+from specula_router.step_messages import GenerationOut, NewRequest, RequestUpdate, StepResponse, StepTimings
 
 logger = logging.getLogger("specula.router.client")
 
@@ -34,14 +35,6 @@ class ShardError(Exception):
 
 class ForeignShardError(ValueError):
     """A shard belongs to another launcher run: answering with it would answer with another server's model."""
-
-
-@dataclass
-class StepResponse:
-    generations: list[pb.Generation]
-    timings: pb.Timings
-    suffix_cache_tokens: int = 0  # suffix decoding's global trees, on shard 0 (every shard holds the same)
-    suffix_cache_nodes: int = 0
 
 
 class ShardedClient:
@@ -127,18 +120,19 @@ class ShardedClient:
         self._sequence = 0
         return min(responses, key=lambda r: r.num_blocks)
 
-    def step(self, finished: Sequence[int], updates: Sequence[pb.RequestUpdate],
-             new_requests: Sequence[pb.Request]) -> Awaitable[StepResponse]:
+    def step(self, finished: Sequence[int], updates: Sequence[RequestUpdate],
+             new_requests: Sequence[NewRequest]) -> Awaitable[StepResponse]:
         """Starts the next Step on every shard (sent before this returns); await shard 0's result."""
-        request = pb.StepRequest(sequence=self._next_sequence(), finished=finished, updates=updates,
-                                 new_requests=new_requests)
+        request = pb.StepRequest(
+            sequence=self._next_sequence(), finished=finished,
+            updates=[pb.RequestUpdate(id=u.id, new_blocks=u.new_blocks, prefill_until=u.prefill_until)
+                     for u in updates],
+            new_requests=[encode_request(r) for r in new_requests])
         return self._step_response(self._call("Step", request))
 
     @staticmethod
     async def _step_response(responses: Awaitable[list]) -> StepResponse:
-        response = (await responses)[0]
-        return StepResponse(list(response.generations), response.timings, response.suffix_cache_tokens,
-                            response.suffix_cache_nodes)
+        return decode_step_response((await responses)[0])
 
     async def load_adapter(self, adapter_id: str, source: str, api_token: str = "",
                            merge: MergeSpec | None = None) -> pb.LoadAdapterResponse:
@@ -181,3 +175,62 @@ class ShardedClient:
         """Frees an adapter on every shard; False when shard 0 did not hold it."""
         responses = await self._call("OffloadAdapter", pb.OffloadAdapterRequest(adapter_id=adapter_id))
         return responses[0].offloaded
+
+
+# --- the Step messages: the router's dataclasses (step_messages.py) to and from protobuf ---------------------------
+
+_FINISH_REASONS = {
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_EOS_TOKEN: "eos_token",
+    pb.FINISH_REASON_STOP_SEQUENCE: "stop_sequence",
+}
+
+
+def encode_request(r: NewRequest) -> pb.Request:
+    """The workers' message; raises ValueError, TypeError or OverflowError for a value its wire type cannot hold
+    (the planner checks each new request with it, so such a request fails alone)."""
+    s, t = r.sampling, r.stopping
+    return pb.Request(
+        id=r.id,
+        input_ids=r.input_ids,
+        parameters=pb.NextTokenChooserParameters(
+            do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, typical_p=s.typical_p,
+            seed=s.seed, repetition_penalty=s.repetition_penalty, frequency_penalty=s.frequency_penalty,
+            presence_penalty=s.presence_penalty, logit_bias=dict(s.logit_bias)),
+        stopping_parameters=pb.StoppingCriteriaParameters(
+            max_new_tokens=t.max_new_tokens, stop_sequences=t.stop_sequences, ignore_eos_token=t.ignore_eos_token),
+        prefill_logprobs=r.prefill_logprobs,
+        top_n_tokens=r.top_n_tokens,
+        blocks=r.blocks,
+        adapter_id=r.adapter_id,
+        speculative_tokens=r.speculative_tokens,
+        cached_tokens=r.cached_tokens,
+        prefill_until=r.prefill_until,
+        generated_ids=r.generated_ids,
+        grammar=r.grammar,
+    )
+
+
+def decode_step_response(response: pb.StepResponse) -> StepResponse:
+    t = response.timings
+    return StepResponse([_generation(g) for g in response.generations],
+                        StepTimings(t.forward_ns, t.decode_ns, t.total_ns),
+                        response.suffix_cache_tokens, response.suffix_cache_nodes)
+
+
+def _generation(g: pb.Generation) -> GenerationOut:
+    final = None
+    if g.HasField("generated_text"):
+        text = g.generated_text
+        final = FinalEvent(text.text, _FINISH_REASONS[text.finish_reason], text.generated_tokens,
+                           text.seed if text.HasField("seed") else None)
+    return GenerationOut(
+        request_id=g.request_id, tokens=_tokens(g.tokens), top_tokens=[_tokens(t) for t in g.top_tokens],
+        prefill_tokens=_tokens(g.prefill_tokens) if g.HasField("prefill_tokens") else None, final=final,
+        drafted_tokens=g.drafted_tokens, accepted_tokens=g.accepted_tokens, draft_method=g.draft_method,
+        error=g.error)
+
+
+def _tokens(tokens: pb.Tokens) -> list[TokenOut]:
+    columns = zip(tokens.ids, tokens.texts, tokens.logprobs, tokens.is_special)
+    return [TokenOut(i, t, lp, sp) for i, t, lp, sp in columns]

@@ -5,7 +5,7 @@ The scheduler owns entries; a handler only reads `entry.events`, which yields, i
     TokensEvent*  then  FinalEvent (or the last TokensEvent carrying `final`)   a request that completed
     TokensEvent*  then  ErrorEvent                                              a request that failed
 
-`Entry.to_pb` is the only place a validated request becomes the workers' `pb.Request`.
+`Entry.new_request` is where a validated request becomes what a step starts in the workers (`step_messages.py`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from specula_proto import generate_pb2 as pb
 from specula_router.requests import ValidGenerateRequest
+from specula_router.step_messages import NewRequest
 
 
 @dataclass(frozen=True)
@@ -114,30 +114,13 @@ class Entry:
             return self.request.input_ids + tuple(self.token_ids[:-1])
         return self.context_ids[: self.num_cached_tokens]
 
-    def to_pb(self, prefill_until: int = 0) -> pb.Request:
-        """The workers' message; raises ValueError (or TypeError) for a value its wire type cannot hold.
-        `prefill_until` short of the context's end makes its first step one chunk of the prefill."""
-        r, s, t = self.request, self.request.sampling, self.request.stopping
-        return pb.Request(
-            id=self.id,
-            input_ids=r.input_ids,
-            parameters=pb.NextTokenChooserParameters(
-                do_sample=s.do_sample, temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                typical_p=s.typical_p, seed=s.seed, repetition_penalty=s.repetition_penalty,
-                frequency_penalty=s.frequency_penalty, presence_penalty=s.presence_penalty,
-                logit_bias=dict(s.logit_bias),
-            ),
-            stopping_parameters=pb.StoppingCriteriaParameters(
-                max_new_tokens=t.max_new_tokens, stop_sequences=t.stop_sequences,
-                ignore_eos_token=t.ignore_eos_token,
-            ),
-            prefill_logprobs=self.wants_prefill_logprobs,
-            top_n_tokens=r.top_n_tokens,
-            blocks=self.blocks,
-            adapter_id=r.adapter_id or "",
-            speculative_tokens=r.speculative_tokens,
-            cached_tokens=self.num_cached_tokens,
-            prefill_until=prefill_until,
-            generated_ids=self.token_ids[: self.num_resumed],
-            grammar=r.grammar,
-        )
+    def new_request(self, prefill_until: int = 0) -> NewRequest:
+        """The request as a step starts it in the workers. `prefill_until` short of the context's end makes its
+        first step one chunk of the prefill."""
+        r = self.request
+        return NewRequest(
+            id=self.id, input_ids=r.input_ids, sampling=r.sampling, stopping=r.stopping,
+            prefill_logprobs=self.wants_prefill_logprobs, top_n_tokens=r.top_n_tokens, blocks=tuple(self.blocks),
+            adapter_id=r.adapter_id or "", speculative_tokens=r.speculative_tokens,
+            cached_tokens=self.num_cached_tokens, prefill_until=prefill_until,
+            generated_ids=tuple(self.token_ids[: self.num_resumed]), grammar=r.grammar)

@@ -31,14 +31,14 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from specula_proto import generate_pb2 as pb
 from specula_router.adapters import AdapterManager
 from specula_router.admission import Admission, AdmissionConfig
 from specula_router.block_allocator import BlockAllocator
-from specula_router.client import ShardedClient, ShardError, StepResponse
+from specula_router.client import ShardedClient, ShardError
 from specula_router.entries import Entry, EntryState, ErrorEvent, FinalEvent, TokenOut, TokensEvent
 from specula_router.metrics import Metrics
 from specula_router.requests import ValidGenerateRequest
+from specula_router.step_messages import GenerationOut, StepResponse
 from specula_router.step_planner import StepPlan, StepPlanner
 
 __all__ = ["Entry", "EntryState", "ErrorEvent", "FinalEvent", "TokenOut", "TokensEvent", "Scheduler",
@@ -47,13 +47,6 @@ __all__ = ["Entry", "EntryState", "ErrorEvent", "FinalEvent", "TokenOut", "Token
 T = TypeVar("T")
 
 logger = logging.getLogger("specula.router.scheduler")
-
-_FINISH_REASONS = {
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_EOS_TOKEN: "eos_token",
-    pb.FINISH_REASON_STOP_SEQUENCE: "stop_sequence",
-}
-
 
 @dataclass(frozen=True)
 class SchedulerConfig(AdmissionConfig):
@@ -74,11 +67,6 @@ class _SentStep:
     pending: Awaitable[StepResponse]
     plan: StepPlan
     sent_at: float
-
-
-def _tokens(tokens: pb.Tokens) -> list[TokenOut]:
-    columns = zip(tokens.ids, tokens.texts, tokens.logprobs, tokens.is_special)
-    return [TokenOut(i, t, lp, sp) for i, t, lp, sp in columns]
 
 
 class Scheduler:
@@ -309,7 +297,7 @@ class Scheduler:
         m.suffix_cache_tokens.set(response.suffix_cache_tokens)
         m.suffix_cache_nodes.set(response.suffix_cache_nodes)
 
-    def _deliver_all(self, generations: list[pb.Generation], ran: dict[int, Entry]) -> None:
+    def _deliver_all(self, generations: list[GenerationOut], ran: dict[int, Entry]) -> None:
         for generation in generations:
             entry = ran.get(generation.request_id)
             if entry is None or entry.state is EntryState.DONE or entry.cancelled:
@@ -336,22 +324,18 @@ class Scheduler:
         elif entry.state in (EntryState.PREFILLING, EntryState.RUNNING) and not entry.cancelled:
             self._fail_running(entry, event)
 
-    def _deliver(self, entry: Entry, generation: pb.Generation) -> None:
+    def _deliver(self, entry: Entry, generation: GenerationOut) -> None:
         """One request's result of a step (a request preempted since still gets the tokens it made)."""
         if generation.error:  # it failed alone in the worker, which has already dropped it
             self._finish(entry, ErrorEvent(generation.error))
             return
         now = time.monotonic()
-        tokens = _tokens(generation.tokens)
+        tokens = generation.tokens
         first = len(entry.token_ids) == entry.num_resumed
         entry.token_ids += [t.id for t in tokens]
         if first and entry.blocks:  # its prefill: the context's KV is written, its full blocks may be reused
             self.planner.cache_written(entry)
-        final = None
-        if generation.HasField("generated_text"):
-            g = generation.generated_text
-            seed = g.seed if g.HasField("seed") else None
-            final = FinalEvent(g.text, _FINISH_REASONS[g.finish_reason], g.generated_tokens, seed)
+        final = generation.final
         if tokens:
             self.metrics.observe_tokens(entry, len(tokens), now)
             entry.first_token_at = entry.first_token_at or now
@@ -364,9 +348,7 @@ class Scheduler:
                 self.metrics.observe_speculation(
                     generation.draft_method or self.config.speculation_method, entry.adapter,
                     generation.drafted_tokens, generation.accepted_tokens)
-            prefill = _tokens(generation.prefill_tokens) if generation.HasField("prefill_tokens") else None
-            top = [_tokens(t) for t in generation.top_tokens]
-            self._outbox.append((entry, TokensEvent(tokens, top, prefill, final)))
+            self._outbox.append((entry, TokensEvent(tokens, generation.top_tokens, generation.prefill_tokens, final)))
         if final is not None:
             self._finish(entry, final, send=not tokens)
 

@@ -29,11 +29,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specula_proto import generate_pb2 as pb
 from specula_router.admission import Admission, AdmissionConfig, Admitted
 from specula_router.block_allocator import BlockAllocator
+from specula_router.client import encode_request
 from specula_router.entries import Entry, EntryState, ErrorEvent
 from specula_router.metrics import Metrics
+from specula_router.step_messages import NewRequest, RequestUpdate
 
 logger = logging.getLogger("specula.router.scheduler")
 
@@ -43,8 +44,8 @@ _UNENCODABLE = (ValueError, TypeError, OverflowError)
 @dataclass
 class StepPlan:
     finished: list[int] = field(default_factory=list)
-    updates: dict[int, pb.RequestUpdate] = field(default_factory=dict)
-    new_requests: list[pb.Request] = field(default_factory=list)
+    updates: dict[int, RequestUpdate] = field(default_factory=dict)
+    new_requests: list[NewRequest] = field(default_factory=list)
     chunks: list[tuple[Entry, int]] = field(default_factory=list)  # (request, context position its chunk ends)
     preempted: list[Entry] = field(default_factory=list)
     entries: list[Entry] = field(default_factory=list)  # every request the workers hold once it is applied
@@ -54,9 +55,9 @@ class StepPlan:
         """The metrics' label: "prefill" for a step that computes prompts, "decode" for one that only decodes."""
         return "prefill" if self.new_requests or self.chunks else "decode"
 
-    def update(self, entry: Entry) -> pb.RequestUpdate:
+    def update(self, entry: Entry) -> RequestUpdate:
         if entry.id not in self.updates:
-            self.updates[entry.id] = pb.RequestUpdate(id=entry.id)
+            self.updates[entry.id] = RequestUpdate(entry.id)
         return self.updates[entry.id]
 
     def __bool__(self) -> bool:
@@ -195,8 +196,9 @@ class StepPlanner:
             starts.append((admitted.long, admitted.long.num_cached_tokens + self.chunk_tokens))
         for entry, until in starts:
             entry.state = EntryState.PREFILLING if until else EntryState.RUNNING
+            request = entry.new_request(prefill_until=until)
             try:
-                request = entry.to_pb(prefill_until=until)
+                encode_request(request)
             except _UNENCODABLE as e:
                 logger.error("request %d cannot be sent to the workers: %s", entry.id, e)
                 self._finish(entry, ErrorEvent(f"the request cannot be sent to the workers: {e}", "validation",

@@ -28,7 +28,9 @@ import asyncio
 from dataclasses import dataclass, field
 
 from specula_proto import generate_pb2 as pb
-from specula_router.client import ShardError, StepResponse
+from specula_router.client import ShardError
+from specula_router.entries import FinalEvent, TokenOut
+from specula_router.step_messages import GenerationOut, NewRequest, RequestUpdate, StepResponse, StepTimings
 
 
 @dataclass
@@ -41,11 +43,21 @@ class AdapterBehaviour:
     kind: str = "lora"
 
 
+@dataclass(frozen=True)
+class SentStep:
+    """A step as the router sent it: the Step RPC's request, in the router's own messages."""
+
+    sequence: int
+    finished: tuple[int, ...]
+    updates: tuple[RequestUpdate, ...]
+    new_requests: tuple[NewRequest, ...]
+
+
 @dataclass
 class Held:
     """A request the fake worker holds."""
 
-    request: pb.Request
+    request: NewRequest
     blocks: list[int]
     context_len: int  # prompt + generated_ids
     computed: int  # context positions whose KV is written
@@ -70,8 +82,8 @@ class FakeClient:
     retired: set[int] = field(default_factory=set)  # finished or failed in the worker
     generated: dict[int, int] = field(default_factory=dict)
     calls: list[tuple[str, object]] = field(default_factory=list)
-    steps: list[pb.StepRequest] = field(default_factory=list)  # every step as sent
-    prefilled: list[pb.Request] = field(default_factory=list)  # every new request as a step sent it
+    steps: list[SentStep] = field(default_factory=list)  # every step as sent
+    prefilled: list[NewRequest] = field(default_factory=list)  # every new request as a step sent it
     misuse: list[str] = field(default_factory=list)
     fail_next: str | None = None  # "prefill" or "decode": the next such step fails (see `_method`)
     raise_next: tuple[str, Exception] | None = None  # (method, error): the next such step raises it
@@ -91,14 +103,16 @@ class FakeClient:
 
     def step(self, finished, updates, new_requests):
         self._sequence_sent += 1
-        request = pb.StepRequest(sequence=self._sequence_sent, finished=finished, updates=updates,
-                                 new_requests=new_requests)
+        # Copied as sent, as the wire would: the planner's objects are its own.
+        request = SentStep(self._sequence_sent, tuple(finished),
+                           tuple(RequestUpdate(u.id, list(u.new_blocks), u.prefill_until) for u in updates),
+                           tuple(new_requests))
         self.steps.append(request)
         self.calls.append(("step", request))
         self.prefilled.extend(request.new_requests)
         return asyncio.ensure_future(self._in_order(request))
 
-    async def _in_order(self, request: pb.StepRequest) -> StepResponse:
+    async def _in_order(self, request: SentStep) -> StepResponse:
         async with self._lock:
             self._check(request.sequence == self._sequence_run + 1,
                         f"step {request.sequence} ran after step {self._sequence_run}")
@@ -113,7 +127,7 @@ class FakeClient:
             response.generations[:0] = refused
             return response
 
-    def _method(self, request: pb.StepRequest) -> str:
+    def _method(self, request: SentStep) -> str:
         """"prefill": the step computes prompts; "decode": it only decodes; "idle": it runs nothing."""
         if request.new_requests or any(u.id in self.held and self.held[u.id].prefilling for u in request.updates):
             return "prefill"
@@ -138,7 +152,7 @@ class FakeClient:
         if self.num_blocks is not None:
             self._check(all(b < self.num_blocks for b in blocks), f"a block outside the cache in {list(blocks)}")
 
-    def _apply(self, step: pb.StepRequest) -> list[pb.Generation]:
+    def _apply(self, step: SentStep) -> list[GenerationOut]:
         """Applies a step's changes; returns the errors of the new requests it refused."""
         refused = []
         for request_id in step.finished:
@@ -160,8 +174,8 @@ class FakeClient:
             self._check(request.id not in self.held, f"new request {request.id} already held")
             if request.adapter_id and request.adapter_id not in self.loaded_adapters:
                 self.retired.add(request.id)
-                refused.append(pb.Generation(request_id=request.id, error=f"request {request.id}: adapter "
-                                             f"`{request.adapter_id}` is not loaded on this worker"))
+                refused.append(GenerationOut(request.id, error=f"request {request.id}: adapter "
+                                                               f"`{request.adapter_id}` is not loaded on this worker"))
                 continue
             context_len = len(request.input_ids) + len(request.generated_ids)
             self._check(request.cached_tokens < context_len, f"request {request.id}: cached_tokens past its context")
@@ -185,7 +199,7 @@ class FakeClient:
             others = owners.get(block, set()) - {request_id}
             self._check(not others, f"request {request_id} writes block {block}, held by {sorted(others)}")
 
-    def _run(self, step: pb.StepRequest) -> StepResponse:
+    def _run(self, step: SentStep) -> StepResponse:
         owners: dict[int, set[int]] = {}
         for held in self.held.values():
             for block in held.blocks:
@@ -216,26 +230,24 @@ class FakeClient:
             self.calls.append(("prefilled", prefilled))
         if decoded:
             self.calls.append(("decoded", decoded))
-        return StepResponse(generations, pb.Timings(forward_ns=1000, decode_ns=100))
+        return StepResponse(generations, StepTimings(forward_ns=1000, decode_ns=100))
 
-    def _generate(self, held: Held) -> pb.Generation:
+    def _generate(self, held: Held) -> GenerationOut:
         r = held.request
         if r.id in self.failing_rows:  # like the worker: the request is dropped and reported alone
             self.failing_rows.discard(r.id)
             self._retire(r.id)
-            return pb.Generation(request_id=r.id, error=f"request {r.id}: non-finite logits")
+            return GenerationOut(r.id, error=f"request {r.id}: non-finite logits")
         k = held.generated
         held.generated = self.generated[r.id] = k + 1
-        gen = pb.Generation(request_id=r.id, tokens=pb.Tokens(
-            ids=[1000 * r.id + k], logprobs=[-0.5], texts=[token_text(r.adapter_id, k)], is_special=[False]))
-        eos = self.eos_after is not None and k + 1 >= self.eos_after and not r.stopping_parameters.ignore_eos_token
-        if eos or k + 1 >= r.stopping_parameters.max_new_tokens:
-            gen.generated_text.CopyFrom(pb.GeneratedText(
-                text="".join(token_text(r.adapter_id, i) for i in range(k + 1)), generated_tokens=k + 1,
-                finish_reason=pb.FINISH_REASON_EOS_TOKEN if eos else pb.FINISH_REASON_LENGTH,
-                seed=r.parameters.seed))
+        tokens = [TokenOut(1000 * r.id + k, token_text(r.adapter_id, k), -0.5, False)]
+        eos = self.eos_after is not None and k + 1 >= self.eos_after and not r.stopping.ignore_eos_token
+        final = None
+        if eos or k + 1 >= r.stopping.max_new_tokens:
+            final = FinalEvent("".join(token_text(r.adapter_id, i) for i in range(k + 1)),
+                               "eos_token" if eos else "length", k + 1, r.sampling.seed)
             self._retire(r.id)
-        return gen
+        return GenerationOut(r.id, tokens, final=final)
 
     def _retire(self, request_id: int) -> None:
         del self.held[request_id]

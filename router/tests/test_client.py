@@ -4,12 +4,15 @@ RPCs, and the check at connect that every shard belongs to the router's launcher
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 
 from specula_proto import generate_pb2 as pb
 from specula_proto import generate_pb2_grpc
 from specula_router.client import ForeignShardError, ShardedClient
+from specula_router.requests import SamplingParameters, StoppingParameters
+from specula_router.step_messages import NewRequest, RequestUpdate
 
 
 class AdapterShard(generate_pb2_grpc.TextGenerationServiceServicer):
@@ -172,8 +175,11 @@ def test_a_step_goes_to_every_shard_in_sequence_and_warmup_restarts_the_count(tm
     shards = [StepShard(0), StepShard(1)]
 
     async def body(client):
-        update = pb.RequestUpdate(id=7, new_blocks=[3, 4])
-        first = client.step([1], [update], [pb.Request(id=8, input_ids=[5])])  # sent before it is awaited
+        update = RequestUpdate(7, [3, 4])
+        sampling = SamplingParameters(True, 0.7, 5, 0.9, 1.0, 1.0, 0.0, 0.0, seed=2**64 - 1, logit_bias=((3, -1.5),))
+        new = NewRequest(8, (5,), sampling, StoppingParameters(9, ("x",), False), blocks=(0, 1), grammar="g")
+        off = dataclasses.replace(new, id=9, speculative_tokens=0)  # 0 is set (speculation off); None is not
+        first = client.step([1], [update], [new, off])  # sent before it is awaited
         second = client.step([], [], [])
         responses = [await first, await second]
         assert [(r.generations[0].request_id, r.generations[0].drafted_tokens) for r in responses] == [(0, 1), (0, 2)]
@@ -181,7 +187,17 @@ def test_a_step_goes_to_every_shard_in_sequence_and_warmup_restarts_the_count(tm
         for shard in shards:  # they may arrive in any order: the worker runs them by sequence number
             steps = sorted(shard.steps, key=lambda s: s.sequence)
             assert [s.sequence for s in steps] == [1, 2]
-            assert (list(steps[0].finished), list(steps[0].updates), steps[0].new_requests[0].id) == ([1], [update], 8)
+            assert list(steps[0].finished) == [1]
+            assert list(steps[0].updates) == [pb.RequestUpdate(id=7, new_blocks=[3, 4])]
+            sent = steps[0].new_requests[0]  # the router's message, field for field on the wire
+            assert (sent.id, list(sent.input_ids), list(sent.blocks), sent.grammar) == (8, [5], [0, 1], "g")
+            assert (sent.parameters.seed, dict(sent.parameters.logit_bias), sent.parameters.top_k) == (2**64 - 1,
+                                                                                                    {3: -1.5}, 5)
+            assert (sent.stopping_parameters.max_new_tokens, list(sent.stopping_parameters.stop_sequences)) == (
+                9, ["x"])
+            assert not sent.HasField("speculative_tokens")
+            assert steps[0].new_requests[1].HasField("speculative_tokens")
+            assert steps[0].new_requests[1].speculative_tokens == 0
         assert (await client.warmup(10, 10, 20)).num_blocks == 10  # the smallest cache over shards
         await client.step([], [], [])
         assert shards[1].steps[-1].sequence == 1

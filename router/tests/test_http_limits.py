@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import threading
 import time
@@ -13,9 +14,9 @@ import tokenizers
 from fake_worker import AdapterBehaviour, FakeClient
 from test_http import call, sse_events
 
-from specula_proto import generate_pb2 as pb
 from specula_router.adapters import AdapterManager
 from specula_router.block_allocator import BlockAllocator
+from specula_router.entries import TokenOut
 from specula_router.metrics import Metrics
 from specula_router.scheduler import Scheduler, SchedulerConfig
 from specula_router.server import RouterState
@@ -121,12 +122,12 @@ class NonFiniteLogprobs(FakeClient):
 
     def _run(self, step):
         response = super()._run(step)
-        for generation in response.generations:
-            if len(generation.tokens.logprobs):
-                generation.tokens.logprobs[0] = float("-inf")
+        for i, generation in enumerate(response.generations):
+            tokens = [dataclasses.replace(t, logprob=float("-inf")) for t in generation.tokens]
+            prefill = None
             if self.generated[generation.request_id] == 1:
-                generation.prefill_tokens.CopyFrom(pb.Tokens(ids=[1, 5], logprobs=[float("nan"), -1.0],
-                                                             texts=["<s>", "x"], is_special=[True, False]))
+                prefill = [TokenOut(1, "<s>", float("nan"), True), TokenOut(5, "x", -1.0, False)]
+            response.generations[i] = dataclasses.replace(generation, tokens=tokens, prefill_tokens=prefill)
         return response
 
 

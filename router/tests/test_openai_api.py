@@ -16,10 +16,10 @@ import tokenizers
 import transformers
 from fake_worker import AdapterBehaviour, FakeClient
 
-from specula_proto import generate_pb2 as pb
 from specula_router.adapters import AdapterManager
 from specula_router.block_allocator import BlockAllocator
 from specula_router.chat_template import ChatTemplate
+from specula_router.entries import TokenOut
 from specula_router.metrics import Metrics
 from specula_router.openai_models import OpenAISettings
 from specula_router.scheduler import Scheduler, SchedulerConfig
@@ -342,8 +342,8 @@ def test_logit_bias_reaches_the_workers_from_both_routes_and_generate(tokenizer)
 
     call(state, fn)
     sent = state.client.prefilled
-    assert [dict(r.parameters.logit_bias) for r in sent] == [{5: -100.0, 7: 2.5}, {11: 100.0}, {11: 100.0}, {3: -1.0}]
-    assert not sent[0].parameters.do_sample  # a bias alone keeps a greedy request greedy
+    assert [dict(r.sampling.logit_bias) for r in sent] == [{5: -100.0, 7: 2.5}, {11: 100.0}, {11: 100.0}, {3: -1.0}]
+    assert not sent[0].sampling.do_sample  # a bias alone keeps a greedy request greedy
 
 
 def test_invalid_logit_bias_is_a_422_naming_it(tokenizer):
@@ -544,9 +544,8 @@ def test_speculative_tokens_reach_the_request_from_both_routes(tokenizer, monkey
 
     call(state, fn)
     assert [r.speculative_tokens for r in submitted] == [0, 0, 2, 2, None, None]
-    sent = state.client.prefilled  # the workers see 0 as set (speculation off), absent as unset
-    assert [r.speculative_tokens if r.HasField("speculative_tokens") else None for r in sent] == \
-        [0, 0, 2, 2, None, None]
+    sent = state.client.prefilled  # the workers see 0 as set (speculation off), absent as unset (test_client)
+    assert [r.speculative_tokens for r in sent] == [0, 0, 2, 2, None, None]
 
 
 def test_openai_tool_conversation_renders_as_transformers_does(tmp_path, monkeypatch):
@@ -593,7 +592,7 @@ def test_a_single_stop_string_is_one_stop_sequence(tokenizer, monkeypatch):
 
     call(state, fn)
     assert [r.stopping.stop_sequences for r in submitted] == [("t2",), ("t2",)]
-    assert [list(r.stopping_parameters.stop_sequences) for r in state.client.prefilled] == [["t2"], ["t2"]]
+    assert [list(r.stopping.stop_sequences) for r in state.client.prefilled] == [["t2"], ["t2"]]
 
 
 def test_frequency_and_presence_penalties_reach_the_request(tokenizer, monkeypatch):
@@ -612,7 +611,7 @@ def test_frequency_and_presence_penalties_reach_the_request(tokenizer, monkeypat
     call(state, fn)
     assert [(r.sampling.frequency_penalty, r.sampling.presence_penalty) for r in submitted] == [
         (0.5, -1.25), (0.5, -1.25), (0.0, 0.0)]
-    assert [(r.parameters.frequency_penalty, r.parameters.presence_penalty) for r in state.client.prefilled] == [
+    assert [(r.sampling.frequency_penalty, r.sampling.presence_penalty) for r in state.client.prefilled] == [
         (0.5, -1.25), (0.5, -1.25), (0.0, 0.0)]
 
 
@@ -621,7 +620,7 @@ def test_chat_stream_chunks_carry_logprobs_with_top_logprobs(tokenizer, monkeypa
 
     def with_alternatives(self, held):  # the worker's two alternatives for every token
         gen = generate(self, held)
-        gen.top_tokens.append(pb.Tokens(ids=[1, 2], logprobs=[-0.25, -1.5], texts=["t", "é"], is_special=[False] * 2))
+        gen.top_tokens.append([TokenOut(1, "t", -0.25, False), TokenOut(2, "é", -1.5, False)])
         return gen
 
     monkeypatch.setattr(FakeClient, "_generate", with_alternatives)
