@@ -293,8 +293,9 @@ def test_triton_interpreter():
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
-@pytest.mark.parametrize("dtype,group,block_d", [("bf16", 4, 128), ("fp16", 1, 64), ("fp32", 8, 128)])
-def test_kernel_compiles_for_a_gpu(dtype, group, block_d):
+@pytest.mark.parametrize("dtype,group,block_d,has_mask,block_size", [
+    ("bf16", 4, 128, True, 1), ("fp16", 1, 64, True, 1), ("fp32", 8, 128, True, 1), ("bf16", 4, 64, False, 16)])
+def test_kernel_compiles_for_a_gpu(dtype, group, block_d, has_mask, block_size):
     """Compiles the kernel for sm_80 without a GPU: the type checks and lowering the interpreter skips."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -306,7 +307,7 @@ def test_kernel_compiles_for_a_gpu(dtype, group, block_d):
     signature |= {"table_ptr": "*i64", "rows_ptr": "*i64", "valid_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32",
                   "scale": "fp32"}
     signature |= {name: "i32" for name in names[10:27]}
-    constexprs = {"GROUP": group, "BLOCK_SIZE": 1, "HAS_MASK": True, "BLOCK_M": 64,
+    constexprs = {"GROUP": group, "BLOCK_SIZE": block_size, "HAS_MASK": has_mask, "BLOCK_M": 64,
                   "BLOCK_N": 32 if block_d > 64 else 64, "BLOCK_D": block_d, "UPCAST": False,
                   "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}
     signature |= {name: "constexpr" for name in constexprs}
