@@ -293,10 +293,12 @@ def test_triton_interpreter():
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
-@pytest.mark.parametrize("dtype,group,block_d,has_mask,block_size", [
-    ("bf16", 4, 128, True, 1), ("fp16", 1, 64, True, 1), ("fp32", 8, 128, True, 1), ("bf16", 4, 64, False, 16)])
-def test_kernel_compiles_for_a_gpu(dtype, group, block_d, has_mask, block_size):
-    """Compiles the kernel for sm_80 without a GPU: the type checks and lowering the interpreter skips."""
+@pytest.mark.parametrize("dtype,group,block_d,has_mask,block_size,arch", [
+    ("bf16", 4, 128, True, 1, 80), ("fp16", 1, 64, True, 1, 80), ("fp32", 8, 128, True, 1, 80),
+    ("bf16", 4, 64, False, 16, 80), ("bf16", 4, 64, True, 1, 90)])
+def test_kernel_compiles_for_a_gpu(dtype, group, block_d, has_mask, block_size, arch):
+    """Compiles the kernel for sm_80 and sm_90 (H100) without a GPU: the type checks and lowering the interpreter
+    skips."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -312,7 +314,7 @@ def test_kernel_compiles_for_a_gpu(dtype, group, block_d, has_mask, block_size):
                   "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}
     signature |= {name: "constexpr" for name in constexprs}
     assert list(signature) == names, names
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 80, 32),
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32),
                               options={"enable_fp_fusion": True})
     assert "paged_attention_kernel" in compiled.asm["ptx"]
     if dtype != "fp32":
