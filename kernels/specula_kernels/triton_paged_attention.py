@@ -16,7 +16,9 @@ keys and values of its sequence at their slots. One program per (sequence, KV he
 
 with an online softmax in float32 (flash-attention's recurrence), so a row's output depends only on its own
 query, keys and values. The worker's context slots are a block table with `block_size = 1`; a real block table
-(one entry per KV block) works as well and reads `block_size` times fewer indices.
+(one entry per KV block) works as well and reads `block_size` times fewer indices. A sequence's context is read
+by one program per KV head, not split across programs as flash-decoding does: a batch of sequences fills a GPU,
+one long sequence does not (left for after measurements on a GPU).
 
 Since the mask is read as given, trees of drafts (Medusa, MLP speculators, suffix decoding) run on this kernel as
 chains do. What it does not serve, `paged_attention` sends to the gathered-context SDPA path: prompts (more than
