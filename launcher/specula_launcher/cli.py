@@ -80,8 +80,8 @@ def main(
              "request's leave first)."),
     draft_tree_width: int = typer.Option(
         1, envvar="DRAFT_TREE_WIDTH",
-        help="Candidates per Medusa head or MLP speculator stage: 1 verifies the top-1 chain, more verify a tree "
-             "of the best nodes."),
+        help="Candidates per Medusa head, MLP speculator stage or EAGLE-3 depth: 1 verifies the top-1 chain, "
+             "more verify a tree of the best nodes."),
     adapter_source: str | None = typer.Option(
         None, "--adapter-source", "--default-adapter-source", envvar=["ADAPTER_SOURCE", "DEFAULT_ADAPTER_SOURCE"],
         help="Source of a request's adapter_id when it names none: hub or local. Default: hub; local when "

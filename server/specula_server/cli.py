@@ -77,8 +77,8 @@ def serve(
              "directory or Hub id, drafting for every request that has no Medusa heads of its own."),
     draft_tree_width: int = typer.Option(
         1, envvar="DRAFT_TREE_WIDTH", min=1,
-        help="Candidates per Medusa head or MLP speculator stage: 1 verifies the top-1 chain, more verify a tree "
-             "of the best nodes."),
+        help="Candidates per Medusa head, MLP speculator stage or EAGLE-3 depth: 1 verifies the top-1 chain, "
+             "more verify a tree of the best nodes."),
     adapter_dir: list[Path] = typer.Option(
         [], envvar="ADAPTER_DIR",
         help="Directory whose subdirectories are the `local` adapters requests may name (repeatable)."),

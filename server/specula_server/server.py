@@ -189,7 +189,7 @@ def load_speculator(config: ServerConfig, model_config: ModelConfig, dtype: torc
         eagle = load_eagle3(eagle_path, config.model_id, model_config,
                             target.embed_tokens if target is not None else None, dtype=dtype, device=device,
                             speculator_id=config.speculator)
-        return Eagle3Drafter(eagle, device, config.speculator)
+        return Eagle3Drafter(eagle, device, config.speculator, config.draft_tree_width)
     mlp_path = find_mlp_speculator(config.speculator, config.hub_cache)
     if mlp_path is not None:
         return load_mlp_speculator(mlp_path, model_config, dtype=dtype, device=device,

@@ -367,9 +367,9 @@ def test_a_checkpoint_from_the_hub_cache(llama_dir, checkpoints, plain, tmp_path
 # --- exact decoding ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", ["plain", "echo", "eagle-3.1"])
-def test_greedy_output_is_identical(llama_dir, checkpoints, plain, variant):
-    generator = with_eagle(llama_dir, checkpoints[variant])
+@pytest.mark.parametrize("variant,width", [("plain", 1), ("echo", 1), ("eagle-3.1", 1), ("echo", 3), ("plain", 2)])
+def test_greedy_output_is_identical(llama_dir, checkpoints, plain, variant, width):
+    generator = with_eagle(llama_dir, checkpoints[variant], draft_tree_width=width)
     assert generator.speculation.drafter.name == "eagle3"
     drafted = accepted = 0
     for got in assert_same_greedy_output(plain, generator, PROMPTS, run, max_new_tokens=24):
@@ -381,8 +381,9 @@ def test_greedy_output_is_identical(llama_dir, checkpoints, plain, variant):
         assert 0 < accepted < drafted  # both acceptance and rejection were exercised
 
 
-def test_batched_greedy_output_is_identical(llama_dir, checkpoints, plain):
-    generator = with_eagle(llama_dir, checkpoints["echo"], tokens=4)
+@pytest.mark.parametrize("width", [1, 2])
+def test_batched_greedy_output_is_identical(llama_dir, checkpoints, plain, width):
+    generator = with_eagle(llama_dir, checkpoints["echo"], tokens=4, draft_tree_width=width)
     expected = {i: token_ids(run(plain, p, max_new_tokens=20)) for i, p in enumerate(PROMPTS)}
     pool = BlockPool(256, 16)
     specs = [make_spec(i, p, pool, max_new_tokens=20, lookahead=8, speculative_tokens=0 if i == 3 else None)
@@ -429,9 +430,10 @@ def test_incremental_drafts_equal_drafts_from_scratch(llama_dir, checkpoints, pl
         assert again == tokens
 
 
-def test_seeded_sampling_matches_no_speculation(llama_dir, checkpoints):
+@pytest.mark.parametrize("width", [1, 3])
+def test_seeded_sampling_matches_no_speculation(llama_dir, checkpoints, width):
     plain_gen = load_test_generator(llama_dir)
-    generator = with_eagle(llama_dir, checkpoints["echo"])
+    generator = with_eagle(llama_dir, checkpoints["echo"], draft_tree_width=width)
     params = SamplingParams(temperature=0.8, top_k=20, seed=7, do_sample=True)
     accepted = 0
     for prompt in PROMPTS:
@@ -639,3 +641,25 @@ def test_specula_train_eagle3_learns_what_the_server_accepts(llama_dir, plain, t
         drafted += sum(o.num_drafted for o in got)
         accepted += sum(o.num_accepted for o in got)
     assert accepted > 0.5 * drafted, (accepted, drafted)
+
+
+def test_tree_drafts_hold_the_best_nodes_parents_first(checkpoints, llama_dir, model_config):
+    """Width w: the chain of top-1 tokens (the same as width 1) with the other top-w tokens of every depth as
+    leaves, the `k` best by path log-probability, parents first."""
+    torch.manual_seed(4)
+    chain = drafter_for(checkpoints["two-layers"], llama_dir, model_config)
+    tree = Eagle3Drafter(chain.model, torch.device("cpu"), tree_width=3)
+    tree.allocate_kv_cache(16, 16)
+    tokens, aux = torch.randint(0, 512, (9,)), torch.randn(8, chain.model.fc.shape[1])
+    line = chain.draft([fake_request(tokens, aux)], [8])[0].tokens.tolist()
+    for budget in (1, 4, 8):
+        draft = tree.draft([fake_request(tokens, aux)], [budget])[0]
+        assert len(draft) == budget
+        parents = draft.node_parents()
+        assert all(p < i for i, p in enumerate(parents))
+        paths = []
+        for token, parent in zip(draft.tokens.tolist(), parents):
+            paths.append((paths[parent] if parent >= 0 else []) + [token])
+        assert all(path[:-1] == line[: len(path) - 1] for path in paths)  # every inner node is on the chain
+        assert paths[0] == line[:1]
+    assert not draft.is_chain  # at 8 nodes, some leaf beat the chain's depth

@@ -23,8 +23,10 @@ keeps stays bounded. A request that turned speculation off keeps none.
 
 The chain's entries (slots N - 1 ..) are never marked cached: after verification the next catch-up rewrites
 them from the target's states for the tokens it accepted. Drafts are the draft layer's argmax for every
-request, so they are deterministic and verification is exact for greedy and sampled requests alike
-(`verify.py`: a sampled request keeps drafts while they equal the tokens it samples).
+request (with a tree width W > 1 the chain's other top-W candidates of every depth are leaves beside it, and
+the k best nodes by path log-probability are verified: `best_nodes`), so they are deterministic and
+verification is exact for greedy and sampled requests alike (`verify.py`: a sampled request keeps drafts while
+they equal the tokens it samples).
 
 A prompt that reused cached KV blocks (prefix caching) has no target rows for that prefix: its draft entries
 there are read as the request that computed those blocks left them (the same tokens and model, when it had
@@ -58,8 +60,12 @@ class Eagle3Drafter:
 
     name = "eagle3"
 
-    def __init__(self, model: Eagle3Model, device: torch.device, model_name: str = "EAGLE-3 speculator") -> None:
+    def __init__(self, model: Eagle3Model, device: torch.device, model_name: str = "EAGLE-3 speculator",
+                 tree_width: int = 1) -> None:
+        if tree_width < 1:
+            raise ValueError(f"the draft tree width must be at least 1, got {tree_width}")
         self.model = model
+        self.tree_width = tree_width
         self.device = device
         self.model_name = model_name
         self.dtype = model.lm_head.dtype
@@ -128,9 +134,17 @@ class Eagle3Drafter:
         n0 = [r.num_tokens for r in requests]
         logits, state = self._catch_up(requests, [n - 1 - r.draft_cached for r, n in zip(requests, n0)])
         drafted: list[list[int]] = [[] for _ in requests]
+        levels: list[list[tuple[list[float], list[int]]]] = [[] for _ in requests]  # tree: each depth's top-w
         active = list(range(len(requests)))  # the requests whose next draft `logits` rows (in order) give
         for j in range(max(lengths)):
-            chosen = model.to_target(logits.argmax(dim=-1))  # [len(active)] target token ids
+            if self.tree_width > 1:
+                top = torch.log_softmax(logits, dim=-1).topk(min(self.tree_width, logits.shape[-1]), dim=-1)
+                ids = model.to_target(top.indices)  # [len(active), w] target token ids, best first
+                for i, values, row in zip(active, top.values.tolist(), ids.tolist()):
+                    levels[i].append((values, row))
+                chosen = ids[:, 0]
+            else:
+                chosen = model.to_target(logits.argmax(dim=-1))  # [len(active)] target token ids
             for i, token in zip(active, chosen.tolist()):
                 requests[i].token_ids[n0[i] + j] = token  # the buffer tail past num_tokens is free: drafts go there
                 drafted[i].append(token)
@@ -142,6 +156,8 @@ class Eagle3Drafter:
             step = build_step([requests[i] for i in active], [n0[i] - 1 + j for i in active], [1] * len(active),
                               self.device)
             logits, state = model(chosen[rows], state[rows], step.positions, kv, step.attn)
+        if self.tree_width > 1:
+            return [best_nodes(level, k) for level, k in zip(levels, lengths)]
         return [Draft(torch.tensor(t, dtype=torch.long)) for t in drafted]
 
     def _catch_up(self, requests: Sequence[RequestState], counts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,3 +183,28 @@ class Eagle3Drafter:
         over = [r for r in requests if sum(a.shape[0] for a in r.eagle_aux) > MAX_KEPT_ROWS]
         if over and self.kv_cache is not None:
             self._catch_up(over, [sum(a.shape[0] for a in r.eagle_aux) - 1 for r in over])
+
+
+def best_nodes(levels: Sequence[tuple[Sequence[float], Sequence[int]]], budget: int) -> Draft:
+    """The `budget` best nodes of the chain of top-1 tokens with, at each depth, the other top-w tokens as
+    leaves beside it (`levels[d]`: the log-probabilities and target tokens of depth d + 1, best first), scored by
+    the sum of the log-probabilities along their path; parents come before their children (a parent scores at
+    least as high; ties go to the shallower). A chain when the leaves lose.
+
+    >>> best_nodes([([-0.1, -2.5], [7, 9]), ([-0.2, -1.0], [8, 4])], 3).tokens.tolist()   # 7, 7-8, 7-4
+    [7, 8, 4]
+    """
+    nodes = []  # (score, depth, rank, token, parent node or -1)
+    path = 0.0
+    for depth, (values, tokens) in enumerate(levels):
+        parent = -1 if depth == 0 else (depth - 1) * len(values)  # the chain node of the depth above
+        for rank, (value, token) in enumerate(zip(values, tokens)):
+            nodes.append((path + value, depth, rank, token, parent))
+        path += values[0]
+    order = sorted(range(len(nodes)), key=lambda n: (-nodes[n][0], nodes[n][1], nodes[n][2]))[:budget]
+    position = {n: p for p, n in enumerate(order)}
+    tokens = torch.tensor([nodes[n][3] for n in order], dtype=torch.long)
+    parents = [position[nodes[n][4]] if nodes[n][4] >= 0 else -1 for n in order]
+    if parents == list(range(-1, len(order) - 1)):
+        return Draft(tokens)
+    return Draft(tokens, torch.tensor(parents, dtype=torch.long))
