@@ -56,6 +56,10 @@ class Metrics:
         self.request_count = counter("request_count", "Requests received", ["adapter"])
         self.request_success = counter("request_success", "Requests that completed", ["adapter"])
         self.request_failure = counter("request_failure", "Requests that failed, by error type", ["err", "adapter"])
+        # The base model's series of each kind exist from the start at 0, so `rate()` and `increase()` see the
+        # first failure of a kind (a series that appears with the value 1 has no increase to show).
+        for err in ("validation", "overloaded", "generation", "cancelled"):
+            self.request_failure.labels(err, "")
         self.batch_inference_count = counter("batch_inference_count", "Worker steps run", ["method"])
         self.batch_inference_success = counter("batch_inference_success", "Worker steps that succeeded", ["method"])
         self.batch_inference_failure = counter("batch_inference_failure", "Worker steps that failed", ["method"])

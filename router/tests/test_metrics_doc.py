@@ -126,7 +126,15 @@ def test_tgi_style_escapes_label_values():
     metrics = Metrics(prefix="tgi")
     metrics.request_failure.labels('a"b\\c\nd', "").inc(2)
     [family] = [f for f in text_string_to_metric_families(metrics.render().decode()) if f.name == "tgi_request_failure"]
-    assert [(s.labels, s.value) for s in family.samples] == [({"err": 'a"b\\c\nd', "adapter": ""}, 2.0)]
+    assert ({"err": 'a"b\\c\nd', "adapter": ""}, 2.0) in [(s.labels, s.value) for s in family.samples]
+
+
+def test_failure_series_of_the_base_model_start_at_zero():
+    """So `rate()` sees a kind's first failure (a series born at 1 shows no increase)."""
+    families = text_string_to_metric_families(Metrics().render().decode())
+    [family] = [f for f in families if f.name == "specula_request_failure"]
+    zeros = {s.labels["err"] for s in family.samples if s.name.endswith("_total") and s.value == 0}
+    assert zeros == {"validation", "overloaded", "generation", "cancelled"}
 
 
 def test_default_prefix_keeps_prometheus_client_names():
