@@ -147,7 +147,7 @@ class Admission:
                 if batch or prefill_tokens:
                     self._give_back(entry)
                     break
-                self._admit(entry)
+                self._leave_queue(entry)
                 return Admitted(long=entry)
             batch.append(entry)
             prefill_tokens += new_tokens
@@ -156,7 +156,7 @@ class Admission:
                 self._give_back(entry)
             return Admitted()
         for entry in batch:
-            self._admit(entry)
+            self._leave_queue(entry)
         self.metrics.batch_next_size.observe(len(batch))
         return Admitted(batch=batch)
 
@@ -181,7 +181,7 @@ class Admission:
         self.allocator.free(entry.blocks)
         entry.blocks, entry.num_cached_tokens = [], 0
 
-    def _admit(self, entry: Entry) -> None:
+    def _leave_queue(self, entry: Entry) -> None:
         """The head of the queue got its blocks: it leaves the queue (the scheduler decides its state)."""
         assert self.queue[0] is entry
         self.queue.popleft()

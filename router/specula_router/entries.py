@@ -58,12 +58,15 @@ class ErrorEvent:
 
 
 class EntryState(enum.IntEnum):
+    """A request's states in the order of its life; PREEMPTED leads back to PREFILLING (or RUNNING) on resuming,
+    and any state may end in DONE."""
+
     WAITING_ADAPTER = 0  # in its adapter's queue until the adapter is loaded
     QUEUED = 1  # in the FIFO
     PREFILLING = 2  # admitted, held by the workers, its prompt computed a chunk per step
     RUNNING = 3  # held by the workers, its prompt sent whole: it decodes every step
-    DONE = 4
-    PREEMPTED = 5  # its blocks were taken back: at the head of the FIFO, to resume with its tokens so far
+    PREEMPTED = 4  # its blocks were taken back: at the head of the FIFO, to resume with its tokens so far
+    DONE = 5
 
 
 @dataclass(eq=False)

@@ -127,7 +127,7 @@ class OpenAIRoutes:
                 prompt, grammar, fields = await self._chat_prompt(body)
                 params = self._parameters(body, body.max_completion_tokens if body.max_completion_tokens is not None
                                           else body.max_tokens, body.top_logprobs)
-                jobs = await self._admit(session, [prompt], params, body.n, body.stream, False, fields,
+                jobs = await self._admit_prompts(session, [prompt], params, body.n, body.stream, False, fields,
                                          greedy=_greedy(body), alternatives=body.logprobs, grammar=grammar)
             except OpenAIError as e:
                 return e.response()
@@ -190,7 +190,7 @@ class OpenAIRoutes:
             grammar = await self._check_grammar(self._built(from_openai_response_format, body.response_format))
             if body.echo and body.logprobs is not None and not body.stream:
                 params = params.model_copy(update={"decoder_input_details": True})
-            jobs = await self._admit(session, prompts, params, body.n, body.stream, True, _COMPLETION_FIELDS,
+            jobs = await self._admit_prompts(session, prompts, params, body.n, body.stream, True, _COMPLETION_FIELDS,
                                      greedy=_greedy(body), grammar=grammar)
         except OpenAIError as e:
             return e.response()
@@ -275,7 +275,7 @@ class OpenAIRoutes:
                       **_adapter(choice, body.adapter_source))
         return GenerateParameters.model_validate({k: v for k, v in fields.items() if v is not None})
 
-    async def _admit(self, session: RequestSession, prompts: list[str], params: GenerateParameters, n: int,
+    async def _admit_prompts(self, session: RequestSession, prompts: list[str], params: GenerateParameters, n: int,
                      stream: bool, add_special_tokens: bool, fields: dict[str, str], greedy: bool = False,
                      alternatives: bool = True, grammar: str = "") -> list[Job]:
         """Admits every prompt through `/generate`'s admission and submits `n` entries for each.

@@ -39,7 +39,7 @@ from specula_router.entries import Entry, EntryState, ErrorEvent, FinalEvent, To
 from specula_router.metrics import Metrics
 from specula_router.requests import ValidGenerateRequest
 from specula_router.step_messages import GenerationOut, StepResponse
-from specula_router.step_planner import StepPlan, StepPlanner
+from specula_router.step_planner import PlannedStep, StepPlanner
 
 __all__ = ["Entry", "EntryState", "ErrorEvent", "FinalEvent", "TokenOut", "TokensEvent", "Scheduler",
            "SchedulerConfig", "ShardUnresponsive"]
@@ -65,7 +65,7 @@ class ShardUnresponsive(Exception):
 @dataclass
 class _SentStep:
     pending: Awaitable[StepResponse]
-    plan: StepPlan
+    plan: PlannedStep
     sent_at: float
 
 
@@ -308,7 +308,7 @@ class Scheduler:
                 logger.exception("could not deliver the result of request %d", generation.request_id)
                 self._fail_held(entry, ErrorEvent(f"internal error: {type(e).__name__}: {e}", "internal", 500))
 
-    def _settle_preempted(self, plan: StepPlan) -> None:
+    def _settle_preempted(self, plan: PlannedStep) -> None:
         """The step that preempted these requests has answered, so has every step before it that ran them:
         their tokens are all known, and they may resume."""
         for entry in plan.preempted:

@@ -42,7 +42,7 @@ _UNENCODABLE = (ValueError, TypeError, OverflowError)
 
 
 @dataclass
-class StepPlan:
+class PlannedStep:
     finished: list[int] = field(default_factory=list)
     updates: dict[int, RequestUpdate] = field(default_factory=dict)
     new_requests: list[NewRequest] = field(default_factory=list)
@@ -85,12 +85,12 @@ class StepPlanner:
         size = self.allocator.block_size
         return max(size, self.config.max_batch_prefill_tokens // size * size)
 
-    def plan(self, steps_on_wire: int) -> StepPlan:
+    def plan(self, steps_on_wire: int) -> PlannedStep:
         """The next step, to be sent after the `steps_on_wire` steps sent and not yet answered."""
-        plan = StepPlan(finished=self.finish_again)
+        plan = PlannedStep(finished=self.finish_again)
         self._drop_cancelled(plan)
         self._grow(plan, steps_on_wire + 1)
-        self._admit(plan, steps_on_wire + 1, self._next_chunk(plan))
+        self._admit_from_queue(plan, steps_on_wire + 1, self._next_chunk(plan))
         plan.entries = list(self.running.values())
         return plan
 
@@ -106,7 +106,7 @@ class StepPlanner:
 
     # --- the four parts of a step -----------------------------------------------------------------------------
 
-    def _drop_cancelled(self, plan: StepPlan) -> None:
+    def _drop_cancelled(self, plan: PlannedStep) -> None:
         for entry in [e for e in self.running.values() if e.cancelled]:
             plan.finished.append(entry.id)
             self._finish(entry, entry.failure, False)  # a failure was sent when it happened
@@ -125,7 +125,7 @@ class StepPlanner:
             return 0
         return max(0, self.allocator.blocks_for(self._positions(entry, num_steps)) - len(entry.blocks))
 
-    def _grow(self, plan: StepPlan, num_steps: int) -> None:
+    def _grow(self, plan: PlannedStep, num_steps: int) -> None:
         """Gives every running request the blocks this step may write, oldest first; preempts the newest when
         the cache is full (possibly the request itself, when it is the newest)."""
         for entry in list(self.running.values()):
@@ -141,7 +141,7 @@ class StepPlanner:
                 if victim is entry:
                     break
 
-    def _preempt(self, entry: Entry, plan: StepPlan) -> None:
+    def _preempt(self, entry: Entry, plan: PlannedStep) -> None:
         logger.info("preempting request %d (%d tokens generated) to free %d blocks", entry.id,
                     len(entry.token_ids), len(entry.blocks))
         self.cache_written(entry)  # its resume finds them, unless others need the space first
@@ -157,7 +157,7 @@ class StepPlanner:
         self.admission.requeue(entry)
         self.metrics.request_preemptions.inc()
 
-    def _next_chunk(self, plan: StepPlan) -> int:
+    def _next_chunk(self, plan: PlannedStep) -> int:
         """Schedules the next chunk of the oldest prompt prefilled in chunks, returning its tokens; the last one
         yields its first token, and the request decodes from the next step on."""
         if not self.chunking:
@@ -175,7 +175,7 @@ class StepPlanner:
         plan.chunks.append((entry, entry.prefill_sent))
         return entry.prefill_sent - start
 
-    def _admit(self, plan: StepPlan, num_steps: int, chunk_tokens: int) -> None:
+    def _admit_from_queue(self, plan: PlannedStep, num_steps: int, chunk_tokens: int) -> None:
         if not self.running:
             admitted = self.admission.first()
         else:
@@ -187,7 +187,7 @@ class StepPlanner:
         self.waiting_steps = 1
         self._join(plan, admitted)
 
-    def _join(self, plan: StepPlan, admitted: Admitted) -> None:
+    def _join(self, plan: PlannedStep, admitted: Admitted) -> None:
         """Admitted requests join the step: a batch of whole prompts, or a long prompt's first chunk.
 
         A request the workers' message cannot encode (validation should have refused it) fails alone."""
