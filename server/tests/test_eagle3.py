@@ -483,6 +483,7 @@ def test_constrained_greedy_output_is_identical(llama_dir, checkpoints, plain):
     assert methods == {"eagle3", "grammar"}
 
 
+@pytest.mark.slow
 def test_two_ranks_draft_and_accept_the_same_tokens(llama_dir, checkpoints, tmp_path):
     """Tensor parallel: the draft layer whole on every rank, the target's states the full ones, the verifier's
     embedding (a checkpoint without its own) sharded: greedy and seeded sampled requests give the same tokens on
