@@ -173,7 +173,7 @@ class ReferenceDraft:
         for s in range(k - 1):
             token = out[-1].argmax() + self.d2t[out[-1].argmax()] if fed is None else fed[s]
             position = position + 1
-            logits, state = self.step(token.view(1), state, position, cache)
+            logits, state = self.step(torch.as_tensor(token).view(1), state, position, cache)
             out.append(logits[0])
         return torch.stack(out)
 
@@ -644,9 +644,53 @@ def test_specula_train_eagle3_learns_what_the_server_accepts(llama_dir, plain, t
     assert accepted > 0.5 * drafted, (accepted, drafted)
 
 
-def test_tree_drafts_hold_the_best_nodes_parents_first(checkpoints, llama_dir, model_config):
-    """Width w: the chain of top-1 tokens (the same as width 1) with the other top-w tokens of every depth as
-    leaves, the `k` best by path log-probability, parents first."""
+def reference_tree(reference: ReferenceDraft, aux, pairs, width: int, budget: int) -> tuple[list, list]:
+    """SGLang's top-W expansion computed from scratch: every path's logits from the reference's chain fed that
+    path; at each depth the W best nodes so far expand; the `budget` best of all nodes, parents first."""
+    nodes, frontier = [], [(-1, [])]  # nodes: (score, depth, token, parent); frontier: (node, its path)
+    positions = torch.arange(len(pairs))
+    for depth in range(1, budget + 1):
+        candidates = []
+        for parent, path in frontier:
+            logits = reference.chain(aux, pairs, positions, len(path) + 1, fed=path)[-1]
+            top = torch.log_softmax(logits, -1).topk(width)
+            base = nodes[parent][0] if parent >= 0 else 0.0
+            candidates += [(base + float(v), int(d + reference.d2t[d]), parent, path)
+                           for v, d in zip(top.values, top.indices)]
+        candidates.sort(key=lambda c: -c[0])
+        frontier = []
+        for rank, (score, token, parent, path) in enumerate(candidates):
+            nodes.append((score, depth, token, parent))
+            if rank < width and depth < budget:
+                frontier.append((len(nodes) - 1, path + [token]))
+        if not frontier:
+            break
+    best = sorted(range(len(nodes)), key=lambda n: (-nodes[n][0], nodes[n][1], n))[:budget]
+    where = {n: p for p, n in enumerate(best)}
+    return [nodes[n][2] for n in best], [where[nodes[n][3]] if nodes[n][3] >= 0 else -1 for n in best]
+
+
+@pytest.mark.parametrize("budget", [1, 3, 6])
+def test_tree_drafts_are_the_top_w_expansion(checkpoints, llama_dir, model_config, budget):
+    """Width 3, batched with a request of another length: each request's tree is the expansion from scratch
+    (the expanded nodes' draft entries in scratch slots, seeing the context and their own ancestors only)."""
+    torch.manual_seed(4)
+    model = drafter_for(checkpoints["two-layers"], llama_dir, model_config).model
+    tree = Eagle3Drafter(model, torch.device("cpu"), tree_width=3)
+    tree.allocate_kv_cache(16, 16)
+    reference = ReferenceDraft(checkpoints["two-layers"])
+    specs = [(torch.randint(0, 512, (n,)), torch.randn(n - 1, model.fc.shape[1])) for n in (9, 5)]
+    drafts = tree.draft([fake_request(t, a, b) for (t, a), b in zip(specs, ([0, 1], [2, 3]))], [budget, 2])
+    for (tokens, aux), draft, k in zip(specs, drafts, (budget, 2)):
+        expected_tokens, expected_parents = reference_tree(reference, aux, tokens[1:], 3, k)
+        assert draft.tokens.tolist() == expected_tokens
+        assert draft.node_parents() == expected_parents
+
+
+def test_leaves_only_trees_when_scratch_runs_out(checkpoints, llama_dir, model_config, monkeypatch):
+    """Without scratch slots for the step: the top-1 chain with the other top-W tokens of every depth as
+    leaves, the best `k` nodes, parents first."""
+    monkeypatch.setattr(eagle3_drafter, "SCRATCH_SLOTS", 0)
     torch.manual_seed(4)
     chain = drafter_for(checkpoints["two-layers"], llama_dir, model_config)
     tree = Eagle3Drafter(chain.model, torch.device("cpu"), tree_width=3)

@@ -23,8 +23,8 @@ keeps stays bounded. A request that turned speculation off keeps none.
 
 The chain's entries (slots N - 1 ..) are never marked cached: after verification the next catch-up rewrites
 them from the target's states for the tokens it accepted. Drafts are the draft layer's argmax for every
-request (with a tree width W > 1 the chain's other top-W candidates of every depth are leaves beside it, and
-the k best nodes by path log-probability are verified: `best_nodes`), so they are deterministic and
+request (with a tree width W > 1, trees by top-W expansion, `_expand`; leaves-only trees, `best_nodes`, when a
+step would need more scratch slots than there are), so they are deterministic and
 verification is exact for greedy and sampled requests alike (`verify.py`: a sampled request keeps drafts while
 they equal the tokens it samples).
 
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import torch
 
@@ -48,6 +49,7 @@ from specula_server.speculation.eagle3 import Eagle3Model
 
 logger = logging.getLogger("specula.speculation")
 
+SCRATCH_SLOTS = 4096  # draft KV slots for expanded tree nodes (a step needing more drafts leaves-only trees)
 MAX_KEPT_ROWS = 64  # a request's target rows kept between drafts before the draft layer runs over them anyway
 
 
@@ -83,10 +85,15 @@ class Eagle3Drafter:
         return KVCache.bytes_per_block(cfg.num_layers, self.model.num_kv_heads, cfg.head_dim, block_size, self.dtype)
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        """The blocks the router hands out, and, for trees, `SCRATCH_SLOTS` more past them for the entries of
+        expanded tree nodes (several per position, so not in any request's blocks)."""
         self.kv_cache = None
         cfg = self.model.spec.layer
-        self.kv_cache = KVCache.allocate(num_blocks, block_size, cfg.num_layers, self.model.num_kv_heads,
-                                         cfg.head_dim, self.dtype, self.device)
+        scratch_blocks = -(-SCRATCH_SLOTS // block_size) if self.tree_width > 1 else 0
+        self.kv_cache = KVCache.allocate(num_blocks + scratch_blocks, block_size, cfg.num_layers,
+                                         self.model.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.scratch = torch.arange(num_blocks * block_size, (num_blocks + scratch_blocks) * block_size,
+                                    device=self.device)
 
     def release_kv_cache(self) -> None:
         self.kv_cache = None
@@ -133,6 +140,8 @@ class Eagle3Drafter:
         model, kv = self.model, self.kv_cache.layers
         n0 = [r.num_tokens for r in requests]
         logits, state = self._catch_up(requests, [n - 1 - r.draft_cached for r, n in zip(requests, n0)])
+        if self.tree_width > 1 and len(requests) * self.tree_width * (max(lengths) - 1) <= len(self.scratch):
+            return self._expand(requests, lengths, logits, state)
         drafted: list[list[int]] = [[] for _ in requests]
         levels: list[list[tuple[list[float], list[int]]]] = [[] for _ in requests]  # tree: each depth's top-w
         active = list(range(len(requests)))  # the requests whose next draft `logits` rows (in order) give
@@ -159,6 +168,51 @@ class Eagle3Drafter:
         if self.tree_width > 1:
             return [best_nodes(level, k) for level, k in zip(levels, lengths)]
         return [Draft(torch.tensor(t, dtype=torch.long)) for t in drafted]
+
+    def _expand(self, requests: Sequence[RequestState], lengths: Sequence[int], logits: torch.Tensor,
+                state: torch.Tensor) -> list[Draft]:
+        """Trees by top-W expansion (SGLang's): at each depth every request's W best nodes so far run the draft
+        layer (their entries in scratch slots, seeing the context and their own ancestors), each offers its
+        top-W tokens as children, and of all nodes made the `lengths[i]` best by path log-probability are
+        verified, parents first (a child never scores above its parent; ties go to the shallower)."""
+        model, w = self.model, self.tree_width
+        n0 = [r.num_tokens for r in requests]
+        # Every node made: (score, depth, request, token, parent node); the frontier: nodes to run, with the
+        # state their entry reads and their ancestors' scratch slots.
+        nodes: list[tuple[float, int, int, int, int]] = []
+        frontier = [(-1, i, state[i], []) for i in range(len(requests))]  # the roots: the catch-up's last rows
+        rows_logits, used = logits, 0
+        for depth in range(1, max(lengths) + 1):
+            top = torch.log_softmax(rows_logits, dim=-1).topk(min(w, rows_logits.shape[-1]), dim=-1)
+            ids = model.to_target(top.indices).tolist()
+            offered: dict[int, list[tuple[float, int, int, int]]] = {}  # request -> (score, token, parent, row)
+            for row, ((parent, i, _, _), values, tokens) in enumerate(zip(frontier, top.values.tolist(), ids)):
+                base = nodes[parent][0] if parent >= 0 else 0.0
+                offered.setdefault(i, []).extend((base + v, t, parent, row) for v, t in zip(values, tokens))
+            next_frontier = []
+            for i, candidates in offered.items():
+                candidates.sort(key=lambda c: -c[0])
+                for rank, (score, token, parent, row) in enumerate(candidates):
+                    nodes.append((score, depth, i, token, parent))
+                    if rank < w and depth < lengths[i]:  # the best W go deeper, reading their parent's state
+                        _, _, parent_state, path = frontier[row]
+                        next_frontier.append((len(nodes) - 1, i, parent_state, path))
+            if not next_frontier:
+                break
+            # Each runs at position n - 2 + depth in a scratch slot of its own, seeing the context and its path.
+            slots = self.scratch[used : used + len(next_frontier)]
+            used += len(next_frontier)
+            views = [SimpleNamespace(token_ids=requests[i].token_ids,
+                                     slots=torch.cat([requests[i].slots[: n0[i] - 1], *path, slot[None]]))
+                     for (_, i, _, path), slot in zip(next_frontier, slots)]
+            starts = [n0[i] - 2 + depth for _, i, _, _ in next_frontier]
+            step = build_step(views, starts, [1] * len(views), self.device)
+            tokens = torch.tensor([nodes[node][3] for node, *_ in next_frontier], device=self.device)
+            states = torch.stack([st for _, _, st, _ in next_frontier])
+            rows_logits, out_state = model(tokens, states, step.positions, self.kv_cache.layers, step.attn)
+            frontier = [(node, i, out_state[j], path + [slot[None]])
+                        for j, ((node, i, _, path), slot) in enumerate(zip(next_frontier, slots))]
+        return [_best_of(nodes, i, k) for i, k in enumerate(lengths)]
 
     def _catch_up(self, requests: Sequence[RequestState], counts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Runs the draft layer over the next `counts[i] >= 1` slots from `draft_cached` of each request, with
@@ -206,5 +260,17 @@ def best_nodes(levels: Sequence[tuple[Sequence[float], Sequence[int]]], budget: 
     tokens = torch.tensor([nodes[n][3] for n in order], dtype=torch.long)
     parents = [position[nodes[n][4]] if nodes[n][4] >= 0 else -1 for n in order]
     if parents == list(range(-1, len(order) - 1)):
+        return Draft(tokens)
+    return Draft(tokens, torch.tensor(parents, dtype=torch.long))
+
+
+def _best_of(nodes: Sequence[tuple[float, int, int, int, int]], request: int, budget: int) -> Draft:
+    """Request `request`'s `budget` best nodes of `nodes` (score, depth, request, token, parent), parents first."""
+    mine = sorted((n for n in range(len(nodes)) if nodes[n][2] == request),
+                  key=lambda n: (-nodes[n][0], nodes[n][1], n))[:budget]
+    position = {n: p for p, n in enumerate(mine)}
+    parents = [position[nodes[n][4]] if nodes[n][4] >= 0 else -1 for n in mine]
+    tokens = torch.tensor([nodes[n][3] for n in mine], dtype=torch.long)
+    if parents == list(range(-1, len(mine) - 1)):
         return Draft(tokens)
     return Draft(tokens, torch.tensor(parents, dtype=torch.long))
