@@ -14,4 +14,6 @@ if python -m pip install -q "setuptools>=61" wheel numpy nanobind==2.9.2 cmake n
 else
     echo "scripts/test.sh: arctic-inference did not build; suffix decoding will use its Python trees" >&2
 fi
+# Lint first (the rules are pyproject.toml's [tool.ruff]): a finding fails the run like a failing test.
+python -m ruff check .
 python -m pytest -q "$@"

@@ -33,7 +33,14 @@ from specula_server.kv_cache import KVCache, slots_for_blocks
 from specula_server.models.llama import LlamaForCausalLM
 from specula_server.nonfinite import failure, kept_rows, nonfinite_requests
 from specula_server.request import (
-    InvalidRequestError, RequestSpec, RequestState, RequestUpdate, StepOutput, StepPlan, TokenInfo, check_spec,
+    InvalidRequestError,
+    RequestSpec,
+    RequestState,
+    RequestUpdate,
+    StepOutput,
+    StepPlan,
+    TokenInfo,
+    check_spec,
 )
 from specula_server.sampling import Sampler, SampleResult, SamplingRow
 from specula_server.speculation.controller import AcceptancePriors, StepCostModel

@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 ACCEPTANCE_DECAY = 0.8  # per drafting step, the weight of earlier trials in the acceptance estimate
 OVERHEAD_DECAY = 0.98  # per declined step, the fraction of the verification cost estimate kept

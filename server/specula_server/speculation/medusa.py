@@ -18,8 +18,7 @@ Drafts are deterministic functions of the context, so verification stays exact (
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

@@ -49,8 +49,9 @@ class SpeculationConfig:
 
     `draft_model`, when the server drafts with a draft model or an EAGLE-3 speculator, is that drafter (also
     reachable through `drafter`, which may be a composite): the generator sizes and allocates its KV cache
-    beside the target's and asks it for the tokens of the pending drafts it proposed. `grammar_drafts`: constrained requests draft the
-    tokens their grammar forces (see `grammar.py`); off only to measure what they bring."""
+    beside the target's and asks it for the tokens of the pending drafts it proposed. `grammar_drafts`:
+    constrained requests draft the tokens their grammar forces (see `grammar.py`); off only to measure what they
+    bring."""
 
     drafter: Drafter
     max_tokens: int
@@ -235,7 +236,8 @@ class Speculator:
         # Timed up to the accepted tokens, as plain steps are up to their sampled ones: drawing and checking a
         # token at every verified position is part of what a draft costs (a sampling request's rows most of all).
         num_drafted = sum(len(d) for d in plan.drafts)
-        self.step_cost.observe_speculative(num_sequences, self.agreed_seconds(time.perf_counter_ns() - start_ns), num_drafted)
+        seconds = self.agreed_seconds(time.perf_counter_ns() - start_ns)
+        self.step_cost.observe_speculative(num_sequences, seconds, num_drafted)
         compact_accepted_paths(kv_cache, reqs, plan.drafts, verdicts)
         return verdicts, processed
 

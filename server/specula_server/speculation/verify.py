@@ -28,8 +28,8 @@ greedy request's argmax is that of its biased logits, as without drafts.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -21,8 +21,8 @@ import logging
 import random
 import time
 import typing
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 import typer
@@ -40,14 +40,14 @@ def _common(  # the options every command shares (see `_command`)
                                  help="Prompt file: JSON lines ({\"prompt\": ...} or strings) or one prompt per line."),
     output: Path = typer.Option(..., "--output", envvar="OUTPUT_DIR", file_okay=False,
                                 help="Directory the checkpoint is written to."),
-    revision: Optional[str] = typer.Option(None, envvar="REVISION", help="Hub revision of the base model."),
+    revision: str | None = typer.Option(None, envvar="REVISION", help="Hub revision of the base model."),
     device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu", envvar="DEVICE",
                                help="cpu or cuda."),
-    dtype: Optional[str] = typer.Option(None, envvar="DTYPE",
+    dtype: str | None = typer.Option(None, envvar="DTYPE",
                                         help="Base model dtype: float32 (CPU default), bfloat16 (CUDA default)."),
-    save_dtype: Optional[str] = typer.Option(None, envvar="SAVE_DTYPE",
+    save_dtype: str | None = typer.Option(None, envvar="SAVE_DTYPE",
                                              help="Checkpoint dtype (default: the base model's)."),
-    max_prompts: Optional[int] = typer.Option(None, envvar="MAX_PROMPTS", min=1, help="Use the first N prompts."),
+    max_prompts: int | None = typer.Option(None, envvar="MAX_PROMPTS", min=1, help="Use the first N prompts."),
     max_input_tokens: int = typer.Option(512, envvar="MAX_INPUT_TOKENS", min=1,
                                          help="Prompts are cut to their last N tokens."),
     max_new_tokens: int = typer.Option(128, envvar="MAX_NEW_TOKENS", min=8,
@@ -62,7 +62,7 @@ def _common(  # the options every command shares (see `_command`)
     batch_size: int = typer.Option(16, envvar="BATCH_SIZE", min=1, help="Samples per training step."),
     lr: float = typer.Option(1e-3, envvar="LR", min=0.0, help="Peak learning rate (AdamW, cosine decay)."),
     seed: int = typer.Option(0, envvar="SEED", help="Seeds the split, the shuffling and the initialisation."),
-    samples_cache: Optional[Path] = typer.Option(
+    samples_cache: Path | None = typer.Option(
         None, envvar="SAMPLES_CACHE", dir_okay=False,
         help="File keeping the generated continuations: reused when it exists and was made with the same model, "
              "prompts and generation settings (to train several speculators on one generation)."),
@@ -90,9 +90,10 @@ def _command(func: Callable[..., None]) -> Callable[..., None]:
 
 def _prepare(args: dict):
     """Loads the base model, self-distills the prompts and splits them; returns what the trainers need."""
-    from specula_server.params import SamplingParams
-    from specula_server.server import DTYPES as SERVER_DTYPES, ServerConfig, load_generator
     from specula_server.distributed import ShardGroup
+    from specula_server.params import SamplingParams
+    from specula_server.server import DTYPES as SERVER_DTYPES
+    from specula_server.server import ServerConfig, load_generator
     from specula_server.training.data import HiddenStates, Sample, generate_samples, read_prompts
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -189,7 +190,7 @@ def medusa(
 def mlp(
     n_predict: int = typer.Option(3, "--n-predict", envvar="MLP_N_PREDICT", min=1, max=10,
                                   help="Stages: stage i guesses the token i + 1 places after the last one."),
-    inner_dim: Optional[int] = typer.Option(None, "--inner-dim", envvar="MLP_INNER_DIM", min=8,
+    inner_dim: int | None = typer.Option(None, "--inner-dim", envvar="MLP_INNER_DIM", min=8,
                                             help="Width of the speculator's state (default: the model's hidden size)."),
     tie_weights: bool = typer.Option(False, "--tie-weights/--no-tie-weights", envvar="MLP_TIE_WEIGHTS",
                                      help="Share embedding, norm and head over the stages (a much smaller file)."),
@@ -227,7 +228,7 @@ def eagle3(
     draft_vocab_size: int = typer.Option(32000, "--draft-vocab-size", envvar="EAGLE3_DRAFT_VOCAB_SIZE", min=2,
                                          help="Draft vocabulary: the tokens most frequent in the continuations "
                                               "(at most the model's vocabulary)."),
-    layer_ids: Optional[str] = typer.Option(None, "--layer-ids", envvar="EAGLE3_LAYER_IDS",
+    layer_ids: str | None = typer.Option(None, "--layer-ids", envvar="EAGLE3_LAYER_IDS",
                                             help="Target layers whose outputs the drafter reads, comma-separated "
                                                  "(default: 2, L // 2, L - 3 of an L-layer model, or its last "
                                                  "three for a shallow one)."),
