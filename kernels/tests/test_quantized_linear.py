@@ -219,6 +219,7 @@ def test_a_failing_build_leaves_the_pytorch_kernels_with_the_reason(monkeypatch,
 
     monkeypatch.setattr(native, "_tried", False)
     monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_reason", None)  # restored after, with the others: later tests see the real one
     monkeypatch.setenv("SPECULA_KERNEL_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "false-compiler"))
     (tmp_path / "false-compiler").write_text('#!/bin/sh\n[ "$1" = --version ] && { echo fake 1.0; exit 0; }\n'
