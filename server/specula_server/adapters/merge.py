@@ -118,7 +118,9 @@ def _merge_products(present: Present, strategy: str, spec: MergeSpec, generator:
     """PEFT's `_svd_generalized_task_arithmetic_weighted_adapter`: the products merged, then cut to `rank`."""
     deltas = [(ab[1] @ ab[0]) * s for _, s, ab in present]  # [out, in] each, as PEFT's get_delta_weight
     delta = combine(deltas, [w for w, _, _ in present], strategy, spec, generator)
-    u, singular, vh = torch.linalg.svd(delta, full_matrices=True)
+    # The reduced SVD: its first `rank` vectors are PEFT's (full_matrices=True) to float32 rounding, at half the
+    # time, since the full one also builds the [out, out] basis nothing reads.
+    u, singular, vh = torch.linalg.svd(delta, full_matrices=False)
     return vh[:rank, :], u[:, :rank] @ torch.diag(singular[:rank])  # A [rank, in], B [out, rank]
 
 
