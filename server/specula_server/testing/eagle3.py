@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from specula_server.training.eagle3 import eagle3_config
+
 SPECULATORS_SCRIPT = Path(__file__).with_name("speculators_eagle3.py")
 
 
@@ -82,31 +84,10 @@ def build_eagle3(
     for a in range(num_aux if fc_norm else 0):
         tensors[f"fc_norm.{a}.weight"] = norm(hidden)
     save_file({k: v.contiguous() for k, v in tensors.items()}, out_dir / "model.safetensors", metadata={"format": "pt"})
-    layer_config = {k: v for k, v in verifier.items() if k not in ("transformers_version",)}
-    layer_config["num_hidden_layers"] = num_layers
-    config = {
-        "architectures": ["Eagle3DraftModel"],
-        "draft_vocab_size": draft_vocab,
-        "dtype": "float32",
-        "eagle_aux_hidden_state_layer_ids": list(layer_ids) if layer_ids is not None else None,
-        "embed_requires_grad": False,
-        "fc_norm": fc_norm,
-        "norm_before_fc": norm_before_fc,
-        "norm_before_residual": norm_before_residual,
-        "norm_output": norm_output,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "default_proposal_method": "greedy",
-            "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy", "speculative_tokens": 3,
-                                  "verifier_accept_k": 1}],
-            "verifier": {"architectures": verifier.get("architectures") or [], "name_or_path": str(verifier_dir)},
-        },
-        "speculators_model_type": "eagle3",
-        "speculators_version": "0.9.0",
-        "target_hidden_size": None,
-        "tie_word_embeddings": False,
-        "transformer_layer_config": layer_config,
-    }
+    layer = {k: v for k, v in verifier.items() if k not in ("transformers_version",)}
+    config = eagle3_config(layer, verifier["architectures"][0], str(verifier_dir), draft_vocab, layer_ids,
+                           num_layers=num_layers, norm_before_residual=norm_before_residual,
+                           norm_before_fc=norm_before_fc, fc_norm=fc_norm, norm_output=norm_output)
     config.update(config_changes or {})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir
