@@ -13,9 +13,8 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from test_model_parity import reference_greedy
-from test_tensor_parallel import free_port
+from test_tensor_parallel import spawn_ranks
 
 from specula_server.adapters.lora import read_lora
 from specula_server.adapters.merge import MergeSpec, combine, merge_lora
@@ -215,16 +214,7 @@ def _rank_main(rank, world_size, port, model_dir, adapters, queue) -> None:
 
 
 def test_two_ranks_merge_alike_and_match_peft(llama_dir, adapters, references):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, port, llama_dir, adapters, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    results = spawn_ranks(_rank_main, 2, llama_dir, adapters, timeout=300)
     for rank in (0, 1):
         for key, tokens in results[rank].items():
             assert tokens == references[key][0], (rank, key)

@@ -33,7 +33,7 @@ def run_requests(model_dir, group=None, grammar: str = "", prompts=PROMPTS, max_
     return results
 
 
-def _rank_main(rank: int, world_size: int, port: int, model_dir, queue, settings) -> None:
+def _rank_main(rank: int, world_size: int, port: int, model_dir, settings, queue) -> None:
     from specula_server.distributed import init_distributed
 
     torch.set_num_threads(1)
@@ -63,21 +63,26 @@ def run_two_ranks(model_dir: Path, settings: dict) -> dict[int, object]:
     return run_ranks(model_dir, settings, world_size=2)
 
 
-def run_ranks(model_dir: Path, settings: dict, world_size: int) -> dict[int, object]:
-    """`run_requests(**settings)` on `world_size` spawned tensor-parallel ranks over gloo; each rank's result by
-    rank."""
+def spawn_ranks(target, world_size: int, *args, timeout: float = 300) -> dict[int, object]:
+    """`target(rank, world_size, port, *args, queue)` on `world_size` spawned processes, which join one gloo group
+    on `port`; each puts `(rank, result)` on `queue`. Returns the results by rank once every process exited 0."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, model_dir, queue, settings))
-             for r in range(world_size)]
+    procs = [ctx.Process(target=target, args=(r, world_size, port, *args, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
-    results = dict(queue.get(timeout=300) for _ in procs)
+    results = dict(queue.get(timeout=timeout) for _ in procs)
     for p in procs:
         p.join(timeout=30)
         assert p.exitcode == 0
     return results
+
+
+def run_ranks(model_dir: Path, settings: dict, world_size: int) -> dict[int, object]:
+    """`run_requests(**settings)` on `world_size` spawned tensor-parallel ranks over gloo; each rank's result by
+    rank."""
+    return spawn_ranks(_rank_main, world_size, model_dir, settings)
 
 
 @pytest.mark.parametrize("kind,settings", [
