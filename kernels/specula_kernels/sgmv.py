@@ -235,9 +235,9 @@ def _launch(
     # programs cover every segment; the spare ones find no segment and return.
     rows_per_segment = n // max(num_segments, 1)
     block_m = 64 if rows_per_segment >= 64 else 32 if rows_per_segment >= 32 else 16
-    block_n = min(128, max(16, _next_power_of_2(d_out)))  # shrink: the whole rank in one tile
-    block_k = min(64, max(16, _next_power_of_2(d_in)))  # expand: the whole rank in one step
-    grid = (n // block_m + num_segments, _cdiv(d_out, block_n))
+    block_n = min(128, max(16, next_power_of_2(d_out)))  # shrink: the whole rank in one tile
+    block_k = min(64, max(16, next_power_of_2(d_in)))  # expand: the whole rank in one step
+    grid = (n // block_m + num_segments, cdiv(d_out, block_n))
     # The interpreter multiplies bfloat16 tiles as their raw bits; products of bfloat16 values are exact in
     # float32, so upcasting there computes the same sums the GPU's bfloat16 dot does.
     upcast_bf16 = not x.is_cuda and x.dtype == torch.bfloat16
@@ -248,18 +248,18 @@ def _launch(
             num_segments, d_in, d_out,
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
             out.stride(0), out.stride(1),
-            SEG_BLOCK=max(16, _next_power_of_2(num_segments)), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            SEG_BLOCK=max(16, next_power_of_2(num_segments)), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
             INPUT_PRECISION=input_precision, UPCAST_BF16=upcast_bf16,
             enable_fp_fusion=True,  # Triton's default today, stated so that it neither warns nor changes under us
         )
     return out
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _next_power_of_2(v: int) -> int:
+def next_power_of_2(v: int) -> int:
     return 1 << max(v - 1, 0).bit_length()
 
 

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from specula_kernels.sgmv import triton_available
+from specula_kernels.sgmv import cdiv, next_power_of_2, triton_available
 
 # Query rows per sequence this kernel serves (decode, verification of up to 15 drafts); longer spans are prompts.
 MAX_QUERY = 16
@@ -156,10 +156,10 @@ def _launch(query, key_cache, value_cache, block_table, query_rows, query_valid,
     if num_seqs == 0 or max_query == 0:
         return
     rows = max_query * group
-    block_m = min(64, max(16, _next_power_of_2(rows)))  # tl.dot takes 16 rows at least
-    block_d = max(16, _next_power_of_2(head_dim))
+    block_m = min(64, max(16, next_power_of_2(rows)))  # tl.dot takes 16 rows at least
+    block_d = max(16, next_power_of_2(head_dim))
     block_n = 64 if block_d <= 64 else 32  # keeps a key tile and a value tile in registers at head_dim 128-256
-    grid = (num_seqs, num_kv_heads, _cdiv(rows, block_m))
+    grid = (num_seqs, num_kv_heads, cdiv(rows, block_m))
     # The interpreter multiplies bfloat16 tiles as their raw bits (as sgmv.py notes); float32 products of them
     # are exact, so upcasting there gives the sums the GPU's bfloat16 dot does.
     upcast = not query.is_cuda and query.dtype != torch.float32
@@ -179,14 +179,6 @@ def _launch(query, key_cache, value_cache, block_table, query_rows, query_valid,
             BLOCK_D=block_d, UPCAST=upcast, INPUT_PRECISION=input_precision,
             enable_fp_fusion=True,
         )
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_power_of_2(v: int) -> int:
-    return 1 << max(v - 1, 0).bit_length()
 
 
 @functools.cache
