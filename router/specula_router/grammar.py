@@ -568,23 +568,30 @@ class GrammarChecker:
         matcher = llguidance.LLMatcher(self.lltokenizer(), grammar, log_level=0)
         if matcher.is_error():
             return f"does not compile: {_first_lines(matcher.get_error())}"
-        message = self._walk(matcher)
+        # The walk stops at the time limit too: the waiting request is answered then, and a thread still busy with
+        # an abandoned grammar would hold up the next ones.
+        deadline = time.monotonic() + self.timeout_s
+        message = self._walk(matcher, deadline)
         if message:
             return message
         for pattern in _schema_patterns(grammar)[:MAX_PROBED_PATTERNS]:
             alone = llguidance.LLMatcher(self.lltokenizer(), json_schema_grammar(
                 {"type": "string", "pattern": _anchored(pattern)}, "pattern").text, log_level=0)
-            message = "" if alone.is_error() else self._walk(alone)  # a form it cannot take alone: not probed
-            if message.startswith("cannot be enforced"):
+            message = "" if alone.is_error() else self._walk(alone, deadline)  # a form it cannot take alone: skip
+            if message.startswith(_TIMED_OUT):
+                return message
+            if message.startswith("cannot be enforced"):  # not "never satisfied": an optional property's may be
                 return f"{message} (the pattern {_shown(pattern)})"
         return ""
 
-    def _walk(self, matcher: llguidance.LLMatcher) -> str:
+    def _walk(self, matcher: llguidance.LLMatcher, deadline: float) -> str:
         """Follows the longest allowed token (the most lexer work) for up to `PROBE_STEPS` positions, computing
         the forced tokens and the mask at each, as a worker does; "" when nothing failed (see `_probe`)."""
         lengths = self.token_lengths()
         ends = np.asarray(self.lltokenizer().eos_tokens, dtype=np.int64)
         for step in range(PROBE_STEPS):
+            if time.monotonic() > deadline:
+                return f"{_TIMED_OUT} {self.timeout_s:g} s (--grammar-compile-timeout)"
             start = time.perf_counter()
             matcher.compute_ff_tokens()  # what the worker drafts for free: it has limits of its own
             bitmask = matcher.compute_bitmask()

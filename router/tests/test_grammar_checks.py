@@ -599,6 +599,13 @@ def test_grammars_that_cannot_be_enforced_are_422_at_admission(tokenizer, parame
     assert state.in_flight == 0 and state.client.prefilled == []
 
 
+def test_the_walk_stops_at_the_time_limit(tokenizer):
+    """A walk past --grammar-compile-timeout stops there, leaving the checking thread free for the next grammar."""
+    checker = g.GrammarChecker(tokenizer, timeout_s=1e-6)
+    message = checker._validate(g.regex_grammar("[a-z]+", "grammar.value").text)
+    assert message == "did not compile within 1e-06 s (--grammar-compile-timeout)"
+
+
 def test_a_pattern_that_cannot_be_enforced_is_400_on_the_openai_routes(tokenizer):
     schema = {"name": "s", "schema": {"type": "object", "properties": {"a": {"type": "string",
                                                                                "pattern": "^a{1000000}$"}}}}
