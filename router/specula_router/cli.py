@@ -160,7 +160,7 @@ async def run(config: RouterConfig) -> int:
     from specula_router.adapters import AdapterManager
     from specula_router.block_allocator import BlockAllocator
     from specula_router.client import ShardedClient
-    from specula_router.grammar import GrammarChecker
+    from specula_router.grammar_check import GrammarChecker
     from specula_router.lifecycle import DRAIN_CUT_EXIT_CODE, DrainingServer
     from specula_router.metrics import Metrics
     from specula_router.openai_models import OpenAISettings

@@ -34,50 +34,41 @@ Each call object is `{"name": {"const": f}, "arguments": <f's parameters schema>
 functions: `required` allows one or more calls of any tool (one for Llama, and for bare Hermes objects), a named
 function exactly one call of it. Llama's optional `<|python_tag|>` is not written.
 
-`GrammarChecker` runs `LLMatcher.validate_grammar` on a thread of its own, under a wall-clock limit, then walks
-the grammar's first positions as a worker would (`_probe`: limits that trip only once tokens are consumed, masks
-too slow to compute, grammars that accept nothing or only an empty answer), and keeps the results (errors
-included) of the last 256 distinct grammars, so a repeated grammar costs a dict lookup.
+This module builds the grammars; `grammar_check.py` checks them against the tokenizer at admission.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import threading
-import time
-from collections import OrderedDict
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
 import llguidance
-import numpy as np
 import tokenizers
 
 __all__ = [
-    "DEFAULT_GRAMMAR_COMPILE_TIMEOUT",
     "DEFAULT_MAX_GRAMMAR_BYTES",
     "HERMES",
     "LLAMA",
     "MISTRAL",
     "Grammar",
-    "GrammarChecker",
     "GrammarError",
+    "first_lines",
     "from_generate_parameters",
     "from_openai_response_format",
     "generate_parameters_field",
     "json_schema_grammar",
     "regex_grammar",
+    "shown",
+    "special_token_texts",
     "tool_call_format",
     "tool_call_grammar",
 ]
 
 DEFAULT_MAX_GRAMMAR_BYTES = 65536
-DEFAULT_GRAMMAR_COMPILE_TIMEOUT = 10.0
 # Compact JSON: no whitespace between tokens, so structure is forced (see the module docstring).
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
@@ -85,11 +76,6 @@ ANY_OBJECT: dict[str, Any] = {"type": "object"}
 NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 HERMES, MISTRAL, LLAMA = "hermes", "mistral", "llama"
 _ERROR_LINES, _ERROR_CHARS = 4, 400
-_TIMED_OUT = "did not compile within"
-# The admission probe (`GrammarChecker._probe`): positions walked, and the slowest token mask a grammar may need.
-PROBE_STEPS = 8
-MAX_MASK_SECONDS = 1.0
-MAX_PROBED_PATTERNS = 64
 _LISTING = re.compile(r"^\d+ \|")  # a numbered grammar line in llguidance's messages
 
 
@@ -135,7 +121,7 @@ def json_schema_grammar(schema: object, field: str, max_bytes: int = DEFAULT_MAX
         schema = without_ref_cycles(schema)
         return Grammar(llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS), field)
     except Exception as e:  # ValueError; RecursionError for a schema nested past Python's limit
-        raise GrammarError(f"`{field}` is not a valid JSON schema: {_first_lines(str(e))}", field) from None
+        raise GrammarError(f"`{field}` is not a valid JSON schema: {first_lines(str(e))}", field) from None
 
 
 # Keys that do not constrain a value: a schema of these and `$ref` alone is its reference's constraint.
@@ -284,7 +270,7 @@ def _tgi_grammar(grammar: Mapping[str, Any], max_bytes: int) -> Grammar:
         return json_schema_grammar(value, "grammar.value", max_bytes)
     if kind == "json_object":
         return json_schema_grammar(ANY_OBJECT if value is None else value, "grammar.value", max_bytes)
-    raise GrammarError(f"`grammar.type` must be one of json, json_object, regex. Given: {_shown(kind)}",
+    raise GrammarError(f"`grammar.type` must be one of json, json_object, regex. Given: {shown(kind)}",
                        "grammar.type")
 
 
@@ -292,7 +278,7 @@ def _response_format(response_format: Mapping[str, Any], max_bytes: int, name_re
     kind = response_format.get("type")
     if kind not in ("text", "json_object", "json_schema"):
         raise GrammarError(f"`response_format.type` must be one of text, json_object, json_schema. Given: "
-                           f"{_shown(kind)}", "response_format.type")
+                           f"{shown(kind)}", "response_format.type")
     # Every key the API documents is checked whatever the type, so a mistyped one is never silently ignored.
     schema = response_format.get("schema")
     if schema is not None and not isinstance(schema, (dict, str)):
@@ -355,7 +341,7 @@ def tool_call_grammar(tools: Sequence[Mapping[str, Any]], tool_choice: str | Map
     else:
         name = ((tool_choice or {}).get("function") or {}).get("name") if isinstance(tool_choice, Mapping) else None
         if name not in functions:
-            raise GrammarError(f"`tool_choice` names a function that is not in `tools`: {_shown(name)}",
+            raise GrammarError(f"`tool_choice` names a function that is not in `tools`: {shown(name)}",
                                "tool_choice")
         names, several = [name], False
     if not names:
@@ -408,48 +394,13 @@ def _dumps(value: object) -> str:
         raise GrammarError(f"a schema that cannot be written as JSON: {e}", "grammar") from None
 
 
-def _shown(value: object) -> str:
+def shown(value: object) -> str:
+    """`repr(value)`, cut to 60 characters, for an error message."""
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _schema_patterns(grammar: str) -> list[str]:
-    """The distinct `pattern` strings of the JSON schemas in an llguidance grammar's text (its `json_schema`
-    grammars and the `%json{...}` lines of its Lark ones)."""
-    try:
-        entries = json.loads(grammar).get("grammars", ())
-        schemas: list[Any] = [entry.get("json_schema") for entry in entries]
-        for entry in entries:
-            for line in (entry.get("lark_grammar") or "").splitlines():
-                at = line.find("%json")
-                if at >= 0:
-                    schemas.append(json.loads(line[at + len("%json"):]))
-    except (ValueError, AttributeError, RecursionError):
-        return []
-    patterns: dict[str, None] = {}
-    stack = schemas
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            if isinstance(node.get("pattern"), str):
-                patterns[node["pattern"]] = None
-            if isinstance(node.get("patternProperties"), dict):
-                patterns.update(dict.fromkeys(node["patternProperties"]))
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-    return list(patterns)
-
-
-def _anchored(pattern: str) -> str:
-    """A JSON Schema pattern (which matches anywhere in the string) as one matching the whole string."""
-    body = pattern.removeprefix("^")
-    if body.endswith("$") and not body.endswith("\\$"):
-        body = body[:-1]
-    return f"^(?:{body})$"
-
-
-def _first_lines(message: str) -> str:
+def first_lines(message: str) -> str:
     """The gist of an llguidance message, on one line: its first lines, without the caret lines under a regex
     nor the grammar listing or parser state that may follow.
 
@@ -467,154 +418,3 @@ def _first_lines(message: str) -> str:
             lines.append(line)
     text = "; ".join(lines) or message.strip()[:_ERROR_CHARS]
     return text if len(text) <= _ERROR_CHARS else text[:_ERROR_CHARS - 3] + "..."
-
-
-# -- checking -----------------------------------------------------------------------------------------------
-
-
-class GrammarChecker:
-    """Checks grammars against the model's tokenizer, off the event loop, once per distinct grammar text.
-
-    `check` answers "" for a grammar that compiles, else a short error message. The LLTokenizer is built on first
-    use (in the checking thread: a large vocabulary takes a while). `validations` counts the grammars actually
-    handed to llguidance, so a cache hit shows as no change.
-    """
-
-    def __init__(self, tokenizer: tokenizers.Tokenizer, vocab_size: int | None = None,
-                 eos_token_ids: Iterable[int] = (), timeout_s: float = DEFAULT_GRAMMAR_COMPILE_TIMEOUT,
-                 cache_size: int = 256, workers: int = 2) -> None:
-        if timeout_s <= 0:
-            raise ValueError(f"--grammar-compile-timeout must be positive; got {timeout_s}")
-        self.tokenizer = tokenizer
-        self.vocab_size = vocab_size or tokenizer.get_vocab_size(with_added_tokens=True)
-        self.eos_token_ids = sorted(set(eos_token_ids))
-        self.timeout_s = timeout_s
-        self.cache_size = cache_size
-        self.special_tokens = special_token_texts(tokenizer)
-        self.validations = 0
-        self._lltokenizer: llguidance.LLTokenizer | None = None
-        self._token_lengths: np.ndarray | None = None
-        self._lock = threading.Lock()
-        self._cache: OrderedDict[str, Future[str]] = OrderedDict()
-        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="grammar-check")
-
-    async def check(self, grammar: str) -> str:
-        """"" when `grammar` compiles against the tokenizer and its first positions can be enforced (`_probe`);
-        else why not, as a predicate of the field ("does not compile: <llguidance's first lines>", "cannot be
-        enforced: ...", "accepts only an empty answer", the time limit). Concurrent checks of one grammar share
-        one validation; its result stays cached."""
-        future = self._cache.get(grammar)
-        if future is None or future.cancelled():
-            future = self._executor.submit(self._validate, grammar)
-            self._cache[grammar] = future
-            while len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(grammar)
-        try:
-            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.timeout_s)
-        except asyncio.TimeoutError:
-            return f"{_TIMED_OUT} {self.timeout_s:g} s (--grammar-compile-timeout)"
-
-    async def check_or_raise(self, grammar: Grammar) -> None:
-        """Raises `GrammarError` naming `grammar.field` when the grammar does not compile or cannot be enforced."""
-        message = await self.check(grammar.text)
-        if message:
-            raise GrammarError(f"`{grammar.field}` {message}", grammar.field)
-
-    def lltokenizer(self) -> llguidance.LLTokenizer:
-        with self._lock:
-            if self._lltokenizer is None:
-                self._lltokenizer = llguidance.LLTokenizer(self.tokenizer.to_str(), n_vocab=self.vocab_size,
-                                                           eos_token=self.eos_token_ids or None)
-            return self._lltokenizer
-
-    def token_lengths(self) -> np.ndarray:
-        """Each token's length in bytes, [vocab_size] (built once, with the LLTokenizer)."""
-        with self._lock:
-            if self._token_lengths is None:
-                self._token_lengths = np.array([len(self._lltokenizer.decode_bytes([i]))  # type: ignore[union-attr]
-                                                for i in range(self.vocab_size)], dtype=np.int32)
-            return self._token_lengths
-
-    def _validate(self, grammar: str) -> str:
-        self.validations += 1
-        try:
-            message = llguidance.LLMatcher.validate_grammar(grammar, self.lltokenizer(),
-                                                            limits=llguidance.LLParserLimits())
-            if message:
-                return f"does not compile: {_first_lines(message)}"
-            return self._probe(grammar)
-        except Exception as e:  # a tokenizer llguidance cannot read, a grammar it cannot parse at all
-            return f"does not compile: {_first_lines(str(e) or type(e).__name__)}"
-
-    def _probe(self, grammar: str) -> str:
-        """"" when the grammar's first positions can be enforced as a worker enforces them; else why not.
-
-        A grammar that compiles may still fail where it is used: llguidance builds its lexer lazily, so a regex
-        like `a{1000000}` trips a limit ("too many expressions constructed") only when a mask is computed after
-        some token, and a schema that can never end (an object whose required property is that object) runs out
-        of parser items a few tokens in. The worker would then fail the request mid-answer (or, before this
-        check, end it with an empty answer). So the router walks `PROBE_STEPS` positions as the worker would
-        (`_walk`), then each JSON Schema `pattern` on its own (an optional property's pattern is not on the
-        walked path), and refuses:
-
-            a limit tripped or the grammar left      "cannot be enforced: <llguidance's reason, one line>"
-            a mask slower than MAX_MASK_SECONDS      "cannot be enforced in time: ..." (every step of every
-                                                     request in the batch would wait for it)
-            no token allowed at the start            "can never be satisfied: ..."
-            only the end allowed at the start        "accepts only an empty answer"
-        """
-        matcher = llguidance.LLMatcher(self.lltokenizer(), grammar, log_level=0)
-        if matcher.is_error():
-            return f"does not compile: {_first_lines(matcher.get_error())}"
-        # The walk stops at the time limit too: the waiting request is answered then, and a thread still busy with
-        # an abandoned grammar would hold up the next ones.
-        deadline = time.monotonic() + self.timeout_s
-        message = self._walk(matcher, deadline)
-        if message:
-            return message
-        for pattern in _schema_patterns(grammar)[:MAX_PROBED_PATTERNS]:
-            alone = llguidance.LLMatcher(self.lltokenizer(), json_schema_grammar(
-                {"type": "string", "pattern": _anchored(pattern)}, "pattern").text, log_level=0)
-            message = "" if alone.is_error() else self._walk(alone, deadline)  # a form it cannot take alone: skip
-            if message.startswith(_TIMED_OUT):
-                return message
-            if message.startswith("cannot be enforced"):  # not "never satisfied": an optional property's may be
-                return f"{message} (the pattern {_shown(pattern)})"
-        return ""
-
-    def _walk(self, matcher: llguidance.LLMatcher, deadline: float) -> str:
-        """Follows the longest allowed token (the most lexer work) for up to `PROBE_STEPS` positions, computing
-        the forced tokens and the mask at each, as a worker does; "" when nothing failed (see `_probe`)."""
-        lengths = self.token_lengths()
-        ends = np.asarray(self.lltokenizer().eos_tokens, dtype=np.int64)
-        for step in range(PROBE_STEPS):
-            if time.monotonic() > deadline:
-                return f"{_TIMED_OUT} {self.timeout_s:g} s (--grammar-compile-timeout)"
-            start = time.perf_counter()
-            matcher.compute_ff_tokens()  # what the worker drafts for free: it has limits of its own
-            bitmask = matcher.compute_bitmask()
-            seconds = time.perf_counter() - start
-            allowed = np.flatnonzero(np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8),
-                                                   bitorder="little")[:self.vocab_size])
-            text = np.setdiff1d(allowed, ends, assume_unique=True)
-            if matcher.is_error():
-                reason = _first_lines(matcher.get_error())
-                if step == 0 and not text.size and reason.startswith("NoExtensionBias"):
-                    return "can never be satisfied: no answer matches it"
-                return f"cannot be enforced: {reason}"
-            if seconds > MAX_MASK_SECONDS:
-                return (f"cannot be enforced in time: a token mask took {seconds:.1f} s to compute "
-                        f"(at most {MAX_MASK_SECONDS:g} s)")
-            if not text.size:
-                if step > 0:
-                    return ""  # a complete answer
-                return "accepts only an empty answer" if matcher.is_accepting() else \
-                    "can never be satisfied: no token can start an answer"
-            if not matcher.consume_token(int(text[np.argmax(lengths[text])])):
-                return f"cannot be enforced: {_first_lines(matcher.get_error())}"
-        return ""
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)

@@ -31,7 +31,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from specula_router import openai_api, openapi
 from specula_router.auth import ApiKeyMiddleware, document_api_key
 from specula_router.client import ShardedClient
-from specula_router.grammar import Grammar, GrammarChecker
+from specula_router.grammar import Grammar
+from specula_router.grammar_check import GrammarChecker
 from specula_router.http_errors import PayloadLimitMiddleware, error, install_error_handlers
 from specula_router.metrics import Metrics
 from specula_router.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIChunk

@@ -19,6 +19,7 @@ import tokenizers
 from fake_worker import FakeClient
 
 from specula_router import grammar as g
+from specula_router import grammar_check as gc
 from specula_router.adapters import AdapterManager
 from specula_router.block_allocator import BlockAllocator
 from specula_router.chat_template import ChatTemplate
@@ -273,13 +274,13 @@ def test_a_tool_without_parameters_takes_no_arguments(tokenizer, lltok):
     (lambda: g.json_schema_grammar({"$ref": "#/nowhere"}, "grammar.value"), "nowhere"),
 ])
 def test_the_checker_refuses_what_llguidance_cannot_compile(tokenizer, built, words):
-    checker = g.GrammarChecker(tokenizer)
+    checker = gc.GrammarChecker(tokenizer)
     message = asyncio.run(checker.check(built().text))
     assert message and words in message and "\n" not in message
 
 
 def test_the_checker_caches_results_errors_included(tokenizer):
-    checker = g.GrammarChecker(tokenizer)
+    checker = gc.GrammarChecker(tokenizer)
     good = g.regex_grammar("[a-z]+", "grammar.value").text
     bad = g.regex_grammar("(abc", "grammar.value").text
 
@@ -295,7 +296,7 @@ def test_the_checker_caches_results_errors_included(tokenizer):
 
 
 def test_the_cache_keeps_the_most_recent_grammars(tokenizer):
-    checker = g.GrammarChecker(tokenizer, cache_size=2)
+    checker = gc.GrammarChecker(tokenizer, cache_size=2)
     texts = [g.regex_grammar(f"x{i}", "grammar.value").text for i in range(3)]
 
     async def run():
@@ -308,15 +309,15 @@ def test_the_cache_keeps_the_most_recent_grammars(tokenizer):
 
 
 def test_a_grammar_past_the_time_limit_is_refused(tokenizer, monkeypatch):
-    checker = g.GrammarChecker(tokenizer, timeout_s=0.05)
+    checker = gc.GrammarChecker(tokenizer, timeout_s=0.05)
     release = threading.Event()
-    real = g.GrammarChecker._validate
+    real = gc.GrammarChecker._validate
 
     def slow(self, grammar):
         release.wait(5)
         return real(self, grammar)
 
-    monkeypatch.setattr(g.GrammarChecker, "_validate", slow)
+    monkeypatch.setattr(gc.GrammarChecker, "_validate", slow)
     text = g.regex_grammar("[0-9]+", "grammar.value").text
 
     async def run():
@@ -331,9 +332,9 @@ def test_a_grammar_past_the_time_limit_is_refused(tokenizer, monkeypatch):
 
 
 def test_a_slow_grammar_is_a_422_over_http(tokenizer, monkeypatch):
-    checker = g.GrammarChecker(tokenizer, timeout_s=0.05)
+    checker = gc.GrammarChecker(tokenizer, timeout_s=0.05)
     release = threading.Event()
-    monkeypatch.setattr(g.GrammarChecker, "_validate", lambda self, grammar: release.wait(5) and "")
+    monkeypatch.setattr(gc.GrammarChecker, "_validate", lambda self, grammar: release.wait(5) and "")
     state = make_state(tokenizer, checker=checker)
 
     async def fn(client):
@@ -467,7 +468,7 @@ def test_bad_grammars_are_400_on_the_openai_routes_naming_the_param(tokenizer):
 
 
 def test_a_repeated_grammar_is_checked_once_across_requests(tokenizer):
-    checker = g.GrammarChecker(tokenizer)
+    checker = gc.GrammarChecker(tokenizer)
     state = make_state(tokenizer, checker=checker)
     payload = {"inputs": "x", "parameters": {"max_new_tokens": 1, "grammar": {"type": "json", "value": PERSON}}}
     bad = {"inputs": "x", "parameters": {"grammar": {"type": "regex", "value": "(x"}}}
@@ -601,7 +602,7 @@ def test_grammars_that_cannot_be_enforced_are_422_at_admission(tokenizer, parame
 
 def test_the_walk_stops_at_the_time_limit(tokenizer):
     """A walk past --grammar-compile-timeout stops there, leaving the checking thread free for the next grammar."""
-    checker = g.GrammarChecker(tokenizer, timeout_s=1e-6)
+    checker = gc.GrammarChecker(tokenizer, timeout_s=1e-6)
     message = checker._validate(g.regex_grammar("[a-z]+", "grammar.value").text)
     assert message == "did not compile within 1e-06 s (--grammar-compile-timeout)"
 
@@ -630,7 +631,7 @@ def test_a_pattern_that_cannot_be_enforced_is_400_on_the_openai_routes(tokenizer
 def test_a_ref_that_only_leads_to_itself_means_any_json_value(tokenizer, lltok, schema):
     """Before, llguidance read such a schema as the empty language: the answer was "" with finish reason EOS."""
     built = g.json_schema_grammar(schema, "grammar.value").text
-    assert asyncio.run(g.GrammarChecker(tokenizer).check(built)) == ""
+    assert asyncio.run(gc.GrammarChecker(tokenizer).check(built)) == ""
     values = ['1', '"x"', 'null', '[true,{"a":[]}]'] if "type" not in schema else ['{"x":1}', '{"x":[null]}']
     for value in values:
         assert accepts(lltok, tokenizer, built, value), value
