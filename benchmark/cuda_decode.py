@@ -1,13 +1,15 @@
-"""Decode tokens/s of the worker on CUDA: streams x speculation x attention path, on a random-weight 1B Llama.
+"""Decode tokens/s of the worker on CUDA: streams x speculation x step path, on a random-weight 1B Llama.
 
 Writes a Llama-3.2-1B-shaped model (2048 hidden, 16 layers, 32 query and 8 KV heads, 8192 MLP, a 32000-token
 vocabulary: 1.1B parameters) with random bfloat16 weights, loads one worker generator with prompt-lookup
-speculation available, and for each attention path (the gathered context + SDPA, the Triton paged kernel) and
-each speculation setting (off: `speculative_tokens=0` per request; prompt lookup with up to 4 drafts, adaptive)
-runs 1, 16 and 64 streams together: a prompt of `--prompt-tokens`, then `--new-tokens` greedy tokens each. The
-timed part is every step after the one that prefilled the prompts. Also reports whether the two attention paths
-chose the same greedy tokens (bfloat16 rounding may flip a near tie of a random model; the share is reported,
-not asserted: the exactness checks are the tests).
+speculation available, and for each step path (eager with the gathered context + SDPA; eager with the Triton
+paged kernel; CUDA graphs, which replay the Triton kernel) and each speculation setting (off:
+`speculative_tokens=0` per request; prompt lookup with up to 4 drafts, adaptive) runs 1, 16 and 64 streams
+together: a prompt of `--prompt-tokens`, then `--new-tokens` greedy tokens each. Each configuration runs twice
+and the second run is timed (the first compiles kernels, captures graphs and grows the allocator), from the
+step after the one that prefilled the prompts. Also reports the share of greedy tokens each path chose equal to
+the SDPA path's (bfloat16 rounding may flip a near tie of a random model, after which the texts differ; the
+share is reported, not asserted: the exactness checks are the tests).
 
     python benchmark/cuda_decode.py --json OUT/benchmark.json [--streams 1 16 64] [--new-tokens 64]
 
@@ -140,6 +142,7 @@ def main() -> None:
                         torch=torch.__version__, model=shape,
                         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, runs=[], errors=[])
     real_use_triton = paged_attention_module.use_triton
+    paths = {"sdpa": (False, False), "triton": (True, False), "graphs": (True, True)}  # (triton, graphs)
 
     def never(*args) -> bool:
         return False
@@ -154,16 +157,20 @@ def main() -> None:
         generator = load_test_generator(model_dir, num_blocks=num_blocks, dtype="bfloat16", device=device.type,
                                         speculative_tokens=args.speculative_tokens)
         report["load_s"] = round(time.perf_counter() - start, 1)
-        # Each configuration under both attention paths in turn, so a time limit leaves complete pairs.
+        runner = generator.graphs
+        report["graphs_unavailable"] = generator.graphs_unavailable()
+        # Each configuration under every path in turn, so a time limit leaves complete sets.
         for speculation in ("off", "prompt_lookup"):
             k = 0 if speculation == "off" else args.speculative_tokens
             for num_streams in args.streams:
-                for attention in ("sdpa", "triton"):
-                    paged_attention_module.use_triton = real_use_triton if attention == "triton" else never
+                for attention, (triton, graphs) in paths.items():
+                    if graphs and runner is None:
+                        continue
+                    paged_attention_module.use_triton = real_use_triton if triton else never
+                    generator.graphs = runner if graphs else None
                     name = f"{attention}/{speculation}/{num_streams}"
                     try:
-                        run_streams(generator, num_streams, argparse.Namespace(**{**vars(args), "new_tokens": 8}),
-                                    k)  # warm-up: kernels compiled, allocator grown
+                        run_streams(generator, num_streams, args, k)  # warm-up: compiles, captures, allocates
                         result = run_streams(generator, num_streams, args, k)
                     except Exception as error:  # noqa: BLE001 - reported, the other configurations still run
                         report["errors"].append(dict(run=name, error=repr(error), trace=traceback.format_exc()))
@@ -177,19 +184,22 @@ def main() -> None:
                     print(f"{name}: {result['tokens_per_s']} tokens/s, {result['ms_per_step']} ms/step, "
                           f"{result['accepted']}/{result['drafted']} drafts accepted", flush=True)
         paged_attention_module.use_triton = real_use_triton
+        generator.graphs = runner
+        if runner is not None:
+            report["graphs_captured"] = len(runner.graphs)
     save(report, args.json)
     print(json.dumps(summary(report), indent=1))
 
 
 def summary(report: dict) -> dict:
-    """The report without the token ids, each Triton run with the share of its tokens equal to SDPA's."""
+    """The report without the token ids, each run past SDPA's with the share of its tokens equal to SDPA's."""
     runs = report["runs"]
     by_key = {(r["speculation"], r["streams"], r["attention"]): r for r in runs}
     out = []
     for r in runs:
         r = dict(r)
         other = by_key.get((r["speculation"], r["streams"], "sdpa"))
-        if r["attention"] == "triton" and other is not None:
+        if r["attention"] != "sdpa" and other is not None:
             pairs = [(a, b) for i in r["tokens"] for a, b in zip(r["tokens"][i], other["tokens"][i])]
             r["same_tokens_as_sdpa"] = round(sum(a == b for a, b in pairs) / max(len(pairs), 1), 4)
         del r["tokens"]

@@ -20,9 +20,13 @@ every request may verify up to the bucket's draft length at no extra cost. `Grap
 bucket on first use and replays it; on CPU, and in tests, `EagerReplay` stands in for the graph (it re-runs the
 captured function on the same static buffers, which is what a replay computes).
 
-The attention kernel reads `context_lens` and the block table from memory, so one graph serves every context
-length up to `max_blocks * block_size`. This module is the bookkeeping; wiring it into the worker's step is not
-done yet, nor has a graph been captured on a GPU.
+The attention kernel reads `context_lens` and the block table from memory, and a row's causal limit from its
+position (`paged_attention.BlockTableInputs`), so one graph serves every context length up to
+`max_blocks * block_size`. The worker (`specula_server.generator`) runs its plain decode steps and its
+verification of chains of drafts through a `GraphRunner`; prompts, trees of drafts and LoRA batches run eagerly.
+
+Graphs share one memory pool: a graph's intermediate buffers may be another's output, which is safe because
+graphs replay one at a time and each replay's outputs are copied out (`GraphRunner.run`) before the next.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from specula_kernels.paged_attention import BlockTableInputs
 
 
 @dataclass(frozen=True, order=True)
@@ -111,6 +117,7 @@ class StaticInputs:
     one), and padding sequences attend to nothing (`context_lens` 0)."""
 
     def __init__(self, bucket: GraphBucket, max_blocks: int, scratch_slot: int, device: torch.device) -> None:
+        self.max_blocks = max_blocks
         self.bucket, self.scratch_slot = bucket, scratch_slot
         rows, seqs = bucket.num_rows, bucket.num_seqs
         self.input_ids = torch.zeros(rows, dtype=torch.long, device=device)
@@ -148,6 +155,11 @@ class StaticInputs:
         self.context_lens[:num_seqs] = step.context_lens.to(device)
         return rows
 
+    def attention(self, block_size: int) -> BlockTableInputs:
+        """The attention inputs over these buffers (what the captured forward reads)."""
+        return BlockTableInputs(self.slot_mapping, self.block_table, block_size, self.query_rows, self.query_valid,
+                                self.context_lens, self.positions)
+
 
 class EagerReplay:
     """Stands in for a CUDA graph where there is none (CPU, tests): replay re-runs the captured function on the
@@ -164,7 +176,7 @@ class EagerReplay:
 class CudaGraphReplay:
     """A CUDA graph of `fn` over static buffers: warmed up on a side stream, captured, then replayed."""
 
-    def __init__(self, fn: Callable[[], torch.Tensor], pool=None) -> None:
+    def __init__(self, fn: Callable[[], object], pool=None) -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -176,6 +188,11 @@ class CudaGraphReplay:
 
     def replay(self) -> None:
         self.graph.replay()
+
+
+class GraphCaptureError(RuntimeError):
+    """A bucket's graph could not be built (an operation a capture does not allow, say): the caller runs the step
+    eagerly and should stop using graphs."""
 
 
 class GraphRunner:
@@ -190,12 +207,23 @@ class GraphRunner:
                  device: torch.device, replay_factory: Callable[[Callable[[], torch.Tensor]], object] | None = None):
         self.buckets, self.forward, self.eager = buckets, forward, eager
         self.max_blocks, self.scratch_slot, self.device = max_blocks, scratch_slot, device
-        self.replay_factory = replay_factory or (CudaGraphReplay if device.type == "cuda" else EagerReplay)
-        self.graphs: dict[GraphBucket, tuple[StaticInputs, object]] = {}
-        self.num_eager = 0
+        if replay_factory is None and device.type == "cuda":
+            pool = torch.cuda.graph_pool_handle()  # shared: see the module's docstring
 
-    def run(self, step: StepInputs) -> torch.Tensor:
-        """The step's outputs, `[num_tokens, ...]` in the step's row order."""
+            def replay_factory(fn):
+                return CudaGraphReplay(fn, pool)
+        self.replay_factory = replay_factory or EagerReplay
+        self.graphs: dict[GraphBucket, tuple[StaticInputs, object]] = {}
+        self.num_eager = self.num_replayed = 0
+
+    def fits(self, num_seqs: int, draft_lengths: Sequence[int], num_blocks: int) -> bool:
+        """Whether a step of `num_seqs` sequences with these draft lengths, whose block tables reach
+        `num_blocks` blocks, replays a graph."""
+        return num_blocks <= self.max_blocks and self.buckets.select(num_seqs, draft_lengths) is not None
+
+    def run(self, step: StepInputs):
+        """The step's outputs, `[num_tokens, ...]` in the step's row order (each of them, where the forward
+        returns several; None stays None)."""
         bucket = self.buckets.select(len(step.counts), [c - 1 for c in step.counts])
         if bucket is None or step.block_table.shape[1] > self.max_blocks:
             self.num_eager += 1
@@ -204,9 +232,16 @@ class GraphRunner:
         if entry is None:
             static = StaticInputs(bucket, self.max_blocks, self.scratch_slot, self.device)
             rows = static.fill(step)  # captured with real inputs: any data-dependent warm-up sees a real step
-            entry = self.graphs[bucket] = (static, self.replay_factory(lambda: self.forward(static)))
+            try:
+                graph = self.replay_factory(lambda: self.forward(static))
+            except Exception as error:
+                raise GraphCaptureError(f"capturing bucket {bucket} failed: {error!r}") from error
+            entry = self.graphs[bucket] = (static, graph)
         else:
             rows = entry[0].fill(step)
         static, graph = entry
         graph.replay()
+        self.num_replayed += 1
+        if isinstance(graph.output, tuple):
+            return tuple(None if out is None else out[rows] for out in graph.output)
         return graph.output[rows]

@@ -76,6 +76,41 @@ class GroupedAttentionInputs:
     groups: list[tuple[torch.Tensor, PagedAttentionInputs]]  # (rows of the flat token list, inputs over them)
 
 
+@dataclass
+class BlockTableInputs:
+    """Decode and verification rows in a fixed layout: what a CUDA graph replays (`specula_kernels.cuda_graphs`).
+
+    Unlike `PagedAttentionInputs`, no tensor's shape depends on the step's context lengths: each sequence's
+    context is read through its block table up to `context_lens`, and a row sees the positions up to its own
+    (`positions`), which is causal for a chain of drafts (trees need a mask: they take `PagedAttentionInputs`).
+    Padding rows (`query_valid` False) are computed and their outputs ignored; padding sequences have
+    `context_lens` 0. Rows are `query_rows[i, j]`: sequence-major, one sequence's rows one after another.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] long: cache slot each row's K/V is written to
+    block_table: torch.Tensor  # [num_seqs, max_blocks] int32: the KV block of each block of positions
+    block_size: int
+    query_rows: torch.Tensor  # [num_seqs, max_query] long: row of each (sequence, query) in the flat token list
+    query_valid: torch.Tensor  # [num_seqs, max_query] bool
+    context_lens: torch.Tensor  # [num_seqs] int32: positions each sequence reads, its new rows included
+    positions: torch.Tensor  # [num_tokens] long: the position of each row
+
+    @property
+    def num_seqs(self) -> int:
+        return self.block_table.shape[0]
+
+    def as_context_slots(self) -> PagedAttentionInputs:
+        """The same attention as `PagedAttentionInputs` (slot of every position, a causal mask): the reference
+        path's form, used off CUDA. Padding positions read the sequence's first slot, hidden by the mask."""
+        width = self.block_table.shape[1] * self.block_size
+        p = torch.arange(width, device=self.block_table.device)
+        slots = self.block_table[:, p // self.block_size].long() * self.block_size + p % self.block_size
+        row_pos = torch.where(self.query_valid, self.positions[self.query_rows], -1)  # [num_seqs, max_query]
+        mask = (p.view(1, 1, -1) <= row_pos.unsqueeze(2)) & (p < self.context_lens.view(-1, 1, 1))
+        mask[:, :, 0] |= ~self.query_valid  # padding rows see one position, so that no row is fully masked
+        return PagedAttentionInputs(self.slot_mapping, slots, self.query_rows, self.query_valid, mask.unsqueeze(1))
+
+
 def write_kv_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -116,13 +151,15 @@ def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-    inputs: PagedAttentionInputs | GroupedAttentionInputs,
+    inputs: PagedAttentionInputs | GroupedAttentionInputs | BlockTableInputs,
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Scaled dot-product attention of each sequence's new tokens over its cached context.
 
     The new tokens' keys and values must already be in the cache (`write_kv_cache`).
     """
+    if isinstance(inputs, BlockTableInputs):
+        return _attend_block_table(query, key_cache, value_cache, inputs, scale)
     if use_triton(query, key_cache, value_cache):
         return _paged_attention_triton(query, key_cache, value_cache, inputs, scale)
     lib = _native_library(query, key_cache, value_cache)
@@ -148,6 +185,25 @@ def paged_attention(
 def use_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
     """Whether decode and verification rows go to the Triton kernel: CUDA tensors it serves, triton installed."""
     return triton_paged_attention.supports(query, key_cache, value_cache)
+
+
+def _attend_block_table(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        inputs: BlockTableInputs, scale: float) -> torch.Tensor:
+    """`paged_attention` of `BlockTableInputs`: the Triton kernel reading the block table, no host sync (a CUDA
+    graph captures it); elsewhere the reference over `as_context_slots`, every row returned (padding rows zero)."""
+    if use_triton(query, key_cache, value_cache):
+        if query.stride(2) != 1:
+            query = query.contiguous()
+        return triton_paged_attention.paged_attention_triton(
+            query, key_cache, value_cache, inputs.block_table, inputs.query_rows, inputs.query_valid, None,
+            inputs.context_lens, scale, out=torch.zeros_like(query), block_size=inputs.block_size,
+            positions=inputs.positions)
+    attended = _attend(query, key_cache, value_cache, inputs.as_context_slots(), scale).to(query.dtype)
+    if attended.shape[0] == query.shape[0]:  # one row per sequence, or one sequence: every row, in order
+        return attended
+    out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
+    out[inputs.query_rows[inputs.query_valid]] = attended
+    return out
 
 
 def _paged_attention_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

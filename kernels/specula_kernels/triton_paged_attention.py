@@ -12,7 +12,9 @@ keys and values of its sequence at their slots. One program per (sequence, KV he
     context positions          0 .. context_lens[s] - 1 in tiles of BLOCK_N; position p is read from slot
                                block_table[s, p // block_size] * block_size + p % block_size
     visibility                 mask[s, 0, q, p] (causal within a verification's drafts, a tree's ancestors,
-                               padding hidden); no mask: every position up to context_lens[s]
+                               padding hidden); or, given `positions`, p <= positions[row] (a chain of drafts
+                               is causal by position, so no mask of the context's width is needed: what a CUDA
+                               graph replays); neither: every position up to context_lens[s]
 
 with an online softmax in float32 (flash-attention's recurrence), so a row's output depends only on its own
 query, keys and values. The worker's context slots are a block table with `block_size = 1`; a real block table
@@ -126,6 +128,7 @@ def paged_attention_triton(
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; rows of no valid query are left as they are
     block_size: int = 1,
+    positions: torch.Tensor | None = None,  # [num_tokens]: each row sees the positions up to its own (with no mask)
 ) -> torch.Tensor:
     """Attention of each sequence's query rows over its paged context, written into `out` (returned).
 
@@ -137,18 +140,22 @@ def paged_attention_triton(
     if out is None:
         out = torch.empty_like(query)
     check_inputs(query, key_cache, value_cache, block_table, query_rows, query_valid, mask, context_lens, out)
+    if positions is not None and (mask is not None or positions.shape != query.shape[:1]
+                                  or positions.dtype not in INDEX_DTYPES or positions.device != query.device):
+        raise ValueError(f"positions must be [num_tokens={query.shape[0]}] int32/int64 on {query.device}, and "
+                         f"given without a mask; got {tuple(positions.shape)} {positions.dtype}")
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
     if not query.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"paged_attention_triton runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1), "
                          f"got {query.device}")
     _launch(query, key_cache, value_cache, block_table, query_rows, query_valid, mask, context_lens, scale, out,
-            block_size)
+            block_size, positions)
     return out
 
 
 def _launch(query, key_cache, value_cache, block_table, query_rows, query_valid, mask, context_lens, scale, out,
-            block_size) -> None:
+            block_size, positions) -> None:
     num_seqs, max_query = query_rows.shape
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[1]
@@ -170,12 +177,13 @@ def _launch(query, key_cache, value_cache, block_table, query_rows, query_valid,
     with torch.cuda.device(query.device) if query.is_cuda else contextlib.nullcontext():
         _kernel()[grid](
             query, key_cache, value_cache, out, block_table, query_rows, query_valid.view(torch.uint8),
-            mask_arg.view(torch.uint8), context_lens,
+            mask_arg.view(torch.uint8), context_lens, positions if positions is not None else query_rows,
             float(scale), max_query, head_dim,
             query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), out.stride(0), out.stride(1),
             block_table.stride(0), block_table.stride(1), query_rows.stride(0), query_rows.stride(1),
             query_valid.stride(0), query_valid.stride(1), mask_strides[0], mask_strides[2], mask_strides[3],
-            GROUP=group, BLOCK_SIZE=block_size, HAS_MASK=has_mask, BLOCK_M=block_m, BLOCK_N=block_n,
+            GROUP=group, BLOCK_SIZE=block_size, HAS_MASK=has_mask, CAUSAL=positions is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_D=block_d, UPCAST=upcast, INPUT_PRECISION=input_precision,
             enable_fp_fusion=True,
         )
@@ -189,11 +197,12 @@ def _kernel() -> Any:
 
     @triton.jit
     def paged_attention_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, rows_ptr, valid_ptr, mask_ptr, lens_ptr,
+        q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, rows_ptr, valid_ptr, mask_ptr, lens_ptr, pos_ptr,
         scale, max_query, head_dim,
         stride_qt, stride_qh, stride_ks, stride_kh, stride_ot, stride_oh,
         stride_bs, stride_bb, stride_rs, stride_rq, stride_vs, stride_vq, stride_ms, stride_mq, stride_mk,
-        GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_M: tl.constexpr,
+        GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
+        BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     ):
         seq = tl.program_id(0)
@@ -215,6 +224,8 @@ def _kernel() -> Any:
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         context_len = tl.load(lens_ptr + seq)
+        if CAUSAL:
+            row_pos = tl.load(pos_ptr + token, mask=valid, other=0)
         kv_base = kv_head.to(tl.int64) * stride_kh
         for start in range(0, context_len, BLOCK_N):
             pos = start + tl.arange(0, BLOCK_N)
@@ -230,6 +241,8 @@ def _kernel() -> Any:
                 seen = tl.load(mask_ptr + seq * stride_ms + q_idx[:, None] * stride_mq + pos[None, :] * stride_mk,
                                mask=visible, other=0)
                 visible = visible & (seen != 0)
+            if CAUSAL:
+                visible = visible & (pos[None, :] <= row_pos[:, None])
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0

@@ -48,7 +48,7 @@ def test_every_cuda_test_is_where_the_check_runs_them():
     marked |= {("integration-tests",) for p in (ROOT / "integration-tests").rglob("*.py")
                if "mark.cuda" in p.read_text()}
     assert marked == {("kernels", "tests"), ("server", "tests")}
-    assert "kernels/tests server/tests" in (ROOT / "scripts/gpu_check.sh").read_text()
+    assert "kernels/tests/test_*.py server/tests/test_*.py" in (ROOT / "scripts/gpu_check.sh").read_text()
 
 
 def test_every_requirement_is_on_the_gpu_machine_or_in_its_wheels(tmp_path):

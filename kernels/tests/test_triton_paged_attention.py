@@ -222,6 +222,28 @@ def test_triton_case_matches_reference(case, dtype):
 
 @pytest.mark.cuda
 @needs_triton_device
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["decode", "verify", "many_rows"])
+def test_triton_case_causal_by_positions_equals_the_mask(case, dtype):
+    """Without a mask, given each row's position, a chain of drafts sees what the causal mask shows it: the form
+    a CUDA graph replays (no tensor of the context's width). Sequences padded past their rows read nothing."""
+    query, key_cache, value_cache, block_table, inputs = build_case(TRITON_CASES[case], dtype, TRITON_DEVICE)
+    expected = reference(query, key_cache, value_cache, inputs)
+    spans = TRITON_CASES[case].spans
+    positions = torch.cat([torch.arange(s, s + c) for s, c in spans]).to(TRITON_DEVICE)
+    lengths = torch.tensor([s + c for s, c in spans] + [0], dtype=torch.int32, device=TRITON_DEVICE)
+    pad = lambda t, value: torch.cat([t, torch.full_like(t[:1], value)])  # noqa: E731 - a padding sequence
+    out = paged_attention_triton(query, key_cache, value_cache, pad(block_table, 0), pad(inputs.query_index, 0),
+                                 pad(inputs.query_valid, False), None, lengths, query.shape[-1] ** -0.5,
+                                 block_size=TRITON_CASES[case].block_size, positions=positions)
+    valid = inputs.query_valid.cpu()
+    got = out.cpu().float()[inputs.query_index.cpu()[valid]]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.cuda
+@needs_triton_device
 def test_triton_case_groups_strided_query_and_prompt_fallback():
     """The worker's layout: a decode group beside a verification group, queries a view of the fused q/k/v
     output, and a prompt group (more rows than the kernel serves) left to the SDPA path."""
@@ -288,15 +310,15 @@ def test_triton_interpreter():
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     summary = result.stdout.strip().splitlines()[-1]
-    assert re.match(rf"{3 * len(TRITON_CASES) + 2} passed", summary), summary  # every case ran, none skipped
+    assert re.match(rf"{3 * len(TRITON_CASES) + 2 + 6} passed", summary), summary  # every case ran, none skipped
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
-@pytest.mark.parametrize("dtype,group,block_d,has_mask,block_size,arch", [
-    ("bf16", 4, 128, True, 1, 80), ("fp16", 1, 64, True, 1, 80), ("fp32", 8, 128, True, 1, 80),
-    ("bf16", 4, 64, False, 16, 80), ("bf16", 4, 64, True, 1, 90)])
-def test_kernel_compiles_for_a_gpu(dtype, group, block_d, has_mask, block_size, arch):
+@pytest.mark.parametrize("dtype,group,block_d,has_mask,causal,block_size,arch", [
+    ("bf16", 4, 128, True, False, 1, 80), ("fp16", 1, 64, True, False, 1, 80), ("fp32", 8, 128, True, False, 1, 80),
+    ("bf16", 4, 64, False, False, 16, 80), ("bf16", 4, 64, True, False, 1, 90), ("bf16", 4, 64, False, True, 16, 90)])
+def test_kernel_compiles_for_a_gpu(dtype, group, block_d, has_mask, causal, block_size, arch):
     """Compiles the kernel for sm_80 and sm_90 (H100) without a GPU: the type checks and lowering the interpreter
     skips."""
     import triton
@@ -307,9 +329,9 @@ def test_kernel_compiles_for_a_gpu(dtype, group, block_d, has_mask, block_size, 
     names = kernel.arg_names
     signature = {name: f"*{dtype}" for name in names[:4]}
     signature |= {"table_ptr": "*i64", "rows_ptr": "*i64", "valid_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32",
-                  "scale": "fp32"}
-    signature |= {name: "i32" for name in names[10:27]}
-    constexprs = {"GROUP": group, "BLOCK_SIZE": block_size, "HAS_MASK": has_mask, "BLOCK_M": 64,
+                  "pos_ptr": "*i64", "scale": "fp32"}
+    signature |= {name: "i32" for name in names[11:28]}
+    constexprs = {"GROUP": group, "BLOCK_SIZE": block_size, "HAS_MASK": has_mask, "CAUSAL": causal, "BLOCK_M": 64,
                   "BLOCK_N": 32 if block_d > 64 else 64, "BLOCK_D": block_d, "UPCAST": False,
                   "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}
     signature |= {name: "constexpr" for name in constexprs}

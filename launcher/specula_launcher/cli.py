@@ -179,6 +179,10 @@ def main(
              "(float8 e4m3fn; TGI's fp8_e4m3fn too), fp8_e5m2. Storage only, converted on write and read (fp8 with "
              "a scale of 1.0): a narrower cache holds more blocks in --kv-cache-memory (fp8: 4x float32's). "
              "Default: auto."),
+    cuda_graphs: str | None = typer.Option(
+        None, envvar="CUDA_GRAPHS",
+        help="Batch sizes whose decode and verification steps are captured as CUDA graphs, separated by commas "
+             "(0: none). Default: 1, 2, 4, then multiples of 8 up to 128. CUDA only, one shard, with triton."),
     block_size: int = typer.Option(16, envvar="BLOCK_SIZE", help="Tokens per KV cache block."),
     shutdown_timeout: int = typer.Option(
         30, "--shutdown-timeout", "--graceful-termination-timeout",

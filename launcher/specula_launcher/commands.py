@@ -4,7 +4,7 @@ Shards (one per rank, identical arguments, the rank in the environment as torch.
 
     python -m specula_server.cli serve MODEL --uds-path $XDG_RUNTIME_DIR/specula-XXXXXXXX/shard --dtype float32
         --device cpu --block-size 16 --max-active-adapters 8 [--revision R] [--huggingface-hub-cache DIR]
-        [--kv-cache-memory SIZE] [--kv-cache-dtype D] [--adapter-dir DIR ...] --instance-id ID
+        [--kv-cache-memory SIZE] [--kv-cache-dtype D] [--cuda-graphs SIZES] [--adapter-dir DIR ...] --instance-id ID
         [--quantize Q --quantize-group-size G]
         [--speculative-tokens N --speculation-mode M --ngram-min A --ngram-max B --ngram-match W
          --draft-tree-width K [--speculator S] [--suffix-cache-tokens T]]
@@ -59,8 +59,8 @@ def shard_command(config: LauncherConfig) -> list[str]:
         "--uds-path", config.shard_uds_path, "--dtype", config.dtype, "--device", config.device,
         "--block-size", str(config.block_size), "--max-active-adapters", str(config.max_active_adapters),
     ]
-    for name in ("revision", "huggingface_hub_cache", "kv_cache_memory", "kv_cache_dtype", "adapter_dir",
-                 "instance_id"):
+    for name in ("revision", "huggingface_hub_cache", "kv_cache_memory", "kv_cache_dtype", "cuda_graphs",
+                 "adapter_dir", "instance_id"):
         argv += _flag(name, getattr(config, name))
     if not config.runs_router:  # node 0's router reaches these shards over TCP
         argv += _flag("grpc_host", config.node_host)

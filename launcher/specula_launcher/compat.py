@@ -9,9 +9,9 @@ aliases in cli.py (`--speculate`, `--lora-adapters`, ...), not listed here.
 
     check_foreign(["--otlp-endpoint", "http://c:4317"], {})
       -> ValueError: --otlp-endpoint (TGI/LoRAX, env OTLP_ENDPOINT) is not supported: ...
-    check_foreign([], {"CUDA_GRAPHS": "1,2,4"})
-      -> ["--cuda-graphs (TGI, env CUDA_GRAPHS) is ignored: Specula captures no CUDA graphs (this only changes
-           speed) (given: CUDA_GRAPHS=1,2,4)"]
+    check_foreign([], {"MEMORY_WIGGLE_ROOM": "0.9"})
+      -> ["--memory-wiggle-room (LoRAX, env MEMORY_WIGGLE_ROOM) is ignored: size the KV cache with
+           --kv-cache-memory (given: MEMORY_WIGGLE_ROOM=0.9)"]
     check_foreign([], {"USAGE_STATS": "off", "TRUST_REMOTE_CODE": "false"})
       -> [] (they ask for what Specula does anyway)
 """
@@ -53,8 +53,6 @@ FOREIGN_FLAGS = {f.flag: f for f in (
                 harmless_values=("false",)),
     ForeignFlag("--trust-remote-code", "TGI/LoRAX", R, "Specula runs its own Llama-family implementation and never "
                 "executes a checkpoint's code", takes_value=False),
-    ForeignFlag("--cuda-graphs", "TGI", W, "Specula captures no CUDA graphs (this only changes speed)",
-                harmless_values=("0",)),
     ForeignFlag("--prometheus-port", "TGI", R, "metrics are served at GET /metrics on --port"),
     ForeignFlag("--weights-cache-override", "TGI/LoRAX", R, "use --huggingface-hub-cache, or a local --model-id"),
     ForeignFlag("--disable-custom-kernels", "TGI/LoRAX", W, "there are no custom kernels to turn off",
@@ -97,7 +95,8 @@ FOREIGN_FLAGS = {f.flag: f for f in (
     ForeignFlag("--compile", "LoRAX", W, "Specula captures no CUDA graphs (this only changes speed)",
                 takes_value=False, env=None),
     ForeignFlag("--eager", "LoRAX", W, "the model always runs eagerly", takes_value=False, env=None),
-    ForeignFlag("--compile-max-batch-size", "LoRAX", W, "Specula captures no CUDA graphs"),
+    ForeignFlag("--compile-max-batch-size", "LoRAX", W, "set the batch sizes captured as CUDA graphs with "
+                "--cuda-graphs"),
     ForeignFlag("--compile-max-rank", "LoRAX", W, "Specula captures no CUDA graphs"),
     ForeignFlag("--compile-batch-size", "LoRAX", W, "Specula captures no CUDA graphs"),
     ForeignFlag("--eager-prefill", "LoRAX", W, "prefills are scheduled by --waiting-served-ratio and "

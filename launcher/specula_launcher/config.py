@@ -71,6 +71,7 @@ class LauncherConfig:
     quantize: str | None = None  # weight-only quantization of the linear layers: int8, int4 or None
     quantize_group_size: int = 64  # int4: inputs per scale and zero
     kv_cache_dtype: str | None = None  # what the shards' KV cache stores (KV_CACHE_DTYPES); None: theirs (auto)
+    cuda_graphs: str | None = None  # batch sizes captured as CUDA graphs, "1,2,4" ("0": none); None: the shards'
     revision: str | None = None
     num_shard: int = 1
     port: int = 3000
@@ -167,6 +168,8 @@ def _check_choices(c: LauncherConfig) -> None:
                          f"got {c.quantize_group_size}")
     if c.kv_cache_dtype is not None and c.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {c.kv_cache_dtype!r}")
+    if c.cuda_graphs is not None and not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", c.cuda_graphs):
+        raise ValueError(f"--cuda-graphs takes batch sizes separated by commas, or 0 for none; got {c.cuda_graphs!r}")
     if c.adapter_source not in ADAPTER_SOURCES:
         raise ValueError(f"--adapter-source must be one of {', '.join(ADAPTER_SOURCES)}; got {c.adapter_source!r}")
     if c.api_key is not None and not c.api_key.strip():

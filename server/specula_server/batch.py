@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from specula_kernels.paged_attention import GroupedAttentionInputs, PagedAttentionInputs
+from specula_kernels.paged_attention import BlockTableInputs, GroupedAttentionInputs, PagedAttentionInputs
 from specula_server.request import RequestState
 from specula_server.speculation.drafters import Draft
 
@@ -23,7 +23,7 @@ from specula_server.speculation.drafters import Draft
 class StepInputs:
     input_ids: torch.Tensor  # [num_tokens] long
     positions: torch.Tensor  # [num_tokens] long
-    attn: PagedAttentionInputs | GroupedAttentionInputs
+    attn: PagedAttentionInputs | GroupedAttentionInputs | BlockTableInputs
     last_rows: torch.Tensor  # [num_seqs] long: row of each request's last new token in the flat list
     row_starts: list[int]  # first flat row of each request
     counts: list[int]  # new tokens of each request
@@ -45,6 +45,45 @@ def build_step(
     if len(requests) > 1 and all(c == 1 for c in counts):
         return _single_token_step(requests, starts, device)  # a plain decode step: no per-request tensors
     return _spans_step(requests, starts, counts, device, trees)
+
+
+def build_block_table_step(requests: Sequence[RequestState], starts: Sequence[int], counts: Sequence[int],
+                           block_size: int, device: torch.device) -> StepInputs:
+    """`build_step` for chains (no trees) as a CUDA graph takes them (`BlockTableInputs`): each request's block
+    table instead of a slot per context position, each row causal by its position, no mask.
+
+    Block tables come from the requests' slots (block `b` holds slots `b * block_size ..`), padded with block 0,
+    which no row reads: a sequence reads its first `starts[i] + counts[i]` positions only.
+    """
+    ends = [s + c for s, c in zip(starts, counts)]
+    if all(c == 1 for c in counts):
+        input_ids = torch.stack([r.token_ids[s] for r, s in zip(requests, starts)]).to(device)
+        positions = torch.tensor(starts, dtype=torch.long, device=device)
+        slot_mapping = torch.stack([r.slots[s] for r, s in zip(requests, starts)])
+    else:
+        input_ids = torch.cat([r.token_ids[s:e] for r, s, e in zip(requests, starts, ends)]).to(device)
+        positions = torch.cat([torch.arange(s, e) for s, e in zip(starts, ends)]).to(device)
+        slot_mapping = torch.cat([r.slots[s:e] for r, s, e in zip(requests, starts, ends)])
+    first_slots = pad_sequence([r.slots[:e:block_size] for r, e in zip(requests, ends)], batch_first=True)
+    block_table = (first_slots // block_size).to(torch.int32)
+    context_lens = torch.tensor(ends, dtype=torch.int32, device=device)
+    attn = block_table_inputs(slot_mapping, block_table, block_size, context_lens, positions, counts)
+    row_ends = torch.tensor(counts).cumsum(0)
+    return StepInputs(input_ids, positions, attn, (row_ends - 1).to(device), (row_ends - torch.tensor(counts)).tolist(),
+                      list(counts))
+
+
+def block_table_inputs(slot_mapping: torch.Tensor, block_table: torch.Tensor, block_size: int,
+                       context_lens: torch.Tensor, positions: torch.Tensor, counts: Sequence[int]) -> BlockTableInputs:
+    """`BlockTableInputs` of sequences whose `counts[i]` rows lie one after another in the flat token list."""
+    device = block_table.device
+    counts_t = torch.tensor(counts)
+    row_ends = counts_t.cumsum(0)
+    q = torch.arange(max(counts))
+    query_rows = torch.minimum(row_ends.unsqueeze(1) - counts_t.unsqueeze(1) + q, row_ends.unsqueeze(1) - 1)
+    query_valid = q.unsqueeze(0) < counts_t.unsqueeze(1)
+    return BlockTableInputs(slot_mapping, block_table, block_size, query_rows.to(device), query_valid.to(device),
+                            context_lens, positions)
 
 
 def _spans_step(

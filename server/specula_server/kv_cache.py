@@ -69,8 +69,10 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        extra_slots: int = 0,
     ) -> KVCache:
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        """`extra_slots` past the blocks' slots belong to no block: CUDA graphs' padding rows write there."""
+        shape = (num_blocks * block_size + extra_slots, num_kv_heads, head_dim)
         layers = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)

@@ -84,6 +84,9 @@ class ServerConfig:
     # What the KV cache stores keys and values in: auto (the compute dtype), bfloat16, float16, fp8 / fp8_e4m3
     # (float8_e4m3fn) or fp8_e5m2 (kv_cache.KV_CACHE_DTYPES)
     kv_cache_dtype: str = "auto"
+    # Batch sizes whose decode and verification steps replay CUDA graphs (--cuda-graphs; None: the defaults,
+    # empty: none): see specula_kernels.cuda_graphs
+    cuda_graphs: tuple[int, ...] | None = None
     suffix_cache_tokens: int = DEFAULT_CACHE_TOKENS  # `--speculator suffix`: output tokens the global trees hold
     local_rank: int | None = None  # rank on this node, the GPU index (None: `rank`, one node)
     grpc_host: str | None = None  # also serve TCP on this address, the one the router is given (other nodes)
@@ -109,6 +112,8 @@ class ServerConfig:
             raise ValueError(f"draft tree width must be at least 1, got {self.draft_tree_width}")
         if self.suffix_cache_tokens < 0:
             raise ValueError(f"suffix cache tokens must not be negative, got {self.suffix_cache_tokens}")
+        if self.cuda_graphs is not None and any(size < 1 for size in self.cuda_graphs):
+            raise ValueError(f"cuda graphs batch sizes must be positive, got {list(self.cuda_graphs)}")
         if self.max_active_adapters < 1:
             raise ValueError(f"max_active_adapters must be at least 1, got {self.max_active_adapters}")
 
@@ -123,6 +128,21 @@ class ServerConfig:
 
     def uds_url(self, rank: int) -> str:
         return f"unix://{self.uds_path}-{rank}"
+
+
+def parse_cuda_graphs(value: str | None) -> tuple[int, ...] | None:
+    """`--cuda-graphs` as TGI reads it: batch sizes separated by commas, `0` for none; None: the defaults.
+
+    >>> parse_cuda_graphs("1,2,4,8"), parse_cuda_graphs("0"), parse_cuda_graphs(None)
+    ((1, 2, 4, 8), (), None)
+    """
+    if value is None:
+        return None
+    try:
+        sizes = tuple(int(part) for part in value.split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"--cuda-graphs takes batch sizes separated by commas, or 0 for none; got {value!r}") from None
+    return () if sizes == (0,) else sizes
 
 
 def load_generator(config: ServerConfig, group: ShardGroup) -> tuple[TextGenerator, str]:
@@ -165,7 +185,7 @@ def load_generator(config: ServerConfig, group: ShardGroup) -> tuple[TextGenerat
         logger.info("KV cache stored as %s (--kv-cache-dtype %s), computed in %s", kv_cache_dtype,
                     config.kv_cache_dtype, dtype)
     generator = TextGenerator(model, tokenizer, eos_ids, config.block_size, device, speculation, adapters,
-                              group, kv_cache_dtype=kv_cache_dtype)
+                              group, kv_cache_dtype=kv_cache_dtype, cuda_graphs=config.cuda_graphs)
     sha = model_dir.name if "snapshots" in model_dir.parts else ""
     return generator, sha
 
