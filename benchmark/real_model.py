@@ -23,6 +23,16 @@ identical to the answer of the baseline (`specula`, speculation off, float32).
     python benchmark/real_model.py --settings specula specula-ngram specula-suffix vllm vllm-ngram \\
         llamacpp-f32 llamacpp-f32-ngram --rounds 2 --json benchmark/results/real_model.json
 
+EAGLE-3 (`specula-eagle3`, `--eagle3 DIR`) needs a drafter trained for this model; `--write-training-prompts FILE`
+writes chat prompts of the same three kinds from other sources (other modules' functions and docstrings, other
+questions: none is a benchmark prompt), rendered with the model's chat template, for `specula-train eagle3`:
+
+    python benchmark/real_model.py --write-training-prompts work/eagle3-prompts.jsonl --training-prompts 160
+    specula-train eagle3 --model-id ~/.cache/specula/real-model/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --prompts work/eagle3-prompts.jsonl --output work/eagle3 --draft-vocab-size 8192
+    python benchmark/real_model.py --settings specula specula-ngram specula-suffix specula-eagle3 \\
+        --eagle3 work/eagle3 --rounds 2
+
 Peers are set up as `benchmark/peers.py --help` describes (vLLM in `/work/peers/vllm-venv`, llama.cpp's server
 built from the `llama-cpp-python` source package).
 """
@@ -55,6 +65,7 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
     "specula": ("specula", []),
     "specula-ngram": ("specula", ["--speculative-tokens", str(DRAFTS)]),
     "specula-suffix": ("specula", ["--speculative-tokens", str(DRAFTS), "--speculator", "suffix"]),
+    "specula-eagle3": ("specula", ["--speculative-tokens", str(DRAFTS), "--speculator", "{eagle3}"]),
     "specula-int8": ("specula", ["--quantize", "int8"]),
     "specula-int4": ("specula", ["--quantize", "int4", "--quantize-group-size", "32"]),
     "vllm": ("vllm", []),
@@ -88,24 +99,47 @@ QUESTIONS = [
 # -- the prompts ------------------------------------------------------------------------------------------------
 
 
-def rewrite_prompts(count: int) -> list[str]:
-    """Standard-library functions of 200-1200 characters with a parameter to rename, as chat requests."""
-    import base64
-    import calendar
-    import csv
-    import difflib
-    import fnmatch
-    import glob
-    import heapq
-    import json as json_module
-    import posixpath
-    import shlex
-    import string
-    import textwrap
+REWRITE_MODULES = ("textwrap", "string", "shlex", "csv", "difflib", "json.decoder", "json.encoder", "inspect",
+                   "posixpath", "fnmatch", "base64", "calendar", "heapq", "glob")
+SUMMARY_MODULES = ("argparse", "asyncio", "collections", "dataclasses", "functools", "logging", "pathlib",
+                   "subprocess", "threading", "typing", "inspect", "json")
+# EAGLE-3 training prompts: other modules than the benchmark's.
+TRAINING_REWRITE_MODULES = ("shutil", "tokenize", "pprint", "random", "ntpath", "zipfile", "tarfile", "email.utils",
+                            "urllib.parse", "html", "ast", "locale", "gettext", "configparser", "bisect", "statistics",
+                            "fractions", "ipaddress", "uuid", "tempfile", "filecmp", "mimetypes", "quopri",
+                            "sysconfig", "platform", "copy", "dis", "pydoc", "traceback", "warnings", "os",
+                            "genericpath", "linecache", "codecs", "operator", "keyword", "colorsys", "wave")
+TRAINING_SUMMARY_MODULES = ("email", "http.client", "urllib.request", "unittest", "shutil", "tarfile", "zipfile",
+                            "enum", "contextlib", "os", "socket", "tempfile", "configparser", "xml.etree.ElementTree",
+                            "random", "statistics", "heapq", "queue", "sched", "selectors", "smtplib", "ftplib",
+                            "imaplib", "pickle", "shelve", "sqlite3", "string", "textwrap", "traceback", "weakref")
+TRAINING_SUBJECTS = [
+    "a rainbow", "the moon's phases", "a thunderstorm", "a hurricane", "coral reefs", "the human eye", "a telescope",
+    "a bicycle gear", "a steam engine", "an electric motor", "a solar panel", "a wind turbine", "a nuclear reactor",
+    "the immune system", "sleep", "memory", "a glacier", "a desert", "the ozone layer", "a lighthouse",
+    "a printing press", "paper money", "a stock market", "a library", "a spider's web", "a snowflake", "a geyser",
+    "the northern lights", "a thermometer", "a barometer", "a camera lens", "a hearing aid", "a pacemaker",
+    "a satellite", "GPS", "a 3D printer", "a refrigerator's compressor", "an elevator", "a suspension bridge",
+    "a dam", "a canal lock", "a sailboat", "a hot-air balloon", "a helicopter", "a rocket", "a jet engine",
+    "a compass", "an hourglass", "a pendulum clock", "a piano", "a violin", "the human voice", "an echo",
+    "a rain forest", "a tide pool", "an octopus", "a chameleon", "a bat's sonar", "a beehive", "an ant colony",
+    "a tree's roots", "a seed", "yeast", "cheese", "chocolate", "coffee", "tea", "salt", "sugar", "a kidney",
+    "the liver", "the lungs", "blood", "a bone", "a muscle", "a tooth", "hair", "skin", "a fingerprint",
+]
+TRAINING_FORMS = ["How does {} work?", "Explain {} to a beginner.", "What is special about {}?",
+                  "Describe {} in a few sentences.", "What would happen without {}?"]
 
+
+def _modules(names):
+    import importlib
+
+    return [importlib.import_module(name) for name in names]
+
+
+def rewrite_prompts(count: int, modules=REWRITE_MODULES) -> list[str]:
+    """Standard-library functions of 200-1200 characters with a parameter to rename, as chat requests."""
     found = []
-    for module in (textwrap, string, shlex, csv, difflib, json_module.decoder, json_module.encoder, inspect,
-                   posixpath, fnmatch, base64, calendar, heapq, glob):
+    for module in _modules(modules):
         for _name, function in sorted(vars(module).items()):
             if not inspect.isfunction(function) or function.__module__ != module.__name__:
                 continue
@@ -123,32 +157,47 @@ def rewrite_prompts(count: int) -> list[str]:
     return found[:count]
 
 
-def summary_prompts(count: int) -> list[str]:
-    """Paragraphs of standard-library docstrings (200-1000 characters), each to summarize."""
-    import argparse as argparse_module
-    import asyncio as asyncio_module
-    import collections
-    import dataclasses
-    import functools
-    import logging
-    import pathlib
-    import subprocess as subprocess_module
-    import threading
-    import typing
-
+def docstring_paragraphs(modules, exclude: frozenset[str] = frozenset()) -> list[str]:
+    """The paragraphs of 200-1000 characters of the modules' docstrings and their members', whitespace joined."""
     paragraphs = []
-    for module in (argparse_module, asyncio_module, collections, dataclasses, functools, logging, pathlib,
-                   subprocess_module, threading, typing, inspect, json):
+    for module in _modules(modules):
         for _, member in sorted(vars(module).items()):
             doc = inspect.getdoc(member) if callable(member) or inspect.ismodule(member) else None
             for paragraph in (doc or "").split("\n\n"):
                 text = " ".join(paragraph.split())
-                if 200 <= len(text) <= 1000 and text not in paragraphs:
+                if 200 <= len(text) <= 1000 and text not in paragraphs and text not in exclude:
                     paragraphs.append(text)
+    return paragraphs
+
+
+def summary_prompts(count: int, modules=SUMMARY_MODULES, exclude: frozenset[str] = frozenset()) -> list[str]:
+    """Paragraphs of standard-library docstrings, each to summarize, spread over what `modules` hold."""
+    paragraphs = docstring_paragraphs(modules, exclude)
     if len(paragraphs) < count:
         raise SystemExit(f"only {len(paragraphs)} summary prompts; asked for {count}")
     step = len(paragraphs) // count
     return [f"Summarize this in two sentences:\n\n{paragraphs[i * step]}" for i in range(count)]
+
+
+def training_prompts(count: int, gguf: Path) -> list[str]:
+    """`count` chat prompts of each kind from sources the benchmark does not use, rendered as the server renders
+    chats (the model's chat template, the generation prompt added)."""
+    from transformers import AutoTokenizer
+
+    from specula_server.hub import resolve_model_dir
+
+    questions = [form.format(subject) for form in TRAINING_FORMS for subject in TRAINING_SUBJECTS]
+    questions = [q for q in questions if q not in QUESTIONS]
+    if len(questions) < count:
+        raise SystemExit(f"only {len(questions)} training questions; asked for {count}")
+    kinds = {"rewrite": rewrite_prompts(count, TRAINING_REWRITE_MODULES),
+             "summary": summary_prompts(count, TRAINING_SUMMARY_MODULES,
+                                        frozenset(docstring_paragraphs(SUMMARY_MODULES))),
+             "question": questions[:: len(questions) // count][:count]}
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(str(gguf)))
+    return [tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                          add_generation_prompt=True)
+            for texts in zip(*kinds.values()) for text in texts]
 
 
 def level_size(c: int, per_stream: int) -> int:
@@ -216,6 +265,10 @@ class Context:
 
 def start(setting: str, ctx: Context, max_concurrency: int) -> Server:
     server, flags = SETTINGS[setting]
+    if "{eagle3}" in flags:
+        if ctx.args.eagle3 is None:
+            raise SystemExit(f"{setting} needs --eagle3 DIR (a drafter trained for this model)")
+        flags = [str(ctx.args.eagle3) if f == "{eagle3}" else f for f in flags]
     ctx.work.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"{setting}-", dir=ctx.work))  # its own sockets and log, every turn
     if server == "specula":
@@ -302,7 +355,7 @@ def summarize(rounds: list[dict[str, dict]], settings: list[str]) -> dict:
     ours = [s for s in settings if s.startswith("specula")]
     for a in ours:
         for b in settings:
-            if b.startswith("specula"):
+            if b.startswith("specula") and not (b == "specula" and a != b):  # peers, and Specula without speculation
                 continue
             summary["ratios"][f"{a}/{b}"] = {cell: statistics.median(
                 r[a][cell]["tokens_per_s"] / r[b][cell]["tokens_per_s"] for r in rounds) for cell in cells}
@@ -337,11 +390,21 @@ def main() -> None:
     parser.add_argument("--llama-threads", type=int, default=2)
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--eagle3", type=Path, help="the EAGLE-3 drafter specula-eagle3 serves")
+    parser.add_argument("--write-training-prompts", type=Path, metavar="FILE",
+                        help="write EAGLE-3 training prompts (JSON lines) and exit")
+    parser.add_argument("--training-prompts", type=int, default=160, help="training prompts of each kind")
     args = parser.parse_args()
 
     from specula_server.testing.real_model import fetch_smollm2
 
     gguf = fetch_smollm2()
+    if args.write_training_prompts:
+        texts = training_prompts(args.training_prompts, gguf)
+        args.write_training_prompts.parent.mkdir(parents=True, exist_ok=True)
+        args.write_training_prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+        print(f"{len(texts)} prompts in {args.write_training_prompts}")
+        return
     with tempfile.TemporaryDirectory(prefix="real-model-") as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
