@@ -24,14 +24,11 @@ from dataclasses import dataclass, field
 import tokenizers
 import torch
 
-from specula_kernels import triton_paged_attention
-from specula_kernels.cuda_graphs import GraphBuckets, GraphCaptureError, GraphRunner, StaticInputs, default_batch_sizes
-from specula_kernels.cuda_graphs import StepInputs as GraphStepInputs
+from specula_kernels.cuda_graphs import GraphCaptureError
 from specula_kernels.paged_attention import BlockTableInputs
-from specula_kernels.sgmv import triton_available
 from specula_server.adapters.registry import AdapterRegistry, LoraBatch
 from specula_server.adapters.sources import AdapterError
-from specula_server.batch import StepInputs, block_table_inputs, build_block_table_step, build_step
+from specula_server.batch import StepInputs, build_step
 from specula_server.distributed import ShardGroup
 from specula_server.grammar import GrammarCompiler, MaskJob, apply_masks
 from specula_server.kv_cache import KVCache, slots_for_blocks
@@ -53,12 +50,11 @@ from specula_server.speculation.draft_model import DraftModelDrafter
 from specula_server.speculation.drafters import Draft
 from specula_server.speculation.eagle3_drafter import Eagle3Drafter
 from specula_server.speculation.speculator import DraftPlan, SpeculationConfig, Speculator
+from specula_server.step_graphs import StepGraphs, default_graph_batch_sizes, unavailable
 
 __all__ = ["InvalidRequestError", "SpeculationConfig", "StepPlan", "StepResult", "StepTimings", "TextGenerator"]
 
 logger = logging.getLogger("specula.generator")
-# By default CUDA graphs are captured for batches of 1, 2, 4, then multiples of 8 up to this.
-DEFAULT_MAX_GRAPH_BATCH = 128
 
 
 @dataclass
@@ -112,9 +108,8 @@ class TextGenerator:
         self._waiting: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Batch sizes whose decode and verification steps replay CUDA graphs (None: the defaults; empty: none),
         # and the runner of those graphs, built with the KV cache they read (None: every step eager).
-        self.cuda_graph_sizes = tuple(default_batch_sizes(DEFAULT_MAX_GRAPH_BATCH) if cuda_graphs is None
-                                      else cuda_graphs)
-        self.graphs: GraphRunner | None = None
+        self.cuda_graph_sizes = default_graph_batch_sizes() if cuda_graphs is None else tuple(cuda_graphs)
+        self.graphs: StepGraphs | None = None
 
     @property
     def step_cost(self) -> StepCostModel:
@@ -168,28 +163,15 @@ class TextGenerator:
             self.device, extra_slots=1 if graphs else 0,
         )
         if graphs:
-            max_draft = min(self.speculation.max_tokens, triton_paged_attention.MAX_QUERY - 1) \
-                if self.speculation is not None else 0
-            max_blocks = min(num_blocks, -(-cfg.max_position_embeddings // self.block_size))
-            self.graphs = GraphRunner(GraphBuckets(self.cuda_graph_sizes, range(max_draft + 1)), self._graph_forward,
-                                      self._eager_forward, max_blocks, scratch_slot=num_blocks * self.block_size,
-                                      device=self.device)
+            max_draft = self.speculation.max_tokens if self.speculation is not None else 0
+            self.graphs = StepGraphs(self.model, self.kv_cache, self.cuda_graph_sizes, max_draft,
+                                     lambda: self._aux_layer_ids, self.device)
         if self.draft_model is not None:  # the same blocks, addressed by the same slots
             self.draft_model.allocate_kv_cache(num_blocks, self.block_size)
 
     def graphs_unavailable(self) -> str | None:
         """Why decode steps cannot replay CUDA graphs here (None: they can)."""
-        if self.device.type != "cuda":
-            return "not on CUDA"
-        if self.group.world_size > 1:
-            return "tensor parallel (its all-reduce is not captured)"
-        if not triton_available():
-            return "triton is not installed (the graphs replay its attention kernel)"
-        if self.kv_cache_dtype not in triton_paged_attention.FLOAT_DTYPES:
-            return f"a {self.kv_cache_dtype} KV cache (the attention kernel reads float caches)"
-        if self.model.config.head_dim > triton_paged_attention.MAX_HEAD_DIM:
-            return f"head size {self.model.config.head_dim} (over {triton_paged_attention.MAX_HEAD_DIM})"
-        return None
+        return unavailable(self.device, self.group, self.kv_cache_dtype, self.model.config.head_dim)
 
     def release_kv_cache(self) -> None:
         self.graphs = None  # they read the cache's tensors
@@ -312,10 +294,8 @@ class TextGenerator:
         """The final hidden states of the step's rows, and the auxiliary ones an EAGLE-3 drafter reads (else None)."""
         assert self.kv_cache is not None
         if self.graphs is not None and isinstance(step.attn, BlockTableInputs):
-            attn = step.attn
             try:
-                return self.graphs.run(GraphStepInputs(step.input_ids, step.positions, attn.slot_mapping,
-                                                       attn.block_table, attn.context_lens, step.counts))
+                return self.graphs.run_step(step)
             except GraphCaptureError as error:
                 logger.warning("CUDA graphs turned off, every step runs eagerly from now on: %s", error)
                 self.graphs = None
@@ -329,28 +309,9 @@ class TextGenerator:
     def _build_step(self, reqs: Sequence[RequestState], counts: Sequence[int],
                     trees: Sequence[Draft | None] | None = None) -> StepInputs:
         """A decode or verification step (each request feeds its last token and `counts[i] - 1` drafts): in the
-        form a CUDA graph replays when one holds it (chains, no LoRA adapter), else the general one."""
-        starts = [r.num_tokens - 1 for r in reqs]
-        if (self.graphs is not None and (trees is None or all(t is None or t.is_chain for t in trees))
-                and not any(r.spec.adapter_id for r in reqs)
-                and self.graphs.fits(len(reqs), [c - 1 for c in counts],
-                                     -(-max(s + c for s, c in zip(starts, counts)) // self.block_size))):
-            return build_block_table_step(reqs, starts, counts, self.block_size, self.device)
-        return build_step(reqs, starts, counts, self.device, trees)
-
-    def _graph_forward(self, static: StaticInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """What a graph captures: the model over a bucket's static buffers (no LoRA: such steps run eagerly)."""
-        assert self.kv_cache is not None
-        return self.model.forward_with_aux(static.input_ids, static.positions, self.kv_cache.layers,
-                                           static.attention(self.block_size), None, self._aux_layer_ids)
-
-    def _eager_forward(self, step: GraphStepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A block-table step no graph holds, run as it is (`_build_step` builds such steps only where one does)."""
-        assert self.kv_cache is not None
-        attn = block_table_inputs(step.slot_mapping, step.block_table, self.block_size, step.context_lens,
-                                  step.positions, step.counts)
-        return self.model.forward_with_aux(step.input_ids, step.positions, self.kv_cache.layers, attn, None,
-                                           self._aux_layer_ids)
+        form a CUDA graph replays when one holds it, else the general one."""
+        step = self.graphs.build_step(reqs, counts, trees) if self.graphs is not None else None
+        return step or build_step(reqs, [r.num_tokens - 1 for r in reqs], counts, self.device, trees)
 
     def _keep_aux(self, reqs: Sequence[RequestState], aux: torch.Tensor | None, rows: Sequence[slice | list[int]],
                   first_positions: Sequence[int]) -> None:
