@@ -208,7 +208,8 @@ import json, sys
 report = json.load(open(sys.argv[1]))
 print(f"{report['gpu']}, torch {report['torch']}, random Llama {report['model']}, bfloat16, "
       f"{report['prompt_tokens']}-token prompts, {report['new_tokens']} new tokens per stream; graphs captured: "
-      f"{report.get('graphs_captured', 'none: ' + str(report.get('graphs_unavailable')))}\n")
+      f"{report.get('graphs_captured', 'none: ' + str(report.get('graphs_unavailable')))} "
+      f"(captured ahead in {report.get('capture_s')} s)\n")
 print("| step path | speculation | streams | tokens/s | ms/step | accepted/drafted | same tokens as SDPA |")
 print("|---|---|---|---|---|---|---|")
 for r in report["runs"]:

@@ -216,6 +216,22 @@ class GraphRunner:
         self.graphs: dict[GraphBucket, tuple[StaticInputs, object]] = {}
         self.num_eager = self.num_replayed = 0
 
+    def capture_all(self) -> int:
+        """Captures every bucket not captured yet, largest first (the shared pool is sized by the first), over
+        buffers of padding only (writes land in the scratch slot); returns how many were captured. A server does
+        this before its first request, so no request waits for a capture."""
+        missing = [b for b in sorted(self.buckets, reverse=True) if b not in self.graphs]
+        for bucket in missing:
+            static = StaticInputs(bucket, self.max_blocks, self.scratch_slot, self.device)
+            self.graphs[bucket] = (static, self._capture(bucket, static))
+        return len(missing)
+
+    def _capture(self, bucket: GraphBucket, static: StaticInputs):
+        try:
+            return self.replay_factory(lambda: self.forward(static))
+        except Exception as error:
+            raise GraphCaptureError(f"capturing bucket {bucket} failed: {error!r}") from error
+
     def fits(self, num_seqs: int, draft_lengths: Sequence[int], num_blocks: int) -> bool:
         """Whether a step of `num_seqs` sequences with these draft lengths, whose block tables reach
         `num_blocks` blocks, replays a graph."""
@@ -232,11 +248,7 @@ class GraphRunner:
         if entry is None:
             static = StaticInputs(bucket, self.max_blocks, self.scratch_slot, self.device)
             rows = static.fill(step)  # captured with real inputs: any data-dependent warm-up sees a real step
-            try:
-                graph = self.replay_factory(lambda: self.forward(static))
-            except Exception as error:
-                raise GraphCaptureError(f"capturing bucket {bucket} failed: {error!r}") from error
-            entry = self.graphs[bucket] = (static, graph)
+            entry = self.graphs[bucket] = (static, self._capture(bucket, static))
         else:
             rows = entry[0].fill(step)
         static, graph = entry

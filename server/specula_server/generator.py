@@ -169,6 +169,21 @@ class TextGenerator:
         if self.draft_model is not None:  # the same blocks, addressed by the same slots
             self.draft_model.allocate_kv_cache(num_blocks, self.block_size)
 
+    def capture_graphs(self) -> None:
+        """Captures every CUDA graph now (a server's warmup), so that no request waits for one; a capture that
+        fails turns graphs off."""
+        if self.graphs is None:
+            return
+        start = time.perf_counter()
+        try:
+            count = self.graphs.capture_all()
+        except GraphCaptureError as error:
+            logger.warning("CUDA graphs turned off, every step runs eagerly: %s", error)
+            self.graphs = None
+            return
+        logger.info("captured %d CUDA graphs (batch sizes %s, draft lengths %s) in %.1f s", count,
+                    self.graphs.buckets.batch_sizes, self.graphs.buckets.draft_lengths, time.perf_counter() - start)
+
     def graphs_unavailable(self) -> str | None:
         """Why decode steps cannot replay CUDA graphs here (None: they can)."""
         return unavailable(self.device, self.group, self.kv_cache_dtype, self.model.config.head_dim)

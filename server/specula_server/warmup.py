@@ -52,6 +52,7 @@ def warmup(
         raise InvalidRequestError(f"the KV cache budget of {kv_cache_memory} bytes holds no block of "
                                   f"{generator.block_size} tokens ({generator.bytes_per_block()} bytes)")
     generator.allocate_kv_cache(num_blocks)
+    generator.capture_graphs()  # before calibrating: the cost model then times the steps requests will run
     if generator.speculation is not None and num_blocks * generator.block_size > 64:
         calibrate_step_cost(generator)
     logger.info("KV cache: %d blocks of %d tokens (%d bytes)", num_blocks, generator.block_size,

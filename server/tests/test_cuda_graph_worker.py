@@ -92,6 +92,19 @@ def test_verification_through_graphs_equals_plain_decoding(llama_dir, graphs_on_
         assert token_ids(alone) == expected[PROMPTS.index(prompt)]
 
 
+def test_graphs_captured_ahead_serve_the_steps_that_follow(llama_dir, graphs_on_cpu):
+    """Warmup captures every bucket over buffers of padding (their writes go to the scratch slot, which no
+    sequence reads): the steps after replay them, with the same tokens as eager steps."""
+    eager = load_test_generator(llama_dir, cuda_graphs=())
+    expected = together(eager, PROMPTS[:3])
+    graphed = load_test_generator(llama_dir, cuda_graphs=(1, 4), speculative_tokens=2, speculation_mode="fixed")
+    graphed.capture_graphs()
+    assert set(graphed.graphs.graphs) == {GraphBucket(b, q) for b in (1, 4) for q in (1, 2, 3)}
+    replayed = graphed.graphs.num_replayed
+    assert together(graphed, PROMPTS[:3]) == expected
+    assert graphed.graphs.num_replayed > replayed and len(graphed.graphs.graphs) == 6
+
+
 def test_a_capture_that_fails_turns_graphs_off_and_the_step_runs_eagerly(llama_dir, graphs_on_cpu, monkeypatch,
                                                                           caplog):
     eager = load_test_generator(llama_dir, cuda_graphs=())
