@@ -272,6 +272,16 @@ def test_shard_command_and_environment(tmp_path: Path) -> None:
     assert shard_command(claimed(c))[-4:] == ["--speculator", "/m/heads", "--draft-tree-width", "3"]
     with pytest.raises(ValueError, match="--speculation-mode"):
         build_config(model_id=model, speculation_mode="sometimes", **NO_GPU)
+    c = build_config(model_id=model, cuda_graphs="1,2,8", **NO_GPU)  # TGI's --cuda-graphs, passed to every shard
+    assert shard_command(claimed(c))[-2:] == ["--cuda-graphs", "1,2,8"]
+    import typer  # as in test_command_lines_parse_with_the_children_clis: the worker CLI reads what is written
+
+    from specula_server import cli as server_cli
+
+    serve = typer.main.get_command(server_cli.app).commands["serve"]  # type: ignore[attr-defined]
+    assert serve.make_context("serve", shard_command(claimed(c))[4:]).params["cuda_graphs"] == "1,2,8"
+    with pytest.raises(ValueError, match="--cuda-graphs takes batch sizes"):
+        build_config(model_id=model, cuda_graphs="1,two", **NO_GPU)
     c = build_config(model_id=model, num_shard=2, master_port=29600, log_level="debug", **NO_GPU)
     env = shard_env(c, 1, {"HF_TOKEN": "secret", "PATH": "/bin"})
     assert env == {"HF_TOKEN": "secret", "PATH": "/bin", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
