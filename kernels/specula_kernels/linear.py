@@ -20,6 +20,11 @@ docs/benchmarks.md#float-products-on-onednn-and-bfloat16-on-cpu). oneDNN is used
 it reports native support (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`); elsewhere bfloat16 and float16 keep
 the column blocks.
 
+Where the native kernels are built (`native.py`), float32 layers use neither: `pack_panels` / `panel_linear` hold the
+weight in Specula's own panel layout and multiply on `csrc/float_linear.cpp`, which takes one decoded row at the
+memory's pace (oneDNN's one-row product reads weights at about two thirds of it) and a prompt's hundreds of rows at
+oneDNN's rate, from the one copy (`benchmark/linear_kernels.py`).
+
 `linear_reference` is the plain definition the packed forms are tested against.
 """
 
@@ -27,6 +32,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from specula_kernels import native
 
 
 def default_num_parts(out_features: int, device: torch.device) -> int:
@@ -97,3 +104,39 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     assert x.dtype == packed.dtype, (x.dtype, packed.dtype)
     out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, None, "none", [], "")
     return out if bias is None else out + bias
+
+
+def panels_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `pack_panels` serves weights of `dtype` on `device`: float32 on a CPU where the kernels are built."""
+    return device.type == "cpu" and dtype == torch.float32 and native.has("specula_float_linear")
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """`[out, in]` -> `[ceil(out / P), in, P]` float32, P the build's panel width (`csrc/float_linear.cpp`): each
+    group of P rows stored input by input, the last group padded with zero rows."""
+    rows = native.library().specula_float_panel_rows()
+    out_features, in_features = weight.shape
+    num_panels = -(-out_features // rows)
+    padded = weight.new_zeros(num_panels * rows, in_features)
+    padded[:out_features] = weight
+    return padded.view(num_panels, rows, in_features).transpose(1, 2).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Inverse of `pack_panels`: back to `[out, in]`."""
+    num_panels, in_features, rows = panels.shape
+    return panels.transpose(1, 2).reshape(num_panels * rows, in_features)[:out_features]
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ W^T + bias` for `x` `[m, in]` float32 and a weight packed by `pack_panels`; returns `[m, out]`."""
+    assert x.dim() == 2 and x.shape[1] == panels.shape[1], (x.shape, panels.shape)
+    assert x.dtype == panels.dtype == torch.float32, (x.dtype, panels.dtype)
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    if x.shape[0]:
+        native.library().specula_float_linear(x.data_ptr(), x.shape[0], x.shape[1], panels.data_ptr(),
+                                              None if bias is None else bias.contiguous().data_ptr(), out_features,
+                                              out.data_ptr(), torch.get_num_threads())
+    return out

@@ -1,13 +1,19 @@
 """Native CPU kernels (`csrc/`), compiled for this machine on first use and loaded with ctypes.
 
-Why by hand: the weight-only int8/int4 products of a decode step must stream weights at the memory's pace, and
-the packed kernels PyTorch ships for them are compute-bound on CPU (docs/benchmarks.md#weight-only-quantization);
-decode attention must read the paged KV cache where it lies, where PyTorch's path gathers a dense copy first
-(`csrc/paged_attention.cpp`); and a layer's small operators (norms, rotary, SiLU) cost their
-dispatch more than their arithmetic at a few rows (`csrc/fused.cpp`). The sources are plain C++ with vector
+Why by hand: the products of a decode step must stream weights at the memory's pace, where PyTorch's float kernels
+(oneDNN, MKL) take one row at 7-15 GB/s of a memory that gives 21 and its packed int8/int4 kernels are compute-bound
+(`csrc/float_linear.cpp`, `csrc/weight_only.cpp`; docs/benchmarks.md#weight-only-quantization); decode attention
+must read the paged KV cache where it lies, where PyTorch's path gathers a dense copy first
+(`csrc/paged_attention.cpp`); and a layer's small operators (norms, rotary, SiLU) cost their dispatch more than
+their arithmetic at a few rows (`csrc/fused.cpp`). The sources are plain C++ with vector
 extensions and OpenMP, built with `-O3 -march=native` by the system's C++ compiler into one library in a cache
 (`$SPECULA_KERNEL_CACHE`, else `~/.cache/specula/kernels`, else a temporary directory), keyed by the sources, the
 compiler and the CPU's feature flags, so a worker compiles it once per machine (a few seconds).
+
+Instruction sets: the kernels are written over one vector type (`csrc/simd.h`) that is 16 floats wide with AVX-512
+and 8 with AVX2; the weight-only int8/int4 kernels need AVX-512 and compile to nothing elsewhere (`has()` says which
+functions a build holds). `SPECULA_NATIVE_ARCH` replaces `native` in `-march=` (e.g. `x86-64-v3`: AVX2 and FMA), so
+an AVX-512 machine can build and test the AVX2 variant.
 
 Linking: the library asks for `libgomp.so.1`, the soname of the OpenMP runtime PyTorch's x86-64 wheels load, so
 the kernels share PyTorch's threads instead of starting a second pool.
@@ -31,9 +37,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                 for name in ("weight_only.cpp", "paged_attention.cpp", "fused.cpp"))
-_HEADERS = (Path(__file__).with_name("csrc") / "vector_math.h",)
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+                 for name in ("weight_only.cpp", "paged_attention.cpp", "fused.cpp", "float_linear.cpp"))
+_HEADERS = (Path(__file__).with_name("csrc") / "simd.h",)
+_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _BUILD_TIMEOUT_S = 300  # a second or two is usual
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -78,10 +84,14 @@ def _cache_dir() -> Path:
     return fallback
 
 
+def _flags() -> tuple[str, ...]:
+    return (*_FLAGS, f"-march={os.environ.get('SPECULA_NATIVE_ARCH', '').strip() or 'native'}")
+
+
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True,
                              timeout=60).stdout
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in _SOURCES + _HEADERS), " ".join(_FLAGS), version,
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in _SOURCES + _HEADERS), " ".join(_flags()), version,
                                      _cpu_flags()]).encode())
     cache = _cache_dir()
     target = cache / f"specula_kernels-{key.hexdigest()[:16]}.so"
@@ -90,7 +100,7 @@ def _build(compiler: str) -> Path:
     # Built under a temporary name and renamed, so processes building at once never load a half-written file.
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         out = Path(tmp) / target.name
-        result = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(out)], capture_output=True,
+        result = subprocess.run([compiler, *_flags(), *map(str, _SOURCES), "-o", str(out)], capture_output=True,
                                 text=True, check=False, timeout=_BUILD_TIMEOUT_S)
         if result.returncode:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
@@ -106,19 +116,22 @@ def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     logger.info("native kernels: %s", path)
     i64, ptr, c_int, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    lib.specula_int8_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, ptr, c_int]
-    lib.specula_int8_linear.restype = None
-    lib.specula_int4_linear.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, c_int]
-    lib.specula_int4_linear.restype = None
-    lib.specula_paged_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, f32,
-                                            ptr, i64, c_int]
-    lib.specula_paged_attention.restype = None
-    lib.specula_rms_norm.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, f32, ptr, i64, c_int]
-    lib.specula_rms_norm.restype = None
-    lib.specula_silu_mul.argtypes = [ptr, i64, i64, i64, ptr, i64, c_int]
-    lib.specula_silu_mul.restype = None
-    lib.specula_rotary_cache.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, c_int]
-    lib.specula_rotary_cache.restype = None
+    signatures = {
+        "specula_int8_linear": [ptr, i64, i64, ptr, ptr, i64, ptr, c_int],
+        "specula_int4_linear": [ptr, i64, i64, ptr, ptr, i64, i64, ptr, c_int],
+        "specula_paged_attention": [ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, f32, ptr,
+                                    i64, c_int],
+        "specula_rms_norm": [ptr, i64, ptr, i64, ptr, i64, i64, f32, ptr, i64, c_int],
+        "specula_silu_mul": [ptr, i64, i64, i64, ptr, i64, c_int],
+        "specula_rotary_cache": [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, c_int],
+        "specula_float_linear": [ptr, i64, i64, ptr, ptr, i64, ptr, c_int],
+    }
+    for name, argtypes in signatures.items():
+        if hasattr(lib, name):  # the weight-only kernels are in AVX-512 builds only
+            function = getattr(lib, name)
+            function.argtypes, function.restype = argtypes, None
+    lib.specula_float_panel_rows.restype = c_int
+    lib.specula_vector_lanes.restype = c_int
     return lib
 
 
@@ -139,6 +152,18 @@ def library() -> ctypes.CDLL | None:
                     logger.warning("native kernels unavailable, using PyTorch's: %s", _reason)
             _tried = True
     return _library
+
+
+def has(name: str) -> bool:
+    """Whether the kernels are built here and hold `name` (the int8/int4 products need AVX-512)."""
+    lib = library()
+    return lib is not None and hasattr(lib, name)
+
+
+def vector_lanes() -> int | None:
+    """Floats per vector of the build: 16 with AVX-512, 8 with AVX2; None without the kernels."""
+    lib = library()
+    return None if lib is None else lib.specula_vector_lanes()
 
 
 def unavailable_reason() -> str | None:

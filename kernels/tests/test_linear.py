@@ -12,7 +12,11 @@ from specula_kernels.linear import (
     onednn_linear,
     onednn_pack,
     onednn_supports,
+    pack_panels,
     pack_weight,
+    panel_linear,
+    panels_supported,
+    unpack_panels,
     unpack_weight,
 )
 
@@ -81,3 +85,48 @@ def test_onednn_bfloat16_linear_is_the_product_rounded_once():
 def test_onednn_is_only_for_cpu_float32_and_native_bfloat16():
     assert not onednn_supports(torch.float32, torch.device("cuda"))
     assert not onednn_supports(torch.float16, torch.device("cpu"))
+
+
+needs_panels = pytest.mark.skipif(not panels_supported(torch.float32, torch.device("cpu")),
+                                  reason="native kernels unavailable here")
+
+
+@needs_panels
+@pytest.mark.parametrize("out_features", [16, 37, 100])  # a whole panel, and partial last panels
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 97, 200])  # register blocks, their tails, past one pass
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_panel_linear_matches_reference(out_features, rows, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, 72, generator=gen)
+    bias = torch.randn(out_features, generator=gen) if with_bias else None
+    x = torch.randn(rows, 72, generator=gen)
+    panels = pack_panels(weight)
+    assert torch.equal(unpack_panels(panels, out_features), weight)
+    got = panel_linear(x, panels, out_features, bias)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    torch.testing.assert_close(got, linear_reference(x, weight, bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_panels
+def test_a_rows_panel_result_is_the_same_bits_in_any_batch():
+    """One sum over the inputs in order per output: a verified draft row equals the decode row it stands for."""
+    gen = torch.Generator().manual_seed(1)
+    weight, x = torch.randn(70, 256, generator=gen), torch.randn(150, 256, generator=gen)
+    panels = pack_panels(weight)
+    whole = panel_linear(x, panels, 70)
+    for start, stop in [(0, 1), (5, 6), (3, 10), (60, 75), (0, 96), (90, 150)]:
+        assert torch.equal(panel_linear(x[start:stop], panels, 70), whole[start:stop]), (start, stop)
+    # a strided view of the rows (a slice of a wider tensor) gives the same bits as the rows alone
+    wide = torch.cat([x, torch.randn(150, 8, generator=gen)], dim=1)[:, :256]
+    assert torch.equal(panel_linear(wide, panels, 70), whole)
+
+
+@needs_panels
+def test_dense_float32_layers_use_the_panels():
+    from specula_server.layers.quantization import DenseLinear
+
+    weight = torch.randn(40, 32)
+    layer = DenseLinear(weight)
+    assert layer.kind == "panels"
+    x = torch.randn(3, 32)
+    torch.testing.assert_close(layer(x), linear_reference(x, weight), rtol=1e-5, atol=1e-5)

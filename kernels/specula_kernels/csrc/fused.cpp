@@ -20,21 +20,12 @@
 #include <cstdint>
 #include <cstring>
 
-#if !defined(__AVX512F__)
-#error "the fused kernels need AVX-512 (elsewhere the worker uses PyTorch's operators)"
-#endif
-#include <immintrin.h>
-
-#include "vector_math.h"
+#include "simd.h"
 
 // No contraction of a * b + c into one fused multiply-add, as PyTorch's separate operators round each step
-// (GCC reads the first pragma, Clang the second; the fused multiply-adds written as intrinsics stay).
+// (GCC reads the first pragma, Clang the second; the fused multiply-adds written as `vfma` stay).
 #pragma GCC optimize("fp-contract=off")
 #pragma STDC FP_CONTRACT OFF
-
-static inline __mmask16 tail_mask(int64_t left) {
-  return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-}
 
 // Rows are split among the threads only when there is enough work to pay for waking them.
 static constexpr int64_t kParallelElements = 1 << 15;
@@ -45,22 +36,19 @@ extern "C" void specula_rms_norm(float* x, int64_t x_stride, const float* delta,
 #pragma omp parallel for num_threads(threads) if (rows * dim >= kParallelElements)
   for (int64_t r = 0; r < rows; ++r) {
     float* xr = x + r * x_stride;
-    __m512 squares = _mm512_setzero_ps();
-    for (int64_t i = 0; i < dim; i += 16) {
-      const __mmask16 m = tail_mask(dim - i);
-      __m512 v = _mm512_maskz_loadu_ps(m, xr + i);
+    vfloat squares{};
+    for (int64_t i = 0; i < dim; i += kLanes) {
+      vfloat v = vload_part(xr + i, dim - i);
       if (delta) {
-        v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, delta + r * delta_stride + i));
-        _mm512_mask_storeu_ps(xr + i, m, v);
+        v += vload_part(delta + r * delta_stride + i, dim - i);
+        vstore_part(xr + i, v, dim - i);
       }
-      squares = _mm512_fmadd_ps(v, v, squares);
+      squares = vfma(v, v, squares);
     }
-    const float scale = 1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(dim) + eps);
-    const __m512 s = _mm512_set1_ps(scale);
-    for (int64_t i = 0; i < dim; i += 16) {
-      const __mmask16 m = tail_mask(dim - i);
-      const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, xr + i), s);
-      _mm512_mask_storeu_ps(out + r * out_stride + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, weight + i), v));
+    const float scale = 1.0f / std::sqrt(vsum(squares) / static_cast<float>(dim) + eps);
+    for (int64_t i = 0; i < dim; i += kLanes) {
+      const vfloat v = vload_part(xr + i, dim - i) * scale;
+      vstore_part(out + r * out_stride + i, vload_part(weight + i, dim - i) * v, dim - i);
     }
   }
 }
@@ -71,12 +59,10 @@ extern "C" void specula_silu_mul(const float* gate_up, int64_t in_stride, int64_
   for (int64_t r = 0; r < rows; ++r) {
     const float* gate = gate_up + r * in_stride;
     const float* up = gate + width;
-    for (int64_t i = 0; i < width; i += 16) {
-      const __mmask16 m = tail_mask(width - i);
-      const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
-      const __m512 negative_exp = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
-      const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), negative_exp));
-      _mm512_mask_storeu_ps(out + r * out_stride + i, m, _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(m, up + i)));
+    for (int64_t i = 0; i < width; i += kLanes) {
+      const vfloat g = vload_part(gate + i, width - i);
+      const vfloat silu = g / (vexp(vfloat{} - g) + 1.0f);
+      vstore_part(out + r * out_stride + i, silu * vload_part(up + i, width - i), width - i);
     }
   }
 }

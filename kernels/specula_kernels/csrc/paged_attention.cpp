@@ -17,10 +17,10 @@
 // position is skipped, not weighted by zero, so whatever its slot holds never reaches the row.
 //
 // Exactness: a row's output is a fixed-order computation over its own query and visible keys and values (scores
-// in order, the softmax sum in 16 lanes folded in a fixed order, values accumulated in position order), so it
+// in order, the softmax sum in kLanes lanes folded in a fixed order, values accumulated in position order), so it
 // does not depend on the other rows, sequences or padding of its step, nor on the threads.
 //
-// AVX-512 only, as the weight-only kernels; head_dim a multiple of 16 up to 256 (the caller checks).
+// head_dim a multiple of 16 up to 256 (the caller checks).
 
 #include <cmath>
 #include <cstdint>
@@ -28,12 +28,7 @@
 #include <limits>
 #include <vector>
 
-#if !defined(__AVX512F__)
-#error "the attention kernel needs AVX-512 (elsewhere the worker uses PyTorch's attention)"
-#endif
-#include <immintrin.h>
-
-#include "vector_math.h"
+#include "simd.h"
 
 static constexpr int64_t kAhead = 4;  // positions ahead whose keys (values) are prefetched, for a range of heads
 
@@ -41,23 +36,22 @@ static constexpr int64_t kAhead = 4;  // positions ahead whose keys (values) are
 static inline void prefetch_heads(const float* row, int64_t h0, int64_t h1, int64_t group, int dim) {
   const char* first = reinterpret_cast<const char*>(row + (h0 / group) * dim);
   const char* last = reinterpret_cast<const char*>(row + ((h1 - 1) / group + 1) * dim);
-  for (const char* p = first; p < last; p += 64) _mm_prefetch(p, _MM_HINT_T0);
+  for (const char* p = first; p < last; p += 64) __builtin_prefetch(p);
 }
 
-// Softmax weights in place of one head's scores, 16 at a time; masked positions (-inf) become exactly 0. Returns
-// the reciprocal of the weights' sum (their fixed-order sum: 16 lanes, then the lanes folded).
+// Softmax weights in place of one head's scores, kLanes at a time; masked positions (-inf) become exactly 0.
+// Returns the reciprocal of the weights' sum (their fixed-order sum: kLanes lanes, then the lanes folded).
 static float softmax_in_place(float* scores, int64_t context, float best) {
-  const __m512 top = _mm512_set1_ps(best), minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t j = 0; j < context; j += 16) {
-    const __mmask16 lanes = context - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (context - j)) - 1);
-    const __m512 s = _mm512_mask_loadu_ps(minus_inf, lanes, scores + j);
-    const __mmask16 keep = _mm512_cmp_ps_mask(s, minus_inf, _CMP_NEQ_OQ);
-    const __m512 w = _mm512_maskz_mov_ps(keep, exp_ps(_mm512_sub_ps(s, top)));
-    _mm512_mask_storeu_ps(scores + j, lanes, w);
-    total = _mm512_add_ps(total, w);
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  vfloat total{};
+  for (int64_t j = 0; j < context; j += kLanes) {
+    vfloat s = vload_part(scores + j, context - j);
+    for (int64_t i = context - j; i < kLanes; ++i) s[i] = minus_inf;  // lanes past the context
+    const vfloat w = s != minus_inf ? vexp(s - best) : vfloat{};
+    vstore_part(scores + j, w, context - j);
+    total += w;
   }
-  return 1.0f / _mm512_reduce_add_ps(total);
+  return 1.0f / vsum(total);
 }
 
 // One query row, query heads [h0, h1): out[h] = softmax(scale * q[h] . K[h]) V[h] over the visible positions.
@@ -67,7 +61,7 @@ static float softmax_in_place(float* scores, int64_t context, float best) {
 static void attend_row(const float* q, const float* keys, const float* values, int64_t slot_stride, int64_t group,
                        int64_t h0, int64_t h1, const int64_t* slots, const uint8_t* visible, int64_t context,
                        int vectors, float scale, float* scores, float* acc, float* best, float* out) {
-  const int dim = 16 * vectors;
+  const int dim = kLanes * vectors;
   const int64_t heads = h1 - h0;
   // A range of a slot's heads is a few lines every few KB, which the hardware does not prefetch; a whole slot's
   // are one contiguous run, which it does.
@@ -84,10 +78,9 @@ static void attend_row(const float* q, const float* keys, const float* values, i
     for (int64_t h = 0; h < heads; ++h) {
       const float* k = row + ((h0 + h) / group) * dim;
       const float* qh = q + (h0 + h) * dim;
-      __m512 sum = _mm512_mul_ps(_mm512_loadu_ps(qh), _mm512_loadu_ps(k));
-      for (int v = 1; v < vectors; ++v)
-        sum = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * v), _mm512_loadu_ps(k + 16 * v), sum);
-      const float s = _mm512_reduce_add_ps(sum) * scale;
+      vfloat sum = vload(qh) * vload(k);
+      for (int v = 1; v < vectors; ++v) sum = vfma(vload(qh + kLanes * v), vload(k + kLanes * v), sum);
+      const float s = vsum(sum) * scale;
       scores[h * context + j] = s;
       best[h] = s > best[h] ? s : best[h];
     }
@@ -105,18 +98,16 @@ static void attend_row(const float* q, const float* keys, const float* values, i
     if (partial && j + kAhead < context) prefetch_heads(values + slots[j + kAhead] * slot_stride, h0, h1, group, dim);
     const float* row = values + slots[j] * slot_stride;
     for (int64_t h = 0; h < heads; ++h) {
-      const __m512 w = _mm512_set1_ps(scores[h * context + j]);
+      const vfloat w = vsplat(scores[h * context + j]);
       const float* val = row + ((h0 + h) / group) * dim;
       float* a = acc + h * dim;
-      for (int v = 0; v < vectors; ++v)
-        _mm512_storeu_ps(a + 16 * v, _mm512_fmadd_ps(w, _mm512_loadu_ps(val + 16 * v), _mm512_loadu_ps(a + 16 * v)));
+      for (int v = 0; v < vectors; ++v) vstore(a + kLanes * v, vfma(w, vload(val + kLanes * v), vload(a + kLanes * v)));
     }
   }
   for (int64_t h = 0; h < heads; ++h) {
     if (best[h] == masked) continue;
-    const __m512 norm = _mm512_set1_ps(best[h]);
     for (int v = 0; v < vectors; ++v)
-      _mm512_storeu_ps(out + (h0 + h) * dim + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(acc + h * dim + 16 * v), norm));
+      vstore(out + (h0 + h) * dim + kLanes * v, vload(acc + h * dim + kLanes * v) * best[h]);
   }
 }
 
@@ -126,7 +117,7 @@ extern "C" void specula_paged_attention(const float* query, int64_t query_stride
                                         const uint8_t* query_valid, int64_t max_query, const uint8_t* mask,
                                         int64_t num_heads, int64_t head_dim, float scale, float* out,
                                         int64_t out_stride, int threads) {
-  const int vectors = static_cast<int>(head_dim / 16);
+  const int vectors = static_cast<int>(head_dim / kLanes);
   const int64_t group = num_heads / num_kv_heads;  // query heads per KV head
   const int64_t slot_stride = num_kv_heads * head_dim;
   // A work item is a sequence and a range of its KV heads (with their query heads): all of them when there are

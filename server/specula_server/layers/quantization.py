@@ -25,7 +25,17 @@ import torch
 from torch import nn
 
 from specula_kernels import native
-from specula_kernels.linear import default_num_parts, linear, onednn_linear, onednn_pack, onednn_supports, pack_weight
+from specula_kernels.linear import (
+    default_num_parts,
+    linear,
+    onednn_linear,
+    onednn_pack,
+    onednn_supports,
+    pack_panels,
+    pack_weight,
+    panel_linear,
+    panels_supported,
+)
 from specula_kernels.quantized_linear import (
     INT4_GROUP_SIZES,
     INT8_IN_MULTIPLE,
@@ -76,25 +86,33 @@ def _check_group_size(group_size: int) -> None:
 
 
 class DenseLinear(nn.Module):
-    """Float weights in oneDNN's packed layout where it serves their dtype on this CPU, else packed as one column
-    block per CPU thread (`specula_kernels.linear` has both, and the measurements that chose between them)."""
+    """Float weights: float32 in Specula's panel layout where the native kernels are built, else in oneDNN's packed
+    layout where it serves their dtype on this CPU, else packed as one column block per CPU thread
+    (`specula_kernels.linear` has all three, and the measurements that chose between them)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        self.onednn = onednn_supports(weight.dtype, weight.device)
-        if self.onednn:
+        self.out_features = weight.shape[0]
+        self.kind = ("panels" if panels_supported(weight.dtype, weight.device) else
+                     "onednn" if onednn_supports(weight.dtype, weight.device) else "blocks")
+        if self.kind == "panels":
+            self.register_buffer("packed", pack_panels(weight))  # [out / P, in, P]
+        elif self.kind == "onednn":
             self.register_buffer("packed", onednn_pack(weight))  # opaque; `in` features on dim 1
         else:
             parts = default_num_parts(weight.shape[0], weight.device)
             self.weight = nn.Parameter(pack_weight(weight, parts), requires_grad=False)  # [parts, in, out/parts]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return onednn_linear(x, self.packed) if self.onednn else linear(x, self.weight)
+        if self.kind == "panels":
+            return panel_linear(x, self.packed, self.out_features)
+        return onednn_linear(x, self.packed) if self.kind == "onednn" else linear(x, self.weight)
 
 
 def _native_kernels(device: torch.device):
-    """The native weight-only kernels where they serve this device (CPU, built for this machine), else None."""
-    return native.library() if device.type == "cpu" else None
+    """The native weight-only kernels where they serve this device (CPU, built for this machine with AVX-512),
+    else None."""
+    return native.library() if device.type == "cpu" and native.has("specula_int8_linear") else None
 
 
 class Int8Linear(nn.Module):

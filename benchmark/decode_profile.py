@@ -1,0 +1,210 @@
+"""Where one decode step's milliseconds go: a per-operator profile of the worker at one stream, against the
+memory-bandwidth floor of its precision.
+
+Loads a model into the worker (by default the real model, SmolLM2-135M-Instruct from its GGUF), prefills one
+prompt, then decodes one stream step by step. Two passes over the same steps:
+
+- untimed: the worker as it serves, `ms/step` the median over the steps;
+- timed: every operator of the decode path wrapped with a wall-clock timer (the four products of each layer and
+  the LM head, the norms, rotary + cache write, attention, SiLU, the embedding), so the step splits into
+  operators, the model's Python between them (`layer glue`), and the step's own work around the model
+  (`step outside the model`: batch building, sampling, outputs). The timers cost a little (reported: the timed
+  pass's step against the untimed one).
+
+Each product is reported with the bytes it reads and the bandwidth it reaches; the floor is the step's weight
+bytes at the bandwidth of a large sum (`worker_decode.measure_bandwidth`).
+
+    python benchmark/decode_profile.py                          # real model, float32, 2 threads
+    python benchmark/decode_profile.py --quantize int8 int4     # several precisions, one after another
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "benchmark")]
+
+import torch  # noqa: E402
+from worker_decode import measure_bandwidth  # noqa: E402
+
+from specula_server.request import StepPlan  # noqa: E402
+from specula_server.testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
+
+REAL_MODEL = Path.home() / ".cache" / "specula" / "real-model" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+PRODUCTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
+
+
+class Timers:
+    """Wall-clock totals per operator name; wraps callables and module forwards in place."""
+
+    def __init__(self) -> None:
+        self.total = defaultdict(float)
+        self.calls = defaultdict(int)
+        self.enabled = False
+        self._undo = []
+
+    def wrap(self, owner, attribute: str, name: str) -> None:
+        original = getattr(owner, attribute)
+
+        def timed(*args, **kwargs):
+            if not self.enabled:
+                return original(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.total[name] += time.perf_counter() - start
+                self.calls[name] += 1
+
+        setattr(owner, attribute, timed)
+        self._undo.append((owner, attribute, original))
+
+    def restore(self) -> None:
+        for owner, attribute, original in reversed(self._undo):
+            setattr(owner, attribute, original)
+        self._undo.clear()
+
+    def reset(self) -> None:
+        self.total.clear()
+        self.calls.clear()
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes held by a module's tensors (parameters, buffers, and plain tensor attributes of its submodules such as
+    packed or quantized weights)."""
+    seen, total = set(), 0
+    for sub in module.modules():
+        for value in list(vars(sub).values()) + list(sub._parameters.values()) + list(sub._buffers.values()):
+            if isinstance(value, torch.Tensor) and id(value) not in seen:
+                seen.add(id(value))
+                try:
+                    total += value.numel() * value.element_size()
+                except (RuntimeError, NotImplementedError):  # opaque tensors: fall back on the dense shape
+                    total += value.numel() * 4
+    return total
+
+
+def instrument(model, timers: Timers) -> dict[str, int]:
+    """Wraps the decode path's operators; returns the weight bytes each product reads per step."""
+    from specula_server.models import llama
+
+    for fn in ("rotary_and_cache", "paged_attention", "silu_and_mul"):
+        timers.wrap(llama, fn, fn)
+    bytes_read = defaultdict(int)
+    for layer in model.layers:
+        for name, module in (("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
+                             ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj)):
+            timers.wrap(module, "forward", name)
+            bytes_read[name] += weight_bytes(module)
+        timers.wrap(layer.input_layernorm, "forward", "rms_norm")
+        timers.wrap(layer.post_attention_layernorm, "add_and_norm", "add_rms_norm")
+        timers.wrap(layer, "forward", "layer")
+    timers.wrap(model.norm, "forward", "rms_norm")
+    timers.wrap(model.embed_tokens, "forward", "embedding")
+    timers.wrap(model.rotary, "tables", "rotary_tables")
+    timers.wrap(model.lm_head, "forward", "lm_head")
+    bytes_read["lm_head"] = weight_bytes(model.lm_head)
+    timers.wrap(model, "forward_with_aux", "model")
+    timers.wrap(model, "compute_logits", "logits")
+    return bytes_read
+
+
+def decode_steps(generator, prompt: list[int], steps: int, timers: Timers | None = None) -> list[float]:
+    """Prefills `prompt` and decodes `steps` tokens one step at a time; returns each decode step's seconds.
+    `timers` run during the decode steps only."""
+    spec = make_spec(0, prompt, BlockPool(generator.kv_cache.num_blocks, generator.block_size),
+                     max_new_tokens=steps + 1)
+    generator.step(StepPlan(new=[spec]))
+    times = []
+    if timers is not None:
+        timers.enabled = True
+    for _ in range(steps):
+        start = time.perf_counter()
+        generator.step(StepPlan())
+        times.append(time.perf_counter() - start)
+    if timers is not None:
+        timers.enabled = False
+    while generator.requests:
+        generator.step(StepPlan())
+    return times
+
+
+def profile(model_path: Path, quantize: str | None, args) -> dict:
+    settings = {"quantize": quantize} if quantize else {}
+    if quantize:
+        settings["quantize_group_size"] = args.group_size
+    num_blocks = -(-(args.prompt_tokens + args.steps + 8) // 16) + 1
+    generator = load_test_generator(model_path, num_blocks=num_blocks, dtype="float32", **settings)
+    model = generator.model
+    prompt = [1] + [(7 * i) % 4000 + 3 for i in range(args.prompt_tokens - 1)]
+    decode_steps(generator, prompt, 8)  # warm up
+    untimed = decode_steps(generator, prompt, args.steps)
+
+    timers = Timers()
+    bytes_read = instrument(model, timers)
+    decode_steps(generator, prompt, 4, timers)
+    timers.reset()
+    timed = decode_steps(generator, prompt, args.steps, timers)
+    timers.restore()
+
+    per_step = {name: seconds / args.steps for name, seconds in timers.total.items()}
+    return {"untimed": untimed, "timed": timed, "per_step": per_step, "calls": dict(timers.calls),
+            "bytes": dict(bytes_read), "total_bytes": weight_bytes(model) - weight_bytes(model.embed_tokens)}
+
+
+def report(label: str, result: dict, bandwidth: float, steps: int) -> None:
+    step_ms = statistics.median(result["untimed"]) * 1e3
+    timed_ms = statistics.median(result["timed"]) * 1e3
+    per = {k: v * 1e3 for k, v in result["per_step"].items()}
+    floor_ms = result["total_bytes"] / bandwidth * 1e3
+    print(f"\n### {label}: {step_ms:.2f} ms/step ({1e3 / step_ms:.1f} tokens/s); floor {floor_ms:.2f} ms "
+          f"({result['total_bytes'] / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s), {floor_ms / step_ms:.0%} of it; "
+          f"timed pass {timed_ms:.2f} ms/step")
+    print("| operator | ms/step | share | calls/step | MB read | GB/s |\n|---|---|---|---|---|---|")
+    rows = [(name, per.get(name, 0.0)) for name in PRODUCTS]
+    rows += [(name, per.get(name, 0.0)) for name in ("paged_attention", "rotary_and_cache", "rms_norm",
+                                                       "add_rms_norm", "silu_and_mul", "embedding", "rotary_tables")]
+    model_ms, logits_ms = per.get("model", 0.0), per.get("logits", 0.0)
+    inside = sum(ms for name, ms in rows if name != "lm_head")
+    total = sum(t for t in result["timed"]) / len(result["timed"]) * 1e3
+    rows.append(("layer glue (model Python between operators)", model_ms - inside))
+    rows.append(("logits glue", logits_ms - per.get("lm_head", 0.0)))
+    rows.append(("step outside the model (batch, sampling, outputs)", total - model_ms - logits_ms))
+    for name, ms in rows:
+        mb = result["bytes"].get(name, 0) / 1e6
+        calls = result["calls"].get(name, 0) / steps
+        rate = f"{mb / ms:.1f}" if mb and ms > 0 else ""
+        print(f"| {name} | {ms:.2f} | {ms / total:.0%} | {calls:.0f} | {mb:.0f} | {rate} |" if mb else
+              f"| {name} | {ms:.2f} | {ms / total:.0%} | {calls:.0f} |  |  |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=REAL_MODEL, help="GGUF file or model directory")
+    parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4"])
+    parser.add_argument("--group-size", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    bandwidth = measure_bandwidth(torch.device("cpu"))
+    results = {}
+    for quantize in args.quantize:
+        q = None if quantize == "none" else quantize
+        results[quantize] = profile(args.model, q, args)
+        report(f"{args.model.name}, {quantize if q else 'float32'}", results[quantize], bandwidth, args.steps)
+    if args.json:
+        args.json.write_text(json.dumps({"bandwidth": bandwidth, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
