@@ -1,10 +1,12 @@
 """The float products of one decode step, per kernel, side by side: what `DenseLinear` should run.
 
-The 49 products a decoded token costs on the 134M Llama (12 layers of fused q/k/v, o, fused gate/up and down,
-and the 32000-row LM head) with random weights far larger than the caches, timed for `--rows` activation rows
-(the sequences of a batched step). Variants take turns round by round, the order reversing every round;
-reported: the median over rounds of the time for all 49 products.
+The products a decoded token costs, with random weights far larger than the caches, timed for `--rows` activation
+rows (the sequences of a batched step, or a prompt's tokens). `--model 134m`: the 134M Llama's 49 (12 layers of
+fused q/k/v, o, fused gate/up and down, and the 32000-row LM head); `--model smollm2`: SmolLM2-135M's 121 (30
+layers of hidden 576 with 3 KV heads of 64, intermediate 1536, the 49152-row LM head). Variants take turns round by
+round, the order reversing every round; reported: the median over rounds of the time for all the products.
 
+    panels fp32      float32 weights in Specula's panel layout on the native kernels (`pack_panels`, `panel_linear`)
     column blocks    float32 weights as one column block per thread, a batched GEMM (`specula_kernels.linear`)
     onednn fp32      float32 weights in oneDNN's packed layout (`onednn_pack`, `onednn_linear`)
     onednn fp32 hN   the same, packed for N rows instead of `PACK_ROWS_HINT` (with `--pack-hint N ...`)
@@ -19,6 +21,7 @@ With `--quantized`, also the weight-only formats of `--quantize` (int4 in groups
     python benchmark/linear_kernels.py --rows 1 8 32 64 --rounds 15
     python benchmark/linear_kernels.py --rows 1 8 32 256 --rounds 7 --quantized
     python benchmark/linear_kernels.py --rows 1 4 8 32 64 --rounds 15 --pack-hint 1 64
+    python benchmark/linear_kernels.py --model smollm2 --rows 1 4 8 32 64 350 --rounds 9
 """
 
 from __future__ import annotations
@@ -43,7 +46,10 @@ from specula_kernels.linear import (  # noqa: E402
     onednn_linear,
     onednn_pack,
     onednn_supports,
+    pack_panels,
     pack_weight,
+    panel_linear,
+    panels_supported,
 )
 from specula_kernels.quantized_linear import (  # noqa: E402
     KERNEL_DTYPE,
@@ -60,9 +66,16 @@ from specula_kernels.quantized_linear import (  # noqa: E402
 
 GROUP = 64
 
-HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 768, 2048, 12, 32000
-SHAPES = [(3 * HIDDEN, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)] * LAYERS + [
-    (VOCAB, HIDDEN)]
+
+
+def model_shapes(hidden: int, kv_width: int, intermediate: int, layers: int, vocab: int) -> list[tuple[int, int]]:
+    """(out, in) of every product of one decoded token."""
+    layer = [(hidden + 2 * kv_width, hidden), (hidden, hidden), (2 * intermediate, hidden), (hidden, intermediate)]
+    return layer * layers + [(vocab, hidden)]
+
+
+MODELS = {"134m": model_shapes(768, 768, 2048, 12, 32000), "smollm2": model_shapes(576, 192, 1536, 30, 49152)}
+SHAPES = MODELS["134m"]
 
 
 def quantized_variants() -> dict[str, tuple[torch.dtype, callable, callable]]:
@@ -93,7 +106,10 @@ def onednn_pack_for(rows: int):
 def variants(quantized: bool = False, pack_hints: list[int] = ()) -> dict[str, tuple[torch.dtype, callable, callable]]:
     """name -> (dtype, pack(weight), product(x, packed))."""
     cpu = torch.device("cpu")
-    out = {
+    out = {}
+    if panels_supported(torch.float32, cpu):
+        out["panels fp32"] = (torch.float32, pack_panels, lambda x, p: panel_linear(x, p, p.shape[0] * p.shape[2]))
+    out |= {
         "column blocks fp32": (torch.float32, lambda w: pack_weight(w, default_num_parts(w.shape[0], cpu)), linear),
         "onednn fp32": (torch.float32, onednn_pack, onednn_linear),
         "matmul bf16": (torch.bfloat16, lambda w: w.t().contiguous(), torch.matmul),
@@ -110,18 +126,24 @@ def variants(quantized: bool = False, pack_hints: list[int] = ()) -> dict[str, t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="134m")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quantized", action="store_true", help="also the int8/int4 weight-only kernels")
     parser.add_argument("--pack-hint", type=int, nargs="*", default=[],
                         help=f"also float32 oneDNN weights packed for these row counts (default {PACK_ROWS_HINT})")
+    parser.add_argument("--variants", nargs="+", help="only these variants (names as in the table's header)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    global SHAPES
+    SHAPES = MODELS[args.model]
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen) * 0.02 for o, i in SHAPES]
     kinds = variants(args.quantized, args.pack_hint)
+    if args.variants:
+        kinds = {name: kind for name, kind in kinds.items() if name in args.variants}
     packed = {name: [pack(w.to(dtype)) for w in weights] for name, (dtype, pack, _) in kinds.items()}
     results: dict[int, dict[str, float]] = {}
     print(f"{len(SHAPES)} products per token, {args.threads} threads, median of {args.rounds} alternating rounds "
