@@ -108,7 +108,7 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 def panels_supported(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether `pack_panels` serves weights of `dtype` on `device`: float32 on a CPU where the kernels are built."""
-    return device.type == "cpu" and dtype == torch.float32 and native.has("specula_float_linear")
+    return device.type == "cpu" and dtype == torch.float32 and native.library() is not None
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -11,9 +11,9 @@ extensions and OpenMP, built with `-O3 -march=native` by the system's C++ compil
 compiler and the CPU's feature flags, so a worker compiles it once per machine (a few seconds).
 
 Instruction sets: the kernels are written over one vector type (`csrc/simd.h`) that is 16 floats wide with AVX-512
-and 8 with AVX2; the weight-only int8/int4 kernels need AVX-512 and compile to nothing elsewhere (`has()` says which
-functions a build holds). `SPECULA_NATIVE_ARCH` replaces `native` in `-march=` (e.g. `x86-64-v3`: AVX2 and FMA), so
-an AVX-512 machine can build and test the AVX2 variant.
+and 8 with AVX2 (the int8/int4 blocks have a variant of each). `SPECULA_NATIVE_ARCH` replaces `native` in
+`-march=` (e.g. `x86-64-v3`: AVX2 and FMA), so an AVX-512 machine can build and test the AVX2 variant; a CPU with
+neither builds nothing, and PyTorch's kernels run.
 
 Linking: the library asks for `libgomp.so.1`, the soname of the OpenMP runtime PyTorch's x86-64 wheels load, so
 the kernels share PyTorch's threads instead of starting a second pool.
@@ -127,9 +127,8 @@ def _load() -> ctypes.CDLL:
         "specula_float_linear": [ptr, i64, i64, ptr, ptr, i64, ptr, c_int],
     }
     for name, argtypes in signatures.items():
-        if hasattr(lib, name):  # the weight-only kernels are in AVX-512 builds only
-            function = getattr(lib, name)
-            function.argtypes, function.restype = argtypes, None
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, None
     lib.specula_float_panel_rows.restype = c_int
     lib.specula_vector_lanes.restype = c_int
     return lib
@@ -152,12 +151,6 @@ def library() -> ctypes.CDLL | None:
                     logger.warning("native kernels unavailable, using PyTorch's: %s", _reason)
             _tried = True
     return _library
-
-
-def has(name: str) -> bool:
-    """Whether the kernels are built here and hold `name` (the int8/int4 products need AVX-512)."""
-    lib = library()
-    return lib is not None and hasattr(lib, name)
 
 
 def vector_lanes() -> int | None:

@@ -18,7 +18,7 @@ bfloat16 and returns its bfloat16 output in the caller's dtype; everything aroun
 LoRA deltas, logits) stays in the model's dtype. Scales and zeros are rounded to bfloat16 *before* the values
 are quantized, so the kernels dequantize with exactly the scales the values were rounded against.
 
-On CPUs with AVX-512 the worker uses Specula's own kernels instead (`native.py`, the end of this module: float32
+On CPUs with AVX2 or AVX-512 the worker uses Specula's own kernels instead (`native.py`, the end of this module: float32
 activations, each format in its own interleaved layout); the functions above are the fallback elsewhere.
 
 `int8_linear_reference` and `int4_linear_reference` dequantize and multiply in float32: the definition the

@@ -153,10 +153,10 @@ def test_int8_kernel_refuses_widths_it_cannot_read():
 def _native_library():
     from specula_kernels import native
 
-    if not native.has("specula_int8_linear"):
-        why = native.unavailable_reason() if native.library() is None else "they need AVX-512"
-        pytest.skip(f"native weight-only kernels unavailable: {why}")
-    return native.library()
+    lib = native.library()
+    if lib is None:
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    return lib
 
 
 # rows: one, a partial register block, several blocks, past one pass (64 rows); outputs not a multiple of 4

@@ -1,13 +1,14 @@
 // Weight-only int8 and int4 products for CPU decoding: y[m, n] = sum_k x[m, k] * w[n, k], with `w` stored in 8
-// or 4 bits and dequantized in registers, never in memory.
+// or 4 bits and dequantized in registers (or, for int4 passes of many rows on AVX2, once per block into a buffer
+// that stays in L1).
 //
 // Decoding multiplies a few activation rows by every weight once per step, so the product is bound by the speed
 // at which the weights stream from memory. PyTorch's packed int8/int4 CPU kernels are compute-bound, reading
 // weights well below the memory's bandwidth (docs/benchmarks.md#weight-only-quantization); these loops convert
-// 16 weights per vector instruction and keep several outputs' accumulators in registers, so a thread's share of
+// a vector of weights per instruction and keep several outputs' accumulators in registers, so a thread's share of
 // the weights is read once, in order, at the memory's pace.
 //
-// Exactness: every output element is one thread's fixed-order sum (16 lanes over k, then the lanes in order),
+// Exactness: every output element is one thread's fixed-order sum (the build's lanes over k, then the lanes folded),
 // whatever the number of rows, the blocking or the threads. A row's result never depends on what other rows
 // share its step, so a verified draft row equals the plain decode row it stands for.
 //
@@ -20,22 +21,32 @@
 //         w[n, k] = (q - 8) * scale + zero for k's group.
 // N is padded to a multiple of 4 with zero rows, whose outputs are not written.
 //
-// AVX-512 only (GCC/Clang vector extensions and intrinsics): elsewhere this file compiles to nothing and the
-// products run on PyTorch's kernels. An AVX2 variant of the first, row-by-row version of these loops measured
-// slower than its AVX-512 build and no faster than PyTorch's kernels, and was not kept.
+// Two builds of the blocks, one driver: with AVX-512, 16-wide vectors, int8 widened by one instruction and int4
+// looked up in a 16-entry table by one permute; with AVX2 (`simd.h`'s 8-wide vectors), a 16-input line is two
+// vectors and an int4 code is converted and scaled by a multiply-add, (q - 8) * scale + zero, which is the very
+// value the AVX-512 table holds for it. Sums fold their lanes in each build's fixed order.
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#include "simd.h"
 
-typedef float f32x16 __attribute__((vector_size(64)));
-
-static constexpr int kRows = 4;  // activation rows per register block (of 32 vector registers)
 static constexpr int kCols = 4;  // weight rows per block: one 64-byte line holds 16 inputs of each (int8)
 static constexpr int kAhead = 512;  // bytes prefetched ahead of the line being read
 static constexpr int64_t kChunk = 64;  // activation rows per pass over the weights: a pass's rows stay in L2
+
+static inline float bf16_to_f32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+#if defined(__AVX512F__)
+typedef float f32x16 __attribute__((vector_size(64)));
+
+static constexpr int kRows = 4;  // activation rows per register block (of 32 vector registers)
 
 static inline f32x16 load_f32(const float* p) {
   f32x16 v;
@@ -54,13 +65,6 @@ static inline void dequantize_u4(const uint8_t* p, __m512 table, f32x16& lo, f32
   const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
   lo = (f32x16)_mm512_permutexvar_ps(wide, table);
   hi = (f32x16)_mm512_permutexvar_ps(_mm512_srli_epi32(wide, 4), table);
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-  uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
 }
 
 static inline float lane_sum(f32x16 v) {
@@ -122,22 +126,144 @@ static void int4_block(const float* x, int64_t K, const uint8_t* q4, const uint1
     for (int j = 0; j < nb; ++j) y[i * N + j] = lane_sum(acc[i][j]);
 }
 
-// Runs `block(m0, mb, b, nb)` over [M, N] in blocks of at most kRows activation rows and the kCols weight rows of
-// block `b` (`nb` of them real). The threads split the weight blocks (each reads its contiguous share once per
-// pass); passes take kChunk activation rows at a time.
-template <typename Block>
-static void for_each_block(int64_t M, int64_t N, int threads, const Block& block) {
+#else  // AVX2: 8-wide vectors, two to a 16-input line
+
+static constexpr int kRows = 2;  // activation rows per register block (of 16 vector registers)
+
+// Intrinsics, not `__builtin_convertvector`: GCC converts 8 bytes to 8 floats one byte at a time.
+static inline vfloat widen_i8(const int8_t* p) {
+  return (vfloat)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+// 8 bytes of int4 pairs: their low halves' codes and their high halves' codes, as floats.
+static inline void codes_u4(const uint8_t* p, vfloat& lo, vfloat& hi) {
+  const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  lo = (vfloat)_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15)));
+  hi = (vfloat)_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));
+}
+
+template <int MB>
+static void int8_block(const float* x, int64_t K, const int8_t* q, const float* scale, float* y, int64_t N, int nb) {
+  vfloat acc[MB][kCols];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < kCols; ++j) acc[i][j] = vfloat{};
+  for (int64_t k = 0; k < K; k += 16) {
+    const int8_t* line = q + k * kCols;
+    __builtin_prefetch(line + kAhead);
+    for (int half = 0; half < 16; half += kLanes) {
+      vfloat w[kCols];
+      for (int j = 0; j < kCols; ++j) w[j] = widen_i8(line + 16 * j + half);
+      for (int i = 0; i < MB; ++i) {
+        const vfloat xv = vload(x + i * K + k + half);
+        for (int j = 0; j < kCols; ++j) acc[i][j] = vfma(xv, w[j], acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < nb; ++j) y[i * N + j] = vsum(acc[i][j]) * scale[j];
+}
+
+template <int MB>
+static void int4_block(const float* x, int64_t K, const uint8_t* q4, const uint16_t* sz, int64_t group, float* y,
+                       int64_t N, int nb) {
+  const int64_t groups = K / group;
+  vfloat acc[MB][kCols];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < kCols; ++j) acc[i][j] = vfloat{};
+  for (int64_t g = 0; g < groups; ++g) {
+    vfloat scale[kCols], zero[kCols];
+    for (int j = 0; j < kCols; ++j) {
+      scale[j] = vsplat(bf16_to_f32(sz[(g * kCols + j) * 2]));
+      zero[j] = vsplat(bf16_to_f32(sz[(g * kCols + j) * 2 + 1]));
+    }
+    for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
+      const uint8_t* line = q4 + k / 2 * kCols;
+      __builtin_prefetch(line + kAhead);
+      for (int half = 0; half < 16; half += kLanes) {  // bytes [half, half + kLanes): inputs there and 16 on
+        for (int j = 0; j < kCols; ++j) {
+          vfloat lo, hi;
+          codes_u4(line + 16 * j + half, lo, hi);
+          lo = vfma(lo - 8.0f, scale[j], zero[j]);
+          hi = vfma(hi - 8.0f, scale[j], zero[j]);
+          for (int i = 0; i < MB; ++i) {
+            acc[i][j] = vfma(vload(x + i * K + k + half), lo, acc[i][j]);
+            acc[i][j] = vfma(vload(x + i * K + k + 16 + half), hi, acc[i][j]);
+          }
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < nb; ++j) y[i * N + j] = vsum(acc[i][j]);
+}
+
+// Many rows: decoding a code costs more than multiplying it, so past a few rows a block's 4 weight rows are
+// dequantized once into `w` [kCols][K] and every row of the pass reads them there. The values and the order of
+// the multiply-adds are int4_block's, so a row's result is the same bits on either path.
+static constexpr int64_t kDequantizeRows = 2 * kRows;  // passes of more rows than this take the buffer
+
+static void dequantize_u4_block(const uint8_t* q4, const uint16_t* sz, int64_t K, int64_t group, float* w) {
+  for (int64_t g = 0; g < K / group; ++g) {
+    for (int j = 0; j < kCols; ++j) {
+      const vfloat scale = vsplat(bf16_to_f32(sz[(g * kCols + j) * 2]));
+      const vfloat zero = vsplat(bf16_to_f32(sz[(g * kCols + j) * 2 + 1]));
+      for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
+        for (int half = 0; half < 16; half += kLanes) {
+          vfloat lo, hi;
+          codes_u4(q4 + k / 2 * kCols + 16 * j + half, lo, hi);
+          vstore(w + j * K + k + half, vfma(lo - 8.0f, scale, zero));
+          vstore(w + j * K + k + 16 + half, vfma(hi - 8.0f, scale, zero));
+        }
+      }
+    }
+  }
+}
+
+template <int MB>
+static void dequantized_block(const float* x, int64_t K, const float* w, float* y, int64_t N, int nb) {
+  vfloat acc[MB][kCols];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < kCols; ++j) acc[i][j] = vfloat{};
+  for (int64_t k = 0; k < K; k += 32) {
+    for (int half = 0; half < 16; half += kLanes) {
+      for (int j = 0; j < kCols; ++j) {
+        const vfloat lo = vload(w + j * K + k + half), hi = vload(w + j * K + k + 16 + half);
+        for (int i = 0; i < MB; ++i) {
+          acc[i][j] = vfma(vload(x + i * K + k + half), lo, acc[i][j]);
+          acc[i][j] = vfma(vload(x + i * K + k + 16 + half), hi, acc[i][j]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < nb; ++j) y[i * N + j] = vsum(acc[i][j]);
+}
+
+#endif  // __AVX512F__
+
+// Runs `pass(begin, end, b, nb)` for activation rows [begin, end) of each pass and weight block `b`.
+template <typename Pass>
+static void for_each_pass(int64_t M, int64_t N, int threads, const Pass& pass) {
   const int64_t col_blocks = (N + kCols - 1) / kCols;
 #pragma omp parallel num_threads(threads)
   for (int64_t chunk = 0; chunk < M; chunk += kChunk) {
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < col_blocks; ++b) {
       const int nb = static_cast<int>(N - b * kCols < kCols ? N - b * kCols : kCols);
-      const int64_t end = M < chunk + kChunk ? M : chunk + kChunk;
-      for (int64_t m0 = chunk; m0 < end; m0 += kRows)
-        block(m0, static_cast<int>(end - m0 < kRows ? end - m0 : kRows), b, nb);
+      pass(chunk, M < chunk + kChunk ? M : chunk + kChunk, b, nb);
     }
   }
+}
+
+// Runs `block(m0, mb, b, nb)` over [M, N] in blocks of at most kRows activation rows and the kCols weight rows of
+// block `b` (`nb` of them real). The threads split the weight blocks (each reads its contiguous share once per
+// pass); passes take kChunk activation rows at a time.
+template <typename Block>
+static void for_each_block(int64_t M, int64_t N, int threads, const Block& block) {
+  for_each_pass(M, N, threads, [&](int64_t begin, int64_t end, int64_t b, int nb) {
+    for (int64_t m0 = begin; m0 < end; m0 += kRows)
+      block(m0, static_cast<int>(end - m0 < kRows ? end - m0 : kRows), b, nb);
+  });
 }
 
 extern "C" {
@@ -150,12 +276,12 @@ void specula_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* q, 
     float* ym = y + m0 * N + b * kCols;
     const int8_t* qb = q + b * kCols * K;
     const float* sb = scale + b * kCols;
-    switch (mb) {
-      case 1: return int8_block<1>(xm, K, qb, sb, ym, N, nb);
-      case 2: return int8_block<2>(xm, K, qb, sb, ym, N, nb);
-      case 3: return int8_block<3>(xm, K, qb, sb, ym, N, nb);
-      default: return int8_block<kRows>(xm, K, qb, sb, ym, N, nb);
+    if (mb == 1) return int8_block<1>(xm, K, qb, sb, ym, N, nb);
+    if constexpr (kRows > 3) {
+      if (mb == 2) return int8_block<2>(xm, K, qb, sb, ym, N, nb);
+      if (mb == 3) return int8_block<3>(xm, K, qb, sb, ym, N, nb);
     }
+    return int8_block<kRows>(xm, K, qb, sb, ym, N, nb);
   });
 }
 
@@ -164,20 +290,34 @@ void specula_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* q, 
 void specula_int4_linear(const float* x, int64_t M, int64_t K, const uint8_t* q4, const uint16_t* sz, int64_t group,
                          int64_t N, float* y, int threads) {
   const int64_t groups = K / group;
+#if !defined(__AVX512F__)
+  if (M > kDequantizeRows) {
+    for_each_pass(M, N, threads, [=](int64_t begin, int64_t end, int64_t b, int nb) {
+      thread_local std::vector<float> w;
+      w.resize(kCols * K);
+      dequantize_u4_block(q4 + b * kCols * (K / 2), sz + b * kCols * groups * 2, K, group, w.data());
+      for (int64_t m0 = begin; m0 < end; m0 += kRows) {
+        const float* xm = x + m0 * K;
+        float* ym = y + m0 * N + b * kCols;
+        if (end - m0 < kRows) dequantized_block<1>(xm, K, w.data(), ym, N, nb);
+        else dequantized_block<kRows>(xm, K, w.data(), ym, N, nb);
+      }
+    });
+    return;
+  }
+#endif
   for_each_block(M, N, threads, [=](int64_t m0, int mb, int64_t b, int nb) {
     const float* xm = x + m0 * K;
     float* ym = y + m0 * N + b * kCols;
     const uint8_t* qb = q4 + b * kCols * (K / 2);
     const uint16_t* szb = sz + b * kCols * groups * 2;
-    switch (mb) {
-      case 1: return int4_block<1>(xm, K, qb, szb, group, ym, N, nb);
-      case 2: return int4_block<2>(xm, K, qb, szb, group, ym, N, nb);
-      case 3: return int4_block<3>(xm, K, qb, szb, group, ym, N, nb);
-      default: return int4_block<kRows>(xm, K, qb, szb, group, ym, N, nb);
+    if (mb == 1) return int4_block<1>(xm, K, qb, szb, group, ym, N, nb);
+    if constexpr (kRows > 3) {
+      if (mb == 2) return int4_block<2>(xm, K, qb, szb, group, ym, N, nb);
+      if (mb == 3) return int4_block<3>(xm, K, qb, szb, group, ym, N, nb);
     }
+    return int4_block<kRows>(xm, K, qb, szb, group, ym, N, nb);
   });
 }
 
 }  // extern "C"
-
-#endif  // __AVX512F__

@@ -3,7 +3,7 @@
 The tensor-parallel linears and the LM head (`tensor_parallel.py`) hand their rank's float slice to
 `build_linear`, which returns the product they call: `DenseLinear` (float weights packed for threads), or
 `Int8Linear` / `Int4Linear`, which quantize the slice at load time and multiply on the native weight-only kernels
-(`specula_kernels.native`, CPUs with AVX-512) or else on PyTorch's packed kernels
+(`specula_kernels.native`, CPUs with AVX2 or AVX-512) or else on PyTorch's packed kernels
 (`specula_kernels.quantized_linear`). Every product maps activations `[m, in]` to `[m, out]` in the model's dtype,
 so what acts on activations around it (LoRA deltas, Medusa heads, speculation, the all-reduce) is unchanged.
 
@@ -110,9 +110,8 @@ class DenseLinear(nn.Module):
 
 
 def _native_kernels(device: torch.device):
-    """The native weight-only kernels where they serve this device (CPU, built for this machine with AVX-512),
-    else None."""
-    return native.library() if device.type == "cpu" and native.has("specula_int8_linear") else None
+    """The native weight-only kernels where they serve this device (CPU, built for this machine), else None."""
+    return native.library() if device.type == "cpu" else None
 
 
 class Int8Linear(nn.Module):
