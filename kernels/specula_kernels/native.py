@@ -37,8 +37,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                 for name in ("weight_only.cpp", "paged_attention.cpp", "fused.cpp", "float_linear.cpp"))
-_HEADERS = (Path(__file__).with_name("csrc") / "simd.h",)
+                 for name in ("weight_only.cpp", "paged_attention.cpp", "fused.cpp", "float_linear.cpp",
+                              "decode_layers.cpp"))
+_HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd.h", "team.h"))
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _BUILD_TIMEOUT_S = 300  # a second or two is usual
 _lock = threading.Lock()
@@ -125,6 +126,7 @@ def _load() -> ctypes.CDLL:
         "specula_silu_mul": [ptr, i64, i64, i64, ptr, i64, c_int],
         "specula_rotary_cache": [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, c_int],
         "specula_float_linear": [ptr, i64, i64, ptr, ptr, i64, ptr, c_int],
+        "specula_decode_layers": [ptr, i64, ptr, ptr, c_int],
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)
@@ -151,6 +153,12 @@ def library() -> ctypes.CDLL | None:
                     logger.warning("native kernels unavailable, using PyTorch's: %s", _reason)
             _tried = True
     return _library
+
+
+def stack_enabled() -> bool:
+    """Whether a decoder stack may run its decode steps as one native call (`decode_layers.py`); on unless
+    `SPECULA_NATIVE_STACK=0`, which keeps the layer-by-layer path (for comparison)."""
+    return os.environ.get("SPECULA_NATIVE_STACK", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def vector_lanes() -> int | None:

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "simd.h"
+#include "team.h"
 
 namespace {
 
@@ -60,13 +61,10 @@ void rows(int64_t mb, const float* x, int64_t K, const float* panel, const float
 
 }  // namespace
 
-extern "C" {
-
 // x [M, K]; panels [ceil(N / kPanel)][K][kPanel]; bias [N] or null -> y [M, N]; float32, rows contiguous.
-void specula_float_linear(const float* x, int64_t M, int64_t K, const float* panels, const float* bias, int64_t N,
-                          float* y, int threads) {
+void float_linear_team(const float* x, int64_t M, int64_t K, const float* panels, const float* bias, int64_t N,
+                       float* y) {
   const int64_t num_panels = (N + kPanel - 1) / kPanel;
-#pragma omp parallel num_threads(threads)
   for (int64_t chunk = 0; chunk < M; chunk += kChunk) {
     const int64_t end = M < chunk + kChunk ? M : chunk + kChunk;
 #pragma omp for schedule(static)
@@ -80,6 +78,14 @@ void specula_float_linear(const float* x, int64_t M, int64_t K, const float* pan
       }
     }
   }
+}
+
+extern "C" {
+
+void specula_float_linear(const float* x, int64_t M, int64_t K, const float* panels, const float* bias, int64_t N,
+                          float* y, int threads) {
+#pragma omp parallel num_threads(threads)
+  float_linear_team(x, M, K, panels, bias, N, y);
 }
 
 // Weight rows per panel in this build (two vectors).

@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "simd.h"
+#include "team.h"
 
 // No contraction of a * b + c into one fused multiply-add, as PyTorch's separate operators round each step
 // (GCC reads the first pragma, Clang the second; the fused multiply-adds written as `vfma` stay).
@@ -30,10 +31,9 @@
 // Rows are split among the threads only when there is enough work to pay for waking them.
 static constexpr int64_t kParallelElements = 1 << 15;
 
-extern "C" void specula_rms_norm(float* x, int64_t x_stride, const float* delta, int64_t delta_stride,
-                                 const float* weight, int64_t rows, int64_t dim, float eps, float* out,
-                                 int64_t out_stride, int threads) {
-#pragma omp parallel for num_threads(threads) if (rows * dim >= kParallelElements)
+void rms_norm_team(float* x, int64_t x_stride, const float* delta, int64_t delta_stride, const float* weight,
+                   int64_t rows, int64_t dim, float eps, float* out, int64_t out_stride) {
+#pragma omp for
   for (int64_t r = 0; r < rows; ++r) {
     float* xr = x + r * x_stride;
     vfloat squares{};
@@ -53,9 +53,9 @@ extern "C" void specula_rms_norm(float* x, int64_t x_stride, const float* delta,
   }
 }
 
-extern "C" void specula_silu_mul(const float* gate_up, int64_t in_stride, int64_t rows, int64_t width, float* out,
-                                 int64_t out_stride, int threads) {
-#pragma omp parallel for num_threads(threads) if (rows * width >= kParallelElements)
+void silu_mul_team(const float* gate_up, int64_t in_stride, int64_t rows, int64_t width, float* out,
+                   int64_t out_stride) {
+#pragma omp for
   for (int64_t r = 0; r < rows; ++r) {
     const float* gate = gate_up + r * in_stride;
     const float* up = gate + width;
@@ -69,12 +69,11 @@ extern "C" void specula_silu_mul(const float* gate_up, int64_t in_stride, int64_
 
 // qkv rows: [num_heads queries | num_kv_heads keys | num_kv_heads values] of head_dim each, `qkv_stride` apart;
 // cos and sin: [tokens][head_dim] (sin half-negated, `RotaryEmbedding.tables`); caches [slots][kv_heads][head_dim].
-extern "C" void specula_rotary_cache(float* qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads,
-                                     int64_t num_kv_heads, int64_t head_dim, const float* cos, const float* sin,
-                                     float* key_cache, float* value_cache, const int64_t* slot_mapping,
-                                     int threads) {
+void rotary_cache_team(float* qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
+                       int64_t head_dim, const float* cos, const float* sin, float* key_cache, float* value_cache,
+                       const int64_t* slot_mapping) {
   const int64_t half = head_dim / 2, rotated_heads = num_heads + num_kv_heads;
-#pragma omp parallel for num_threads(threads) if (tokens * rotated_heads * head_dim >= kParallelElements)
+#pragma omp for
   for (int64_t t = 0; t < tokens; ++t) {
     float* row = qkv + t * qkv_stride;
     const float* c = cos + t * head_dim;
@@ -91,3 +90,27 @@ extern "C" void specula_rotary_cache(float* qkv, int64_t qkv_stride, int64_t tok
     std::memcpy(value_cache + slot_mapping[t] * kv, row + (num_heads + num_kv_heads) * head_dim, sizeof(float) * kv);
   }
 }
+
+extern "C" {
+
+void specula_rms_norm(float* x, int64_t x_stride, const float* delta, int64_t delta_stride, const float* weight,
+                      int64_t rows, int64_t dim, float eps, float* out, int64_t out_stride, int threads) {
+#pragma omp parallel num_threads(threads) if (rows * dim >= kParallelElements)
+  rms_norm_team(x, x_stride, delta, delta_stride, weight, rows, dim, eps, out, out_stride);
+}
+
+void specula_silu_mul(const float* gate_up, int64_t in_stride, int64_t rows, int64_t width, float* out,
+                      int64_t out_stride, int threads) {
+#pragma omp parallel num_threads(threads) if (rows * width >= kParallelElements)
+  silu_mul_team(gate_up, in_stride, rows, width, out, out_stride);
+}
+
+void specula_rotary_cache(float* qkv, int64_t qkv_stride, int64_t tokens, int64_t num_heads, int64_t num_kv_heads,
+                          int64_t head_dim, const float* cos, const float* sin, float* key_cache, float* value_cache,
+                          const int64_t* slot_mapping, int threads) {
+#pragma omp parallel num_threads(threads) if (tokens * (num_heads + num_kv_heads) * head_dim >= kParallelElements)
+  rotary_cache_team(qkv, qkv_stride, tokens, num_heads, num_kv_heads, head_dim, cos, sin, key_cache, value_cache,
+                    slot_mapping);
+}
+
+}  // extern "C"

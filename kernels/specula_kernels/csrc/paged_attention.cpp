@@ -28,7 +28,10 @@
 #include <limits>
 #include <vector>
 
+#include <omp.h>
+
 #include "simd.h"
+#include "team.h"
 
 static constexpr int64_t kAhead = 4;  // positions ahead whose keys (values) are prefetched, for a range of heads
 
@@ -111,20 +114,18 @@ static void attend_row(const float* q, const float* keys, const float* values, i
   }
 }
 
-extern "C" void specula_paged_attention(const float* query, int64_t query_stride, const float* key_cache,
-                                        const float* value_cache, int64_t num_kv_heads, const int64_t* context_slots,
-                                        int64_t num_seqs, int64_t max_context, const int64_t* query_index,
-                                        const uint8_t* query_valid, int64_t max_query, const uint8_t* mask,
-                                        int64_t num_heads, int64_t head_dim, float scale, float* out,
-                                        int64_t out_stride, int threads) {
+void paged_attention_team(const float* query, int64_t query_stride, const float* key_cache, const float* value_cache,
+                          int64_t num_kv_heads, const int64_t* context_slots, int64_t num_seqs, int64_t max_context,
+                          const int64_t* query_index, const uint8_t* query_valid, int64_t max_query,
+                          const uint8_t* mask, int64_t num_heads, int64_t head_dim, float scale, float* out,
+                          int64_t out_stride) {
   const int vectors = static_cast<int>(head_dim / kLanes);
   const int64_t group = num_heads / num_kv_heads;  // query heads per KV head
   const int64_t slot_stride = num_kv_heads * head_dim;
   // A work item is a sequence and a range of its KV heads (with their query heads): all of them when there are
   // enough sequences to share among the threads, else split so that every thread has several items.
-  int64_t splits = (4 * static_cast<int64_t>(threads) + num_seqs - 1) / num_seqs;
+  int64_t splits = (4 * static_cast<int64_t>(omp_get_num_threads()) + num_seqs - 1) / num_seqs;
   splits = splits < 1 ? 1 : (splits > num_kv_heads ? num_kv_heads : splits);
-#pragma omp parallel num_threads(threads)
   {
     const int64_t most = ((num_kv_heads + splits - 1) / splits) * group;  // query heads of the largest range
     const size_t context = static_cast<size_t>(max_context > 0 ? max_context : 1);
@@ -143,4 +144,16 @@ extern "C" void specula_paged_attention(const float* query, int64_t query_stride
       }
     }
   }
+}
+
+extern "C" void specula_paged_attention(const float* query, int64_t query_stride, const float* key_cache,
+                                        const float* value_cache, int64_t num_kv_heads, const int64_t* context_slots,
+                                        int64_t num_seqs, int64_t max_context, const int64_t* query_index,
+                                        const uint8_t* query_valid, int64_t max_query, const uint8_t* mask,
+                                        int64_t num_heads, int64_t head_dim, float scale, float* out,
+                                        int64_t out_stride, int threads) {
+#pragma omp parallel num_threads(threads)
+  paged_attention_team(query, query_stride, key_cache, value_cache, num_kv_heads, context_slots, num_seqs,
+                       max_context, query_index, query_valid, max_query, mask, num_heads, head_dim, scale, out,
+                       out_stride);
 }

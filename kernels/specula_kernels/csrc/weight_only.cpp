@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "simd.h"
+#include "team.h"
 
 static constexpr int kCols = 4;  // weight rows per block: one 64-byte line holds 16 inputs of each (int8)
 static constexpr int kAhead = 512;  // bytes prefetched ahead of the line being read
@@ -241,11 +242,11 @@ static void dequantized_block(const float* x, int64_t K, const float* w, float* 
 
 #endif  // __AVX512F__
 
-// Runs `pass(begin, end, b, nb)` for activation rows [begin, end) of each pass and weight block `b`.
+// Runs `pass(begin, end, b, nb)` for activation rows [begin, end) of each pass and weight block `b`, the blocks
+// shared among the calling team.
 template <typename Pass>
-static void for_each_pass(int64_t M, int64_t N, int threads, const Pass& pass) {
+static void for_each_pass(int64_t M, int64_t N, const Pass& pass) {
   const int64_t col_blocks = (N + kCols - 1) / kCols;
-#pragma omp parallel num_threads(threads)
   for (int64_t chunk = 0; chunk < M; chunk += kChunk) {
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < col_blocks; ++b) {
@@ -259,19 +260,16 @@ static void for_each_pass(int64_t M, int64_t N, int threads, const Pass& pass) {
 // block `b` (`nb` of them real). The threads split the weight blocks (each reads its contiguous share once per
 // pass); passes take kChunk activation rows at a time.
 template <typename Block>
-static void for_each_block(int64_t M, int64_t N, int threads, const Block& block) {
-  for_each_pass(M, N, threads, [&](int64_t begin, int64_t end, int64_t b, int nb) {
+static void for_each_block(int64_t M, int64_t N, const Block& block) {
+  for_each_pass(M, N, [&](int64_t begin, int64_t end, int64_t b, int nb) {
     for (int64_t m0 = begin; m0 < end; m0 += kRows)
       block(m0, static_cast<int>(end - m0 < kRows ? end - m0 : kRows), b, nb);
   });
 }
 
-extern "C" {
-
 // x [M, K] float32; q [ceil(N / 4), K / 16, 4, 16] int8 (rows past N zero); scale [N] float32 -> y [M, N].
-void specula_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t N,
-                         float* y, int threads) {
-  for_each_block(M, N, threads, [=](int64_t m0, int mb, int64_t b, int nb) {
+void int8_linear_team(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t N, float* y) {
+  for_each_block(M, N, [=](int64_t m0, int mb, int64_t b, int nb) {
     const float* xm = x + m0 * K;
     float* ym = y + m0 * N + b * kCols;
     const int8_t* qb = q + b * kCols * K;
@@ -287,12 +285,12 @@ void specula_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* q, 
 
 // x [M, K] float32; q4 [ceil(N / 4), K / 32, 4, 16] uint8; sz [ceil(N / 4), K / group, 4, 2] bfloat16 bits
 // -> y [M, N]. group % 32 == 0.
-void specula_int4_linear(const float* x, int64_t M, int64_t K, const uint8_t* q4, const uint16_t* sz, int64_t group,
-                         int64_t N, float* y, int threads) {
+void int4_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* q4, const uint16_t* sz, int64_t group,
+                      int64_t N, float* y) {
   const int64_t groups = K / group;
 #if !defined(__AVX512F__)
   if (M > kDequantizeRows) {
-    for_each_pass(M, N, threads, [=](int64_t begin, int64_t end, int64_t b, int nb) {
+    for_each_pass(M, N, [=](int64_t begin, int64_t end, int64_t b, int nb) {
       thread_local std::vector<float> w;
       w.resize(kCols * K);
       dequantize_u4_block(q4 + b * kCols * (K / 2), sz + b * kCols * groups * 2, K, group, w.data());
@@ -306,7 +304,7 @@ void specula_int4_linear(const float* x, int64_t M, int64_t K, const uint8_t* q4
     return;
   }
 #endif
-  for_each_block(M, N, threads, [=](int64_t m0, int mb, int64_t b, int nb) {
+  for_each_block(M, N, [=](int64_t m0, int mb, int64_t b, int nb) {
     const float* xm = x + m0 * K;
     float* ym = y + m0 * N + b * kCols;
     const uint8_t* qb = q4 + b * kCols * (K / 2);
@@ -318,6 +316,20 @@ void specula_int4_linear(const float* x, int64_t M, int64_t K, const uint8_t* q4
     }
     return int4_block<kRows>(xm, K, qb, szb, group, ym, N, nb);
   });
+}
+
+extern "C" {
+
+void specula_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t N,
+                         float* y, int threads) {
+#pragma omp parallel num_threads(threads)
+  int8_linear_team(x, M, K, q, scale, N, y);
+}
+
+void specula_int4_linear(const float* x, int64_t M, int64_t K, const uint8_t* q4, const uint16_t* sz, int64_t group,
+                         int64_t N, float* y, int threads) {
+#pragma omp parallel num_threads(threads)
+  int4_linear_team(x, M, K, q4, sz, group, N, y);
 }
 
 }  // extern "C"

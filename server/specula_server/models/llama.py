@@ -13,10 +13,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specula_kernels import native
+from specula_kernels.decode_layers import INT4, INT8, PANELS, LayerWeights, NativeStack, ProductWeights
 from specula_kernels.fused import add_rms_norm, rms_norm, rotary_and_cache, silu_and_mul
 from specula_kernels.paged_attention import GroupedAttentionInputs, PagedAttentionInputs, paged_attention
 from specula_server.adapters.registry import LoraBatch
 from specula_server.distributed import ShardGroup
+from specula_server.layers.quantization import DenseLinear, Int4Linear, Int8Linear
 from specula_server.layers.rotary import RotaryEmbedding
 from specula_server.layers.tensor_parallel import (
     ColumnParallelLinear,
@@ -145,6 +148,8 @@ class LlamaForCausalLM(nn.Module):
             dtype=self.norm.weight.dtype,
         )
 
+        self._stack: NativeStack | None | bool = False  # False: not looked at yet; None: the model does not fit
+
     @property
     def num_kv_heads(self) -> int:
         return self.layers[0].self_attn.num_kv_heads
@@ -173,12 +178,47 @@ class LlamaForCausalLM(nn.Module):
         what an EAGLE-3 draft layer reads. None without ids."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions)
+        if lora is None and not aux_layer_ids:
+            stack = self._native_stack()
+            if stack is not None and hidden.dtype == torch.float32 and stack.serves(attn, kv_caches, stack.head_dim):
+                hidden = hidden.contiguous()
+                stack.run(hidden, cos, sin, kv_caches, attn)
+                return self.norm(hidden), None
         aux = hidden.new_empty(hidden.shape[0], len(aux_layer_ids) * hidden.shape[1]) if aux_layer_ids else None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             self._keep_aux(aux, aux_layer_ids, index, hidden)  # copied: the layer updates its input in place
             hidden = layer(hidden, cos, sin, kv_cache, attn, lora)
         self._keep_aux(aux, aux_layer_ids, len(self.layers), hidden)
         return self.norm(hidden), aux
+
+    def _native_stack(self) -> NativeStack | None:
+        """The layers as one native call (`specula_kernels.decode_layers`) where every layer fits it: a CPU with the
+        native kernels, one shard, no q/k/v bias, products in the panel, native int8 or native int4 layouts, float32
+        norms. None otherwise (the layers run one operator at a time, as they do for prompts, LoRA and
+        `SPECULA_NATIVE_STACK=0`)."""
+        if self._stack is False:
+            self._stack = None
+            try:
+                if native.library() is not None and native.stack_enabled():
+                    self._stack = self._build_stack()
+            except _DoesNotFit:
+                pass
+        return self._stack
+
+    def _build_stack(self) -> NativeStack:
+        layers = []
+        for layer in self.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            products = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if attention.o_proj.group.world_size != 1 or any(p.bias is not None for p in products):
+                raise _DoesNotFit
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if any(n.dtype != torch.float32 or n.device.type != "cpu" or not n.is_contiguous() for n in norms):
+                raise _DoesNotFit
+            layers.append(LayerWeights(*norms, *(_product_weights(p.linear) for p in products)))
+        first = self.layers[0].self_attn
+        return NativeStack(layers, first.num_heads, first.num_kv_heads, first.head_dim,
+                           self.layers[0].input_layernorm.eps, first.scale)
 
     @staticmethod
     def _keep_aux(aux: torch.Tensor | None, layer_ids: tuple[int, ...], index: int, hidden: torch.Tensor) -> None:
@@ -189,3 +229,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         return self.lm_head(hidden).float()
+
+
+class _DoesNotFit(Exception):
+    """A layer the native stack cannot run."""
+
+
+def _product_weights(linear: torch.nn.Module) -> ProductWeights:
+    if isinstance(linear, DenseLinear) and linear.kind == "panels":
+        panels = linear.packed
+        return ProductWeights(PANELS, linear.out_features, panels.shape[1], panels)
+    if isinstance(linear, Int8Linear) and linear.native:
+        return ProductWeights(INT8, linear.scale.shape[0], linear.qweight.shape[1] * linear.qweight.shape[3],
+                              linear.qweight, linear.scale)
+    if isinstance(linear, Int4Linear) and linear.native:
+        return ProductWeights(INT4, linear.out_features, linear.packed.shape[1] * 32, linear.packed,
+                              linear.scales_and_zeros, linear.group_size)
+    raise _DoesNotFit

@@ -1,0 +1,118 @@
+// A Llama-family decoder stack for a step of a few rows (decode, verification of drafts), in one call and one
+// parallel region.
+//
+// At one decoded row a layer's products take a few hundred microseconds and everything around them (eight calls
+// from Python, each with its argument conversion, output allocation and a wake-up of the threads) took a third as
+// much again on the real model (docs/benchmarks.md#one-stream-where-a-decode-step-goes). Here the threads stay in
+// one region for the whole stack and run, layer after layer, the very kernels the separate calls run (the team
+// functions of `team.h`), in the same order on the same values: the results are the same bits as the unfused path.
+//
+// Per layer: h = rms_norm(x); qkv = h Wqkv^T; rotate q and k, store k and v in the cache; a = attention(q);
+// x += a Wo^T; h = rms_norm(x); g = silu(gate) * up of h Wgu^T; x += g Wd^T.
+
+#include <cstdint>
+
+#include "team.h"
+
+namespace {
+
+enum Kind : int32_t { kPanels = 0, kInt8 = 1, kInt4 = 2 };
+
+}  // namespace
+
+extern "C" {
+
+// A product's weight as the layer holds it (`linear.pack_panels`, `quantized_linear.pack_int8_native` or
+// `pack_int4_native`).
+struct SpeculaProduct {
+  int32_t kind;
+  int64_t out_features, in_features, group_size;
+  const void* weight;  // panels (float32), int8 blocks, or int4 blocks
+  const void* extra;   // int8: scales (float32); int4: scales and zeros (bfloat16)
+};
+
+struct SpeculaLayer {
+  const float* input_norm;
+  const float* post_norm;
+  SpeculaProduct qkv, o, gate_up, down;
+  float* key_cache;  // [slots][kv_heads][head_dim]
+  float* value_cache;
+};
+
+// One group of a step's sequences for attention, as `PagedAttentionInputs` (query_index: rows of the whole step).
+struct SpeculaAttention {
+  const int64_t* context_slots;  // [num_seqs][max_context]
+  int64_t num_seqs, max_context;
+  const int64_t* query_index;  // [num_seqs][max_query]
+  const uint8_t* query_valid;
+  int64_t max_query;
+  const uint8_t* mask;  // [num_seqs][max_query][max_context] or null
+};
+
+// What every layer of one step shares: its shape, rotary tables, cache slots, attention groups (one, or the
+// groups of a `GroupedAttentionInputs`) and the scratch rows the layers pass between their operators.
+struct SpeculaStep {
+  int64_t rows, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+  float eps, scale;
+  const float* cos;  // [rows][head_dim], sin half-negated (`RotaryEmbedding.tables`)
+  const float* sin;
+  const int64_t* slot_mapping;  // [rows]
+  const SpeculaAttention* attention;
+  int64_t num_attention;
+  float* normed;  // [rows][hidden]
+  float* qkv;  // [rows][(heads + 2 kv_heads) head_dim]
+  float* attended;  // [rows][heads head_dim]
+  float* projected;  // [rows][hidden]
+  float* gate_up;  // [rows][2 intermediate]
+  float* activated;  // [rows][intermediate]
+};
+
+}  // extern "C"
+
+static void product_team(const SpeculaProduct& p, const float* x, int64_t rows, float* y) {
+  switch (p.kind) {
+    case kPanels:
+      return float_linear_team(x, rows, p.in_features, static_cast<const float*>(p.weight), nullptr, p.out_features,
+                               y);
+    case kInt8:
+      return int8_linear_team(x, rows, p.in_features, static_cast<const int8_t*>(p.weight),
+                              static_cast<const float*>(p.extra), p.out_features, y);
+    default:
+      return int4_linear_team(x, rows, p.in_features, static_cast<const uint8_t*>(p.weight),
+                              static_cast<const uint16_t*>(p.extra), p.group_size, p.out_features, y);
+  }
+}
+
+// x [rows][hidden] += y [rows][hidden], rows shared among the team.
+static void add_team(float* x, const float* y, int64_t rows, int64_t hidden) {
+#pragma omp for
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < hidden; ++i) x[r * hidden + i] += y[r * hidden + i];
+}
+
+extern "C" void specula_decode_layers(const SpeculaLayer* layers, int64_t num_layers, const SpeculaStep* step,
+                                      float* hidden, int threads) {
+  const SpeculaStep& s = *step;
+  const int64_t q_width = s.num_heads * s.head_dim, qkv_width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim;
+#pragma omp parallel num_threads(threads)
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const SpeculaLayer& layer = layers[l];
+    rms_norm_team(hidden, s.hidden, nullptr, 0, layer.input_norm, s.rows, s.hidden, s.eps, s.normed, s.hidden);
+    product_team(layer.qkv, s.normed, s.rows, s.qkv);
+    rotary_cache_team(s.qkv, qkv_width, s.rows, s.num_heads, s.num_kv_heads, s.head_dim, s.cos, s.sin,
+                      layer.key_cache, layer.value_cache, s.slot_mapping);
+    for (int64_t g = 0; g < s.num_attention; ++g) {
+      const SpeculaAttention& a = s.attention[g];
+      paged_attention_team(s.qkv, qkv_width, layer.key_cache, layer.value_cache, s.num_kv_heads, a.context_slots,
+                           a.num_seqs, a.max_context, a.query_index, a.query_valid, a.max_query, a.mask,
+                           s.num_heads, s.head_dim, s.scale, s.attended, q_width);
+    }
+    product_team(layer.o, s.attended, s.rows, s.projected);
+    rms_norm_team(hidden, s.hidden, s.projected, s.hidden, layer.post_norm, s.rows, s.hidden, s.eps, s.normed,
+                  s.hidden);
+    product_team(layer.gate_up, s.normed, s.rows, s.gate_up);
+    silu_mul_team(s.gate_up, 2 * s.intermediate, s.rows, s.intermediate, s.activated, s.intermediate);
+    product_team(layer.down, s.activated, s.rows, s.projected);
+    add_team(hidden, s.projected, s.rows, s.hidden);
+  }
+}

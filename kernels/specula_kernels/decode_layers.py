@@ -1,0 +1,158 @@
+"""A decoder stack's step of a few rows in one native call (`csrc/decode_layers.cpp`).
+
+`NativeStack` holds, per layer, the addresses of its norms, its four products' weights (panels, int8 or int4, as
+the layers hold them) and its KV cache, built once; `run` fills the step's shared inputs and runs every layer in
+one parallel region, updating the residual stream in place. The kernels are the ones the layer-by-layer path
+calls, in the same order, so the two give the same bits (tested); the model decides when a step qualifies
+(`LlamaForCausalLM._native_stack`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from specula_kernels import native
+from specula_kernels.paged_attention import NATIVE_MAX_QUERY, GroupedAttentionInputs, PagedAttentionInputs
+
+PANELS, INT8, INT4 = 0, 1, 2
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class Product(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("out_features", _i64), ("in_features", _i64), ("group_size", _i64),
+                ("weight", _ptr), ("extra", _ptr)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", Product), ("o", Product), ("gate_up", Product),
+                ("down", Product), ("key_cache", _ptr), ("value_cache", _ptr)]
+
+
+class Attention(ctypes.Structure):
+    _fields_ = [("context_slots", _ptr), ("num_seqs", _i64), ("max_context", _i64), ("query_index", _ptr),
+                ("query_valid", _ptr), ("max_query", _i64), ("mask", _ptr)]
+
+
+class Step(ctypes.Structure):
+    _fields_ = [(name, _i64) for name in ("rows", "hidden", "num_heads", "num_kv_heads", "head_dim",
+                                          "intermediate")]
+    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cos", _ptr), ("sin", _ptr),
+                 ("slot_mapping", _ptr), ("attention", _ptr), ("num_attention", _i64)]
+    _fields_ += [(name, _ptr) for name in ("normed", "qkv", "attended", "projected", "gate_up", "activated")]
+
+
+@dataclass(frozen=True)
+class ProductWeights:
+    """A product as the native kernels read it; the tensors are kept alive by the layer that holds them."""
+
+    kind: int
+    out_features: int
+    in_features: int
+    weight: torch.Tensor
+    extra: torch.Tensor | None = None
+    group_size: int = 0
+
+    def struct(self) -> Product:
+        return Product(self.kind, self.out_features, self.in_features, self.group_size, self.weight.data_ptr(),
+                       None if self.extra is None else self.extra.data_ptr())
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv: ProductWeights
+    o: ProductWeights
+    gate_up: ProductWeights
+    down: ProductWeights
+
+
+class NativeStack:
+    """The layers of one model, ready for `run`; the KV caches' addresses are bound on first use (and again if the
+    caches are reallocated)."""
+
+    def __init__(self, layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                 scale: float) -> None:
+        self.layers = layers
+        self.hidden = layers[0].input_norm.shape[0]
+        self.intermediate = layers[0].down.in_features
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.eps, self.scale = eps, scale
+        self._array = None
+        self._caches: tuple[int, ...] = ()
+
+    @staticmethod
+    def serves(attn, kv_caches, head_dim: int) -> bool:
+        """Whether a step's attention inputs and caches are ones the native stack runs: `PagedAttentionInputs` (or
+        groups of them) of at most `NATIVE_MAX_QUERY` rows a sequence, float32 contiguous caches, a head size the
+        kernel holds."""
+        groups = _groups(attn)
+        if groups is None or any(group.query_index.shape[1] > NATIVE_MAX_QUERY for _, group in groups):
+            return False
+        if head_dim % 16 or head_dim > 256:
+            return False
+        key, value = kv_caches[0]
+        return (key.dtype == torch.float32 and value.dtype == torch.float32 and key.device.type == "cpu"
+                and key.is_contiguous() and value.is_contiguous())
+
+    def _bind(self, kv_caches) -> ctypes.Array:
+        addresses = tuple(t.data_ptr() for pair in kv_caches for t in pair)
+        if self._array is None or addresses != self._caches:
+            array = (Layer * len(self.layers))()
+            for entry, weights, (key, value) in zip(array, self.layers, kv_caches):
+                entry.input_norm, entry.post_norm = weights.input_norm.data_ptr(), weights.post_norm.data_ptr()
+                entry.qkv, entry.o = weights.qkv.struct(), weights.o.struct()
+                entry.gate_up, entry.down = weights.gate_up.struct(), weights.down.struct()
+                entry.key_cache, entry.value_cache = key.data_ptr(), value.data_ptr()
+            self._array, self._caches = array, addresses
+        return self._array
+
+    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches,
+            attn: PagedAttentionInputs) -> None:
+        """Every layer over `hidden` `[rows, hidden]` (float32, contiguous), updated in place; `cos`, `sin` as
+        `RotaryEmbedding.tables` gives them."""
+        rows = hidden.shape[0]
+        assert hidden.is_contiguous() and hidden.dtype == torch.float32 and hidden.shape[1] == self.hidden
+        layers = self._bind(kv_caches)
+        cos2, sin2 = cos.reshape(rows, self.head_dim).contiguous(), sin.reshape(rows, self.head_dim).contiguous()
+        slots = attn.slot_mapping.contiguous()
+        groups = _groups(attn)
+        keep = []  # the tensors the structures point into, alive until the call returns
+        attention = (Attention * len(groups))()
+        for entry, (rows_of, group) in zip(attention, groups):
+            context, valid = group.context_slots.contiguous(), group.query_valid.contiguous()
+            mask = None if group.mask is None else group.mask.contiguous()
+            index = group.query_index.contiguous() if rows_of is None else _step_rows(rows_of, group)
+            keep += [context, valid, mask, index]
+            entry.context_slots, entry.num_seqs, entry.max_context = context.data_ptr(), *context.shape
+            entry.query_index, entry.query_valid, entry.max_query = index.data_ptr(), valid.data_ptr(), index.shape[1]
+            entry.mask = None if mask is None else mask.data_ptr()
+        q_width = self.num_heads * self.head_dim
+        scratch = [torch.empty(rows, width) for width in (
+            self.hidden, q_width + 2 * self.num_kv_heads * self.head_dim, q_width, self.hidden,
+            2 * self.intermediate, self.intermediate)]
+        step = Step(rows, self.hidden, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
+                    self.eps, self.scale, cos2.data_ptr(), sin2.data_ptr(), slots.data_ptr(),
+                    ctypes.addressof(attention), len(groups), *(t.data_ptr() for t in scratch))
+        native.library().specula_decode_layers(ctypes.addressof(layers), len(self.layers), ctypes.addressof(step),
+                                               hidden.data_ptr(), torch.get_num_threads())
+
+
+def _groups(attn) -> list[tuple[torch.Tensor | None, PagedAttentionInputs]] | None:
+    """(rows of the step, or None for all of them; inputs) per attention group; None for other inputs."""
+    if type(attn) is PagedAttentionInputs:
+        return [(None, attn)]
+    if type(attn) is GroupedAttentionInputs:
+        return list(attn.groups)
+    return None
+
+
+def _step_rows(rows: torch.Tensor, group: PagedAttentionInputs) -> torch.Tensor:
+    """Each padded query's row of the whole step, mapped once per step (as `paged_attention` maps it)."""
+    step_rows = group.workspace.get("native.rows")
+    if step_rows is None:
+        step_rows = group.workspace["native.rows"] = rows[group.query_index].contiguous()
+    return step_rows

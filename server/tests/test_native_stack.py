@@ -1,0 +1,62 @@
+"""A decode step's layers in one native call (`specula_kernels.decode_layers`) against the layer-by-layer path: the
+same tokens and log-probabilities, bit for bit, batched, with drafts verified, sampling seeded, in float32, int8
+and int4; models it cannot run keep the layer-by-layer path."""
+
+from __future__ import annotations
+
+import pytest
+
+from specula_kernels import native
+from specula_kernels.decode_layers import NativeStack
+from specula_server.params import SamplingParams
+from specula_server.testing.worker import BlockPool, load_test_generator, make_spec, run_steps
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
+
+REQUESTS = [  # (prompt, max_new_tokens, sampling): prompts that repeat give prompt lookup drafts to verify
+    ([1, 50, 60, 70, 80, 50, 60, 70, 80, 50, 60], 20, SamplingParams()),
+    ([1, 7, 9], 12, SamplingParams()),
+    ([1] + list(range(200, 240)), 16, SamplingParams(do_sample=True, temperature=0.9, top_k=50, seed=1234)),
+]
+SETTINGS = {"float32": {}, "int8": {"quantize": "int8"}, "int4": {"quantize": "int4", "quantize_group_size": 32}}
+
+
+@pytest.fixture(scope="module", params=sorted(SETTINGS))
+def generator(llama_dir, request):
+    return load_test_generator(llama_dir, num_blocks=128, speculative_tokens=4, speculation_mode="fixed",
+                               **SETTINGS[request.param])
+
+
+def run_batch(generator) -> dict[int, list[tuple[int, float]]]:
+    pool = BlockPool(128, 16)
+    specs = [make_spec(i, prompt, pool, max_new_tokens=new, sampling=sampling, lookahead=4)
+             for i, (prompt, new, sampling) in enumerate(REQUESTS)]
+    tokens: dict[int, list[tuple[int, float]]] = {}
+    for output in run_steps(generator, specs):
+        tokens.setdefault(output.request_id, []).extend((t.id, t.logprob) for t in output.tokens)
+    return tokens
+
+
+def test_the_stack_gives_the_layers_bits(generator, monkeypatch):
+    stack = generator.model._native_stack()
+    assert stack is not None
+    calls = []
+    run = NativeStack.run
+    monkeypatch.setattr(NativeStack, "run", lambda self, *args: calls.append(args[0].shape[0]) or run(self, *args))
+    fused = run_batch(generator)
+    assert calls and max(calls) > len(REQUESTS), "no verification step ran on the stack"
+    generator.model._stack = None  # the layer-by-layer path
+    try:
+        layered = run_batch(generator)
+    finally:
+        generator.model._stack = stack
+    assert fused == layered
+    assert all(len(fused[i]) == new for i, (_, new, _) in enumerate(REQUESTS))
+
+
+def test_models_the_stack_cannot_run_keep_the_layers(model_dirs, monkeypatch):
+    qwen2 = load_test_generator(model_dirs["qwen2"], num_blocks=16)  # q/k/v biases
+    assert qwen2.model._native_stack() is None
+    monkeypatch.setenv("SPECULA_NATIVE_STACK", "0")
+    llama = load_test_generator(model_dirs["llama"], num_blocks=16)
+    assert llama.model._native_stack() is None
