@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specula_kernels import native
+from specula_kernels import native, paged_attention
 from specula_kernels.paged_attention import NATIVE_MAX_QUERY, GroupedAttentionInputs, PagedAttentionInputs
 
 PANELS, INT8, INT4 = 0, 1, 2
@@ -95,6 +95,8 @@ class NativeStack:
         if head_dim % 16 or head_dim > 256:
             return False
         key, value = kv_caches[0]
+        if paged_attention.use_triton(key, key, value):  # the keys stand in for the query: same device and dtype
+            return False
         return (key.dtype == torch.float32 and value.dtype == torch.float32 and key.device.type == "cpu"
                 and key.is_contiguous() and value.is_contiguous())
 
