@@ -4,10 +4,11 @@ memory-bandwidth floor of its precision.
 Loads a model into the worker (by default the real model, SmolLM2-135M-Instruct from its GGUF), prefills one
 prompt, then decodes one stream step by step. Two passes over the same steps:
 
-- untimed: the worker as it serves, `ms/step` the median over the steps;
-- timed: every operator of the decode path wrapped with a wall-clock timer (the four products of each layer and
-  the LM head, the norms, rotary + cache write, attention, SiLU, the embedding), so the step splits into
-  operators, the model's Python between them (`layer glue`), and the step's own work around the model
+- untimed: the worker as it serves (all layers in one native call where the model fits it, unless
+  `SPECULA_NATIVE_STACK=0`), `ms/step` the median over the steps;
+- timed: layer by layer, every operator of the decode path wrapped with a wall-clock timer (the four products of
+  each layer and the LM head, the norms, rotary + cache write, attention, SiLU, the embedding), so the step splits
+  into operators, the model's Python between them (`layer glue`), and the step's own work around the model
   (`step outside the model`: batch building, sampling, outputs). The timers cost a little (reported: the timed
   pass's step against the untimed one).
 
@@ -149,10 +150,12 @@ def profile(model_path: Path, quantize: str | None, args) -> dict:
 
     timers = Timers()
     bytes_read = instrument(model, timers)
+    stack, model._stack = model._native_stack(), None  # the timers see operators, not inside the one native call
     decode_steps(generator, prompt, 4, timers)
     timers.reset()
     timed = decode_steps(generator, prompt, args.steps, timers)
     timers.restore()
+    model._stack = stack
 
     per_step = {name: seconds / args.steps for name, seconds in timers.total.items()}
     return {"untimed": untimed, "timed": timed, "per_step": per_step, "calls": dict(timers.calls),

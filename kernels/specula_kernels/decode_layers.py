@@ -85,20 +85,16 @@ class NativeStack:
         self._caches: tuple[int, ...] = ()
 
     @staticmethod
-    def serves(attn, kv_caches, head_dim: int) -> bool:
+    def serves(attn, kv_caches) -> bool:
         """Whether a step's attention inputs and caches are ones the native stack runs: `PagedAttentionInputs` (or
         groups of them) of at most `NATIVE_MAX_QUERY` rows a sequence, float32 contiguous caches, a head size the
         kernel holds."""
         groups = _groups(attn)
         if groups is None or any(group.query_index.shape[1] > NATIVE_MAX_QUERY for _, group in groups):
             return False
-        if head_dim % 16 or head_dim > 256:
-            return False
         key, value = kv_caches[0]
-        if paged_attention.use_triton(key, key, value):  # the keys stand in for the query: same device and dtype
-            return False
-        return (key.dtype == torch.float32 and value.dtype == torch.float32 and key.device.type == "cpu"
-                and key.is_contiguous() and value.is_contiguous())
+        # The keys stand in for the query: the same device, dtype and head size (the hidden rows are float32).
+        return paged_attention.native_serves(key, key, value)
 
     def _bind(self, kv_caches) -> ctypes.Array:
         addresses = tuple(t.data_ptr() for pair in kv_caches for t in pair)
@@ -127,7 +123,7 @@ class NativeStack:
         for entry, (rows_of, group) in zip(attention, groups):
             context, valid = group.context_slots.contiguous(), group.query_valid.contiguous()
             mask = None if group.mask is None else group.mask.contiguous()
-            index = group.query_index.contiguous() if rows_of is None else _step_rows(rows_of, group)
+            index = group.query_index.contiguous() if rows_of is None else paged_attention.step_rows(rows_of, group)
             keep += [context, valid, mask, index]
             entry.context_slots, entry.num_seqs, entry.max_context = context.data_ptr(), *context.shape
             entry.query_index, entry.query_valid, entry.max_query = index.data_ptr(), valid.data_ptr(), index.shape[1]
@@ -150,11 +146,3 @@ def _groups(attn) -> list[tuple[torch.Tensor | None, PagedAttentionInputs]] | No
     if type(attn) is GroupedAttentionInputs:
         return list(attn.groups)
     return None
-
-
-def _step_rows(rows: torch.Tensor, group: PagedAttentionInputs) -> torch.Tensor:
-    """Each padded query's row of the whole step, mapped once per step (as `paged_attention` maps it)."""
-    step_rows = group.workspace.get("native.rows")
-    if step_rows is None:
-        step_rows = group.workspace["native.rows"] = rows[group.query_index].contiguous()
-    return step_rows

@@ -167,11 +167,7 @@ def paged_attention(
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         for rows, group in inputs.groups:
             if lib is not None and group.query_index.shape[1] <= NATIVE_MAX_QUERY:
-                # Each padded query's row of the whole step: the same for every layer, so mapped once per step.
-                step_rows = group.workspace.get("native.rows")
-                if step_rows is None:
-                    step_rows = group.workspace["native.rows"] = rows[group.query_index].contiguous()
-                _attend_native(lib, query, key_cache, value_cache, group, scale, out, step_rows)
+                _attend_native(lib, query, key_cache, value_cache, group, scale, out, step_rows(rows, group))
             else:
                 out[rows] = _attend(query[rows], key_cache, value_cache, group, scale)
         return out
@@ -254,6 +250,21 @@ def _attend_whole_prompt(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     out = F.scaled_dot_product_attention(*(x.transpose(0, 1).unsqueeze(0) for x in (query, keys, values)),
                                          is_causal=True, scale=scale, enable_gqa=num_heads != num_kv_heads)
     return out[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
+
+
+def step_rows(rows: torch.Tensor, group: PagedAttentionInputs) -> torch.Tensor:
+    """Each padded query's row of the whole step, for a group of a `GroupedAttentionInputs` over step rows `rows`:
+    the same for every layer, so mapped once per step (kept in the group's workspace)."""
+    mapped = group.workspace.get("native.rows")
+    if mapped is None:
+        mapped = group.workspace["native.rows"] = rows[group.query_index].contiguous()
+    return mapped
+
+
+def native_serves(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
+    """Whether decode and verification rows of this attention go to the native kernel (`paged_attention` decides
+    the same way): not to Triton, and tensors the native kernel serves."""
+    return not use_triton(query, key_cache, value_cache) and _native_library(query, key_cache, value_cache) is not None
 
 
 def _native_library(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor):

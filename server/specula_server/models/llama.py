@@ -180,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.tables(positions)
         if lora is None and not aux_layer_ids:
             stack = self._native_stack()
-            if stack is not None and hidden.dtype == torch.float32 and stack.serves(attn, kv_caches, stack.head_dim):
+            if stack is not None and hidden.dtype == torch.float32 and stack.serves(attn, kv_caches):
                 hidden = hidden.contiguous()
                 stack.run(hidden, cos, sin, kv_caches, attn)
                 return self.norm(hidden), None
