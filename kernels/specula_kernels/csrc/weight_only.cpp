@@ -136,11 +136,11 @@ static inline vfloat widen_i8(const int8_t* p) {
   return (vfloat)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
-// 8 bytes of int4 pairs: their low halves' codes and their high halves' codes, as floats.
-static inline void codes_u4(const uint8_t* p, vfloat& lo, vfloat& hi) {
+// 8 bytes of int4 pairs, dequantized: (q - 8) * scale + zero for their low halves' codes and their high halves'.
+static inline void dequantize_u4(const uint8_t* p, vfloat scale, vfloat zero, vfloat& lo, vfloat& hi) {
   const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-  lo = (vfloat)_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15)));
-  hi = (vfloat)_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));
+  lo = vfma((vfloat)_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15))) - 8.0f, scale, zero);
+  hi = vfma((vfloat)_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4)) - 8.0f, scale, zero);
 }
 
 template <int MB>
@@ -183,9 +183,7 @@ static void int4_block(const float* x, int64_t K, const uint8_t* q4, const uint1
       for (int half = 0; half < 16; half += kLanes) {  // bytes [half, half + kLanes): inputs there and 16 on
         for (int j = 0; j < kCols; ++j) {
           vfloat lo, hi;
-          codes_u4(line + 16 * j + half, lo, hi);
-          lo = vfma(lo - 8.0f, scale[j], zero[j]);
-          hi = vfma(hi - 8.0f, scale[j], zero[j]);
+          dequantize_u4(line + 16 * j + half, scale[j], zero[j], lo, hi);
           for (int i = 0; i < MB; ++i) {
             acc[i][j] = vfma(vload(x + i * K + k + half), lo, acc[i][j]);
             acc[i][j] = vfma(vload(x + i * K + k + 16 + half), hi, acc[i][j]);
@@ -211,9 +209,9 @@ static void dequantize_u4_block(const uint8_t* q4, const uint16_t* sz, int64_t K
       for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
         for (int half = 0; half < 16; half += kLanes) {
           vfloat lo, hi;
-          codes_u4(q4 + k / 2 * kCols + 16 * j + half, lo, hi);
-          vstore(w + j * K + k + half, vfma(lo - 8.0f, scale, zero));
-          vstore(w + j * K + k + 16 + half, vfma(hi - 8.0f, scale, zero));
+          dequantize_u4(q4 + k / 2 * kCols + 16 * j + half, scale, zero, lo, hi);
+          vstore(w + j * K + k + half, lo);
+          vstore(w + j * K + k + 16 + half, hi);
         }
       }
     }
