@@ -166,7 +166,8 @@ async def run(config: RouterConfig) -> int:
     from specula_router.openai_models import OpenAISettings
     from specula_router.scheduler import Scheduler, SchedulerConfig
     from specula_router.server import RouterState, create_app
-    from specula_router.validation import ValidationLimits, Validator
+    from specula_router.validation import Validator
+    from specula_router.validation_limits import ValidationLimits
     from specula_server.hub import resolve_model_dir
     from specula_server.tokens import load_tokenizer
 
@@ -268,7 +269,7 @@ def info_body(config: RouterConfig, info, limits: Limits, num_blocks: int) -> di
     """The `/info` answer, built through its schema so the documented and served shapes cannot drift."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from specula_router.schemas import AdapterInfo, Info, SpeculationInfo
+    from specula_router.response_schemas import AdapterInfo, Info, SpeculationInfo
 
     try:
         specula_version = version("specula")

@@ -4,7 +4,7 @@ Registered by `server.create_app` beside the TGI routes, and, like them, a trans
 (`session.py`): each request becomes the router's one `GenerateParameters` and goes through the same admission,
 validation (`Validator`, with the limits and messages of `/generate`, field names translated), scheduler, metrics
 and timing headers as `/generate`; events come back as OpenAI's bodies and chunks (`openai_responses.py`,
-`openai_streams.py`), and typed refusals (`Refused`, `GenerationError`) as OpenAI's errors.
+`openai_streams.py`, `openai_chat.py`), and typed refusals (`Refused`, `GenerationError`) as OpenAI's errors.
 
     chat body ── model → adapter (openai_models) ── messages → chat template (chat_template) → prompt text
               └─ sampling fields → GenerateParameters ── session.admit (in flight, 429, validation, grammar) ──
@@ -22,7 +22,6 @@ without adding special tokens again: the template writes them.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from typing import TYPE_CHECKING
 
@@ -38,16 +37,10 @@ from specula_router.grammar import (
     tool_call_format,
     tool_call_grammar,
 )
+from specula_router.openai_chat import chat_choice, parses_tools, template_messages, template_tools
 from specula_router.openai_errors import OpenAIError
 from specula_router.openai_models import ModelCatalog, ModelChoice, ModelNotFound, OpenAISettings
-from specula_router.openai_responses import (
-    chat_logprobs,
-    completion_logprobs,
-    finish_reason,
-    new_id,
-    trim_at_stop,
-    usage,
-)
+from specula_router.openai_responses import completion_logprobs, finish_reason, new_id, trim_at_stop, usage
 from specula_router.openai_schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -60,7 +53,6 @@ from specula_router.requests import ValidGenerateRequest
 from specula_router.responses import ClientGone, Generation, GenerationError
 from specula_router.schemas import GenerateParameters
 from specula_router.session import Job, Refused, RequestSession
-from specula_router.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
     from specula_router.server import RouterState
@@ -131,7 +123,7 @@ class OpenAIRoutes:
                                          greedy=_greedy(body), alternatives=body.logprobs, grammar=grammar)
             except OpenAIError as e:
                 return e.response()
-            names = {t.function.name for t in body.tools or ()} if _parses_tools(body) else set()
+            names = {t.function.name for t in body.tools or ()} if parses_tools(body) else set()
             model = body.model or self.catalog.model_id
             stops = jobs[0].valid.stopping.stop_sequences
             if body.stream:
@@ -143,7 +135,7 @@ class OpenAIRoutes:
             if isinstance(outcome, JSONResponse):
                 return outcome
         generations, headers = outcome
-        choices = [_chat_choice(i, g, stops, body.logprobs, names) for i, g in enumerate(generations[0])]
+        choices = [chat_choice(i, g, stops, body.logprobs, names) for i, g in enumerate(generations[0])]
         completion_tokens = sum(g.final.generated_tokens for g in generations[0])
         return JSONResponse({
             "id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()), "model": model,
@@ -159,9 +151,9 @@ class OpenAIRoutes:
         if template is None:
             raise OpenAIError(400, "this model has no chat template: start the server with --chat-template "
                                    "(a file or a template), or use /v1/completions", "messages", "chat_template")
-        tools = _template_tools(body)
+        tools = template_tools(body)
         grammar = await self._chat_grammar(body, template.templates[template.template_for(tools)])
-        messages = _template_messages(body)
+        messages = template_messages(body)
         try:
             prompt = await self.state.in_validation_worker(template.render, messages, tools, True)
         except ChatTemplateError as e:
@@ -349,68 +341,6 @@ def _openai_error(refused: Refused, fields: dict[str, str]) -> OpenAIError:
         return OpenAIError(refused.status, message, fields.get(refused.field, refused.field), refused.error_type)
     body = openai_errors.from_tgi(refused.status, {"error": refused.message, "error_type": refused.error_type})
     return OpenAIError(refused.status, body["error"]["message"], None, body["error"]["code"])
-
-
-def _parses_tools(body: ChatCompletionRequest) -> bool:
-    return bool(body.tools) and body.tool_choice != "none"
-
-
-def _template_tools(body: ChatCompletionRequest) -> list[dict] | None:
-    if not _parses_tools(body):
-        return None
-    return [tool.model_dump(exclude_none=True) for tool in body.tools or ()]
-
-
-def _template_messages(body: ChatCompletionRequest) -> list[dict]:
-    """The messages as a template reads them (as vLLM passes them): text parts joined with newlines, `developer`
-    read as `system`, a tool call's JSON `arguments` as an object."""
-    messages = []
-    for i, message in enumerate(body.messages):
-        # Other roles than OpenAI's go to the template as they are: some templates know more (Llama 3.1's
-        # `ipython`), and the others refuse them with their own raise_exception.
-        out: dict = {"role": "system" if message.role == "developer" else message.role,
-                     "content": _text(message.content, i)}
-        if message.name is not None:
-            out["name"] = message.name
-        if message.tool_calls:
-            out["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
-                "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
-                for call in message.tool_calls]
-        if message.tool_call_id is not None:
-            out["tool_call_id"] = message.tool_call_id
-        messages.append(out)
-    if not messages:
-        raise OpenAIError(422, "`messages` must hold at least one message", "messages", "validation")
-    return messages
-
-
-def _text(content, i: int) -> str | None:
-    if content is None or isinstance(content, str):
-        return content
-    for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            raise OpenAIError(400, f"`messages[{i}].content[{j}]`: only text parts are supported. Given: "
-                                   f"{part.type!r}", f"messages[{i}].content[{j}].type", "unsupported")
-    return "\n".join(part.text for part in content)
-
-
-def _arguments(arguments: str) -> object:
-    try:
-        value = json.loads(arguments)
-    except (json.JSONDecodeError, RecursionError):
-        return arguments
-    return value if isinstance(value, dict) else arguments
-
-
-def _chat_choice(index: int, g: Generation, stops, logprobs: bool, tool_names: set[str]) -> dict:
-    text = trim_at_stop(g.final.generated_text, stops)
-    content, calls = parse_tool_calls(text, tool_names) if tool_names else (text, [])
-    message: dict = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [call.body() for call in calls]
-    return {"index": index, "message": message,
-            "logprobs": chat_logprobs(g.tokens, g.top_tokens) if logprobs else None,
-            "finish_reason": "tool_calls" if calls else finish_reason(g.final.finish_reason)}
 
 
 def _completion_choice(index: int, valid: ValidGenerateRequest, g: Generation, body: CompletionRequest) -> dict:

@@ -37,6 +37,7 @@ from specula_router.http_errors import PayloadLimitMiddleware, error, install_er
 from specula_router.metrics import Metrics
 from specula_router.openai_schemas import ChatCompletionRequest, CompletionRequest, OpenAIChunk
 from specula_router.requests import ValidGenerateRequest
+from specula_router.response_schemas import ErrorResponse, GenerateResponse, Info, SimpleToken, StreamResponse
 from specula_router.responses import (
     KEEPALIVE_COMMENT,
     ClientGone,
@@ -48,18 +49,10 @@ from specula_router.responses import (
     top_tokens_body,
 )
 from specula_router.scheduler import Entry, ErrorEvent, Scheduler, TokensEvent
-from specula_router.schemas import (
-    CompatGenerateRequest,
-    ErrorResponse,
-    GenerateRequest,
-    GenerateResponse,
-    Info,
-    SimpleToken,
-    StreamResponse,
-    TokenizeRequest,
-)
+from specula_router.schemas import CompatGenerateRequest, GenerateRequest, TokenizeRequest
 from specula_router.session import Refused, RequestSession
-from specula_router.validation import ValidationError, Validator
+from specula_router.validation import Validator
+from specula_router.validation_limits import ValidationError
 
 if TYPE_CHECKING:
     from specula_router.openai_models import OpenAISettings

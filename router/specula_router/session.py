@@ -32,7 +32,7 @@ from specula_router.entries import Entry, EntryState, ErrorEvent
 from specula_router.grammar import Grammar, GrammarError, generate_parameters_field
 from specula_router.requests import ValidGenerateRequest
 from specula_router.responses import DisconnectWatch, Generation, GenerationError, collect, next_event
-from specula_router.validation import ValidationError
+from specula_router.validation_limits import ValidationError
 
 if TYPE_CHECKING:
     from specula_router.schemas import GenerateParameters

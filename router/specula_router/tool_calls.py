@@ -1,5 +1,5 @@
 """Tool calls in a model's answer: the text a chat template taught the model to write, parsed into OpenAI's
-`tool_calls` (`openai_api.py` calls this on a chat answer when the request has tools).
+`tool_calls` (`openai_chat.py` calls this on a chat answer when the request has tools).
 
 The formats of the common templates:
 

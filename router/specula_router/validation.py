@@ -1,17 +1,14 @@
 """Request validation: a client's `GenerateParameters` in, a checked `ValidGenerateRequest` out.
 
-Sits between the HTTP handlers and the scheduler. Every rule a user can break is checked here and
-raises `ValidationError`, which the HTTP layer answers with 422 `{"error": message, "error_type":
-"validation"}`; the message names the field and its limit, in TGI's words where TGI has them.
+Sits between the HTTP handlers and the scheduler. Every rule a user can break is checked here (the sampling
+parameters' rules in `sampling_validation.py`) and raises `ValidationError` (`validation_limits.py`), which the HTTP
+layer answers with 422 `{"error": message, "error_type": "validation"}`; the message names the field and its limit,
+in TGI's words where TGI has them.
 
 Resolution rules (where Specula differs from TGI/LoRAX, the reason is given):
-- Sampling is on iff `do_sample` or any warper is active (temperature != 1, top_k, top_p < 1,
-  typical_p). TGI's router only turns `do_sample` on when the whole `parameters` object is missing.
-- `top_p == 1.0` is accepted and means "off" (TGI rejects it; OpenAI-style clients send it).
 - `max_new_tokens` defaults to what `max_total_tokens` leaves after the prompt (LoRAX), and never lets
   prompt + new tokens + speculative lookahead pass the model's position limit (LoRAX #474).
 - `truncate` keeps the last `truncate` tokens of the encoded prompt, BOS included in the count (TGI).
-- A missing seed is drawn from the validator's generator, so all shards sample alike.
 - `grammar` (TGI) and `response_format` (LoRAX) become one llguidance grammar (`grammar.py`), built here and
   held to `max_grammar_bytes`; whether it compiles against the tokenizer is checked next, by the HTTP layer
   (`GrammarChecker`: off the event loop, under a time limit, cached).
@@ -19,12 +16,6 @@ Resolution rules (where Specula differs from TGI/LoRAX, the reason is given):
   whole merge (`merges.py`); with `adapter_id` too, it is LoRAX's 422.
 - `adapter_id` "" means the base model (LoRAX); a named adapter gets `adapter_source` (default: the server's
   `--adapter-source`) and keeps the request's `api_token`, which no error message ever repeats.
-- Every number must fit the worker's wire type (`wire.py`): `top_k` at most the vocabulary, floats that stay
-  normal and finite as a float32. TGI checks only the sign, so its `top_k` 2**32 fails building the message.
-- `logit_bias` (OpenAI's): at most 300 token ids, each a canonical decimal below the vocabulary size (the
-  workers' LM head rows, like `top_k`), each value in [-100, 100]. vLLM clamps out-of-range values; OpenAI
-  refuses them, and so do we. Zero biases are dropped: they change nothing, and a greedy request without any
-  keeps the workers' argmax-only path.
 
 `Validator.validate` and `Validator.tokenize` are synchronous and may tokenise a long prompt: run them in the
 router's validation workers. Tokenisation releases the GIL, so it never stalls the event loop.
@@ -33,14 +24,12 @@ router's validation workers. Tokenisation releases the GIL, so it never stalls t
 from __future__ import annotations
 
 import random
-import re
 import unicodedata
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import tokenizers
 
-from specula_router.grammar import DEFAULT_MAX_GRAMMAR_BYTES, Grammar, GrammarError, from_generate_parameters
+from specula_router.grammar import Grammar, GrammarError, from_generate_parameters
 from specula_router.merges import (
     ADAPTER_ID_CONFLICT,
     MERGED_ID_PREFIX,
@@ -50,68 +39,10 @@ from specula_router.merges import (
     merge_spec,
 )
 from specula_router.requests import SamplingParameters, StoppingParameters, ValidGenerateRequest
-from specula_router.schemas import (
-    ADAPTER_SOURCES,
-    LOGIT_BIAS_KEY_PATTERN,
-    MAX_ADAPTER_ID_LENGTH,
-    MAX_LOGIT_BIAS,
-    MAX_LOGIT_BIAS_TOKENS,
-    GenerateParameters,
-    SimpleToken,
-)
-from specula_router.wire import FLOAT32_BELOW_ONE, FLOAT32_MAX, FLOAT32_MIN_NORMAL, UINT64_MAX, float_range_text
-
-MAX_SEED = UINT64_MAX
-_LOGIT_BIAS_KEY = re.compile(LOGIT_BIAS_KEY_PATTERN)
-
-
-class ValidationError(Exception):
-    """A request the router refuses: HTTP 422 with `message`; `field` names the offending parameter."""
-
-    error_type = "validation"
-
-    def __init__(self, message: str, field: str) -> None:
-        super().__init__(message)
-        self.message = message
-        self.field = field
-
-
-@dataclass(frozen=True)
-class ValidationLimits:
-    """The limits requests are checked against, from the launcher's flags and the model's config."""
-
-    max_input_tokens: int
-    max_total_tokens: int
-    max_stop_sequences: int = 4
-    max_best_of: int = 2
-    max_top_n_tokens: int = 5
-    max_speculative_tokens: int = 0
-    max_position_embeddings: int | None = None
-    vocab_size: int | None = None  # rows of the workers' LM head, the largest `top_k`; None: the tokenizer's
-    # Prompt tokens in one prefill; longer prompts are prefilled in chunks, except with `decoder_input_details`,
-    # whose prompt log-probabilities need every prompt row in one forward. None: no such limit.
-    max_batch_prefill_tokens: int | None = None
-    # Largest grammar, JSON schema or regex text of a request, in bytes as received (--max-grammar-bytes).
-    max_grammar_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES
-
-    def __post_init__(self) -> None:
-        if self.max_input_tokens < 1:
-            raise ValueError(f"max_input_tokens must be >= 1, got {self.max_input_tokens}")
-        if self.max_total_tokens <= self.max_input_tokens:
-            raise ValueError(
-                f"max_total_tokens ({self.max_total_tokens}) must be > max_input_tokens ({self.max_input_tokens})"
-            )
-        for name in ("max_stop_sequences", "max_top_n_tokens", "max_speculative_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_best_of < 1:
-            raise ValueError(f"max_best_of must be >= 1, got {self.max_best_of}")
-        if self.max_position_embeddings is not None and self.max_position_embeddings < 1:
-            raise ValueError(f"max_position_embeddings must be >= 1, got {self.max_position_embeddings}")
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
-        if self.max_grammar_bytes < 1:
-            raise ValueError(f"--max-grammar-bytes must be at least 1, got {self.max_grammar_bytes}")
+from specula_router.response_schemas import SimpleToken
+from specula_router.sampling_validation import check_sampling
+from specula_router.schemas import ADAPTER_SOURCES, MAX_ADAPTER_ID_LENGTH, GenerateParameters
+from specula_router.validation_limits import ValidationError, ValidationLimits
 
 
 class Validator:
@@ -149,7 +80,7 @@ class Validator:
         merge = self._merge(params)
         if merge is not None:
             adapter_id, adapter_source = merge.adapter_id, merge.source
-        sampling = self._sampling(params)
+        sampling = check_sampling(self, params)
         best_of = self._best_of(params, sampling, stream)
         if stream and params.decoder_input_details:
             raise ValidationError(
@@ -283,62 +214,6 @@ class Validator:
         except MergeError as e:
             raise ValidationError(e.message, e.field) from None
 
-    def _sampling(self, params: GenerateParameters) -> SamplingParameters:
-        # Floats travel as float32: a float64 that is positive here must not round to 0 or to infinity there.
-        temperature = _float32(params.temperature, 1.0, "temperature", "strictly positive", FLOAT32_MIN_NORMAL)
-        top_k = params.top_k if params.top_k is not None else 0
-        if params.top_k is not None and not (0 < params.top_k <= self.max_top_k):
-            raise ValidationError(f"`top_k` must be strictly positive and at most the vocabulary size "
-                                  f"({self.max_top_k}). Given: {params.top_k}", "top_k")
-        top_p = _float32(params.top_p, 1.0, "top_p", "> 0.0 and <= 1.0", FLOAT32_MIN_NORMAL, 1.0)
-        typical_p = _float32(params.typical_p, 1.0, "typical_p", "> 0.0 and < 1.0", FLOAT32_MIN_NORMAL,
-                             FLOAT32_BELOW_ONE)
-        repetition_penalty = _float32(params.repetition_penalty, 1.0, "repetition_penalty", "strictly positive",
-                                      FLOAT32_MIN_NORMAL)
-        frequency_penalty = _penalty(params.frequency_penalty, "frequency_penalty")
-        presence_penalty = _penalty(params.presence_penalty, "presence_penalty")
-        seed = params.seed
-        if seed is not None and not (0 <= seed <= MAX_SEED):
-            raise ValidationError(f"`seed` must be >= 0 and <= {MAX_SEED}. Given: {seed}", "seed")
-
-        has_warper = temperature != 1.0 or top_k > 0 or top_p < 1.0 or typical_p < 1.0
-        return SamplingParameters(
-            do_sample=params.do_sample or has_warper,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            typical_p=typical_p,
-            repetition_penalty=repetition_penalty,
-            frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty,
-            seed=seed if seed is not None else self.rng.getrandbits(64),
-            logit_bias=self._logit_bias(params.logit_bias),
-        )
-
-    def _logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-        """(token id, bias) pairs sorted by id, zero biases dropped.
-
-        Example (vocabulary of 512): {"7": -100, "3": 0.5, "9": 0} -> ((3, 0.5), (7, -100.0));
-        {"512": 1} -> "`logit_bias` keys must be token ids in [0, 511] ... Given: '512'".
-        """
-        if not bias:
-            return ()
-        if len(bias) > MAX_LOGIT_BIAS_TOKENS:
-            raise ValidationError(f"`logit_bias` may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens. Given: {len(bias)}",
-                                  "logit_bias")
-        vocab = self.max_top_k
-        pairs = []
-        for key, value in bias.items():
-            if not _LOGIT_BIAS_KEY.fullmatch(key) or int(key) >= vocab:  # fullmatch: `$` passes a final \n
-                raise ValidationError(f"`logit_bias` keys must be token ids in [0, {vocab - 1}] (the vocabulary), "
-                                      f"written in decimal. Given: {key[:20]!r}", "logit_bias")
-            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # also refuses NaN and infinities
-                raise ValidationError(f"`logit_bias` values must be >= {-MAX_LOGIT_BIAS:g} and <= "
-                                      f"{MAX_LOGIT_BIAS:g}. Given: {value!r} for token {key}", "logit_bias")
-            if value != 0:
-                pairs.append((int(key), float(value)))
-        return tuple(sorted(pairs))
-
     def _best_of(self, params: GenerateParameters, sampling: SamplingParameters, stream: bool) -> int:
         best_of = params.best_of if params.best_of is not None else 1
         if best_of == 1:
@@ -449,29 +324,6 @@ class Validator:
             return self.tokenizer.encode_batch([inputs], add_special_tokens=add_special_tokens)[0]
         except Exception as exc:  # the Rust tokenizer raises plain Exception subclasses
             raise ValidationError(f"tokenizer error {exc}", "inputs") from exc
-
-
-def _penalty(value: float | None, name: str) -> float:
-    if value is None:
-        return 0.0
-    if not (-2.0 <= value <= 2.0):  # also refuses NaN; a tiny value rounds to 0 as a float32, which it means
-        raise ValidationError(f"`{name}` must be >= -2.0 and <= 2.0. Given: {value!r}", name)
-    return value
-
-
-def _float32(value: float | None, default: float, name: str, rule: str, low: float,
-             high: float = FLOAT32_MAX) -> float:
-    """`value` (or `default` when absent) if it lies in [low, high], the bounds that keep it meaningful as a float32.
-
-    Example: temperature 1e-50 is positive but rounds to 0.0 as a float32, so it is refused:
-        "`temperature` must be strictly positive: in [1.1754944e-38, 3.4028235e+38] as a float32. Given: 1e-50"
-    """
-    if value is None:
-        return default
-    if not (low <= value <= high):  # also refuses NaN and infinities
-        raise ValidationError(f"`{name}` must be {rule}: in {float_range_text(low, high)} as a float32. "
-                              f"Given: {value!r}", name)
-    return value
 
 
 def _byte_offsets(text: str, positions: Sequence[int]) -> dict[int, int]:

@@ -4,7 +4,7 @@ The router validates a request in Python (unbounded ints, float64) and sends it 
 `float`, see `proto/generate.proto`). A value the wire type cannot hold either makes building the message raise
 (an int past `uint32`) or silently changes its meaning (a float64 that rounds to 0 or to infinity as a float32:
 temperature 1e-50 becomes a division by zero). `schemas.py` states these bounds in the OpenAPI document and
-`validation.py` enforces them, so both read them from here.
+`validation.py` and `sampling_validation.py` enforce them, so all read them from here.
 
 The float bounds are float32 values written exactly as float64, so "x <= FLOAT32_MAX" in float64 guarantees
 that float32(x) is finite, and "x >= FLOAT32_MIN_NORMAL" that float32(x) is a normal number, not 0.

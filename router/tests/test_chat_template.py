@@ -17,7 +17,8 @@ import transformers
 
 from specula_router.chat_template import ChatTemplate, ChatTemplateError, load_chat_template
 from specula_router.schemas import GenerateParameters
-from specula_router.validation import ValidationLimits, Validator
+from specula_router.validation import Validator
+from specula_router.validation_limits import ValidationLimits
 from specula_server.testing.chat_templates import TEMPLATES, WEATHER_TOOL, add_chat_template
 from specula_server.testing.tokenizer import build_tokenizer
 

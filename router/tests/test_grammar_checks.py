@@ -29,7 +29,8 @@ from specula_router.scheduler import Scheduler, SchedulerConfig
 from specula_router.schemas import GenerateParameters
 from specula_router.server import RouterState, create_app
 from specula_router.tool_calls import parse_tool_calls
-from specula_router.validation import ValidationError, ValidationLimits, Validator
+from specula_router.validation import Validator
+from specula_router.validation_limits import ValidationError, ValidationLimits
 from specula_server.testing.chat_templates import (
     CHATML,
     MISTRAL,

@@ -16,7 +16,8 @@ from specula_router.lifecycle import DrainingServer
 from specula_router.metrics import Metrics
 from specula_router.scheduler import Scheduler, SchedulerConfig
 from specula_router.server import RouterState, create_app
-from specula_router.validation import ValidationLimits, Validator
+from specula_router.validation import Validator
+from specula_router.validation_limits import ValidationLimits
 from specula_server.testing.tokenizer import build_tokenizer
 
 

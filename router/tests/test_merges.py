@@ -12,7 +12,8 @@ from test_http_limits import build_state, generate, tokenizer  # noqa: F401 (a f
 
 from specula_router.merges import ADAPTER_ID_CONFLICT, NO_ADAPTER_IDS, WEIGHT_MISMATCH, MergeSpec, is_merged_id
 from specula_router.schemas import GenerateParameters
-from specula_router.validation import ValidationError, ValidationLimits, Validator
+from specula_router.validation import Validator
+from specula_router.validation_limits import ValidationError, ValidationLimits
 
 LIMITS = ValidationLimits(max_input_tokens=32, max_total_tokens=64)
 TWO = {"ids": ["a", "b"], "weights": [0.5, 0.5]}

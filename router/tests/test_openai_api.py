@@ -24,7 +24,8 @@ from specula_router.metrics import Metrics
 from specula_router.openai_models import OpenAISettings
 from specula_router.scheduler import Scheduler, SchedulerConfig
 from specula_router.server import RouterState, create_app
-from specula_router.validation import ValidationLimits, Validator
+from specula_router.validation import Validator
+from specula_router.validation_limits import ValidationLimits
 from specula_server.testing.chat_templates import (
     CHATML,
     MISTRAL,

@@ -22,7 +22,7 @@ from specula_router.chat_template import ChatTemplate
 from specula_router.openai_models import OpenAISettings
 from specula_router.schemas import GenerateParameters
 from specula_router.server import create_app
-from specula_router.validation import ValidationError
+from specula_router.validation_limits import ValidationError
 from specula_router.wire import FLOAT32_MAX, FLOAT32_MIN_NORMAL
 from specula_server.testing.chat_templates import LLAMA3
 from specula_server.testing.tokenizer import build_tokenizer

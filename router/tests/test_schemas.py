@@ -16,16 +16,13 @@ import pydantic
 import pytest
 import tokenizers
 
-from specula_router.schemas import (
+from specula_router.response_schemas import (
     AdapterInfo,
     AlternativeToken,
     BestOfSequence,
-    CompatGenerateRequest,
     Details,
     ErrorResponse,
     FinishReason,
-    GenerateParameters,
-    GenerateRequest,
     GenerateResponse,
     Info,
     PrefillToken,
@@ -34,9 +31,10 @@ from specula_router.schemas import (
     StreamDetails,
     StreamResponse,
     Token,
-    TokenizeRequest,
 )
-from specula_router.validation import ValidationLimits, Validator
+from specula_router.schemas import CompatGenerateRequest, GenerateParameters, GenerateRequest, TokenizeRequest
+from specula_router.validation import Validator
+from specula_router.validation_limits import ValidationLimits
 from specula_server.testing import clients
 from specula_server.testing.tokenizer import build_tokenizer
 

@@ -10,13 +10,10 @@ import pytest
 import tokenizers
 
 from specula_router.http_errors import format_request_errors
+from specula_router.sampling_validation import MAX_SEED
 from specula_router.schemas import GenerateParameters
-from specula_router.validation import (
-    MAX_SEED,
-    ValidationError,
-    ValidationLimits,
-    Validator,
-)
+from specula_router.validation import Validator
+from specula_router.validation_limits import ValidationError, ValidationLimits
 from specula_router.wire import FLOAT32_BELOW_ONE, FLOAT32_MAX, FLOAT32_MIN_NORMAL
 from specula_server.testing.tokenizer import BOS_ID, build_tokenizer
 
