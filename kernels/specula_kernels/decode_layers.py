@@ -18,6 +18,7 @@ from specula_kernels import native, paged_attention
 from specula_kernels.paged_attention import NATIVE_MAX_QUERY, GroupedAttentionInputs, PagedAttentionInputs
 
 PANELS, INT8, INT4 = 0, 1, 2
+GGUF_KINDS = {"Q4_0": 3, "Q4_1": 4, "Q8_0": 5}  # GGUF blocks (`gguf_blocks.GGUFBlocks.pack_native`), by type
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 

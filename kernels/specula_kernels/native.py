@@ -120,6 +120,8 @@ def _load() -> ctypes.CDLL:
     signatures = {
         "specula_int8_linear": [ptr, i64, i64, ptr, ptr, i64, ptr, c_int],
         "specula_int4_linear": [ptr, i64, i64, ptr, ptr, i64, i64, ptr, c_int],
+        "specula_q4_linear": [ptr, i64, i64, ptr, ptr, f32, i64, ptr, c_int],
+        "specula_q8_0_linear": [ptr, i64, i64, ptr, ptr, i64, ptr, c_int],
         "specula_paged_attention": [ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, f32, ptr,
                                     i64, c_int],
         "specula_rms_norm": [ptr, i64, ptr, i64, ptr, i64, i64, f32, ptr, i64, c_int],

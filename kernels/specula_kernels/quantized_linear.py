@@ -142,7 +142,7 @@ def int4_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
 NATIVE_ROWS = 4
 
 
-def _interleave(t: torch.Tensor, width: int, fill: int) -> torch.Tensor:
+def interleave_rows(t: torch.Tensor, width: int, fill: int) -> torch.Tensor:
     """`[out, n]` -> `[ceil(out / 4), n / width, 4, width]`, contiguous, rows past `out` filled with `fill`."""
     out_features, n = t.shape
     pad = -out_features % NATIVE_ROWS
@@ -154,7 +154,7 @@ def _interleave(t: torch.Tensor, width: int, fill: int) -> torch.Tensor:
 def pack_int8_native(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The output of `quantize_int8` in the native kernel's layout: (`[ceil(out / 4), in / 16, 4, 16]` int8, the
     scales as float32 `[out]`)."""
-    return _interleave(q, 16, 0), scale.float().contiguous()
+    return interleave_rows(q, 16, 0), scale.float().contiguous()
 
 
 def pack_int4_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,7 +165,8 @@ def pack_int4_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -
     blocks = q.to(torch.uint8).reshape(out_features, in_features // 32, 2, 16)
     pairs = (blocks[:, :, 0] | blocks[:, :, 1] << 4).reshape(out_features, in_features // 2)
     scales_and_zeros = torch.stack([scale, zero], dim=-1).to(KERNEL_DTYPE).flatten(1)  # [out, groups * 2]
-    return _interleave(pairs, 16, 0x88), _interleave(scales_and_zeros.view(torch.int16), 2, 0).view(KERNEL_DTYPE)
+    sz = interleave_rows(scales_and_zeros.view(torch.int16), 2, 0).view(KERNEL_DTYPE)
+    return interleave_rows(pairs, 16, 0x88), sz
 
 
 def int8_linear_native(lib, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -46,8 +46,9 @@ def main(
         None, envvar="DTYPE", help="float32, bfloat16 or float16. Default: bfloat16 on cuda, float32 on cpu."),
     quantize: str | None = typer.Option(
         None, envvar="QUANTIZE",
-        help="Weight-only quantization of the linear layers, done by each shard at load time from the float "
-             "checkpoint: int8 (a scale per output channel) or int4 (a scale and zero per group of inputs). "
+        help="Weight-only quantization of the linear layers: int8 (a scale per output channel) or int4 (a scale "
+             "and zero per group of inputs), done by each shard at load time from the float checkpoint; or gguf, for "
+             "a .gguf model: its Q8_0, Q4_0 and Q4_1 tensors served as the file holds them (other types as float). "
              "Default: none."),
     quantize_group_size: int = typer.Option(
         64, envvar="QUANTIZE_GROUP_SIZE", help="int4: inputs per scale and zero (32, 64, 128 or 256)."),

@@ -35,7 +35,8 @@ DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
 DEMO_ADAPTERS_DIR = Path(__file__).resolve().parent / "demo_adapters"
 
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZE_METHODS = ("int8", "int4")  # the worker's (specula_server.layers.quantization), checked before any start
+# The worker's (specula_server.layers.quantization), checked before any start.
+QUANTIZE_METHODS = ("int8", "int4", "gguf")
 # The worker's --kv-cache-dtype values (specula_server.kv_cache.KV_CACHE_DTYPES), checked before any start.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e4m3fn", "fp8_e5m2")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -68,7 +69,7 @@ class LauncherConfig:
     model_id: str
     dtype: str
     device: str
-    quantize: str | None = None  # weight-only quantization of the linear layers: int8, int4 or None
+    quantize: str | None = None  # weight-only quantization of the linear layers: int8, int4, gguf or None
     quantize_group_size: int = 64  # int4: inputs per scale and zero
     kv_cache_dtype: str | None = None  # what the shards' KV cache stores (KV_CACHE_DTYPES); None: theirs (auto)
     cuda_graphs: str | None = None  # batch sizes captured as CUDA graphs, "1,2,4" ("0": none); None: the shards'
@@ -161,8 +162,12 @@ def _check_choices(c: LauncherConfig) -> None:
         raise ValueError(f"--device must be one of {', '.join(DEVICES)}; got {c.device!r}")
     if c.quantize is not None and c.quantize not in QUANTIZE_METHODS:
         raise ValueError(f"--quantize {c.quantize} is not supported; supported: {', '.join(QUANTIZE_METHODS)} "
-                         "(weight-only, quantized at load time from a float checkpoint: for a GPTQ or AWQ model, "
-                         "serve its float original with --quantize int4)")
+                         "(int8 and int4: weight-only, quantized at load time from a float checkpoint, so for a GPTQ "
+                         "or AWQ model serve its float original with --quantize int4; gguf: a GGUF file's own "
+                         "Q8_0/Q4_0/Q4_1 blocks)")
+    if c.quantize == "gguf" and not c.model_id.lower().endswith(".gguf"):
+        raise ValueError(f"--quantize gguf serves a GGUF file's own blocks; --model-id {c.model_id} is not a .gguf "
+                         "file (for a float checkpoint use --quantize int8 or int4)")
     if c.quantize_group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"--quantize-group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}; "
                          f"got {c.quantize_group_size}")

@@ -181,7 +181,8 @@ class Info(BaseModel):
     model_dtype: str = Field(..., examples=["bfloat16"])
     model_device_type: str = Field(..., examples=["cuda"])
     quantize: str | None = Field(None, description="Weight-only quantization of the linear layers (`--quantize`): "
-                                 "int8 or int4; null for float weights.", examples=["int8"])
+                                 "int8, int4 or gguf (a GGUF file's own blocks); null for float weights.",
+                          examples=["int8"])
     kv_cache_dtype: str | None = Field(None, description="What the KV cache stores keys and values in "
                                        "(`--kv-cache-dtype`); null when the workers did not say.",
                                        examples=["float8_e4m3fn"])

@@ -26,10 +26,13 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from specula_kernels.gguf_blocks import GGUFBlocks
 
 logger = logging.getLogger("specula.gguf")
 
@@ -208,6 +211,23 @@ class GGUFTensors:
 
     def get_tensor(self, name: str) -> torch.Tensor:
         return self.get_slice(name)[:]
+
+    def get_blocks(self, name: str, row_start: int, row_stop: int) -> GGUFBlocks | None:
+        """Rows `[row_start, row_stop)` of `name` as the file's own blocks, for `--quantize gguf`; None when the
+        tensor is not of a type served natively, or the rows split a q/k head."""
+        from specula_kernels.gguf_blocks import NATIVE_TYPES, GGUFBlocks
+
+        tensor = self.checkpoint.tensors[name]
+        if tensor.type_name not in NATIVE_TYPES:
+            return None
+        data = tensor.data[row_start:row_stop]
+        heads = next((n for suffix, n in self._heads.items() if name.endswith(suffix)), None)
+        if heads is not None:
+            head_rows = tensor.shape[0] // heads
+            if row_start % head_rows or row_stop % head_rows:
+                return None
+            data = unpermute_rotary_rows(data, (row_stop - row_start) // head_rows)
+        return GGUFBlocks(tensor.type_name, torch.from_numpy(np.array(data, dtype=np.uint8)), tensor.shape[1])
 
     @staticmethod
     def read_extra(tensor: _Tensor) -> torch.Tensor:

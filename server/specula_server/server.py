@@ -26,6 +26,7 @@ from specula_server.adapters.registry import AdapterRegistry
 from specula_server.adapters.sources import AdapterError, detect_adapter_kind, resolve_adapter
 from specula_server.distributed import ShardGroup, init_distributed
 from specula_server.generator import SpeculationConfig, TextGenerator
+from specula_server.gguf_checkpoint import is_gguf
 from specula_server.hub import resolve_model_dir, weight_files
 from specula_server.kv_cache import parse_kv_cache_dtype
 from specula_server.layers.quantization import DEFAULT_GROUP_SIZE, Quantization, check_float_checkpoint
@@ -92,7 +93,10 @@ class ServerConfig:
     grpc_host: str | None = None  # also serve TCP on this address, the one the router is given (other nodes)
 
     def __post_init__(self) -> None:
-        Quantization.parse(self.quantize, self.quantize_group_size)  # a ValueError naming the flag
+        quantization = Quantization.parse(self.quantize, self.quantize_group_size)  # a ValueError naming the flag
+        if quantization is not None and quantization.method == "gguf" and not is_gguf(self.model_id):
+            raise ValueError(f"--quantize gguf serves a GGUF file's own blocks; --model-id {self.model_id} is not a "
+                             ".gguf file (for a float checkpoint use --quantize int8 or int4)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         parse_kv_cache_dtype(self.kv_cache_dtype, DTYPES[self.dtype])  # a ValueError naming the flag

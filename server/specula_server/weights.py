@@ -12,7 +12,8 @@ block from the memory-mapped file and never materialises the full tensor.
 Example, world_size 2, a [6, 4] weight sharded on dim 0: rank 0 gets rows 0..2, rank 1 rows 3..5.
 
 `quantization` (`--quantize`) travels with the reader to the layers that build linears from its tensors: each
-quantizes the slice it read (`layers/quantization.py`).
+quantizes the slice it read (`layers/quantization.py`). Linears read through `get_linear`, which under
+`--quantize gguf` hands out a GGUF file's own blocks (`GGUFBlocks`) instead of float values where it can.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from safetensors import safe_open
 from torch import Tensor
 
+from specula_kernels.gguf_blocks import GGUFBlocks
 from specula_server.gguf_checkpoint import GGUF_SUFFIX, GGUFTensors
 
 if TYPE_CHECKING:
@@ -137,6 +139,33 @@ class Weights:
             raise ValueError("get_packed_sharded needs at least one tensor name")
         shards = [self.get_sharded(name, dim) for name in names]
         return torch.cat(shards, dim=dim)
+
+    def get_linear(self, names: Sequence[str], dim: int) -> Tensor | GGUFBlocks:
+        """A linear layer's weight for this rank: `names` sharded along `dim` and fused along dim 0, as
+        `get_packed_sharded`. Under `--quantize gguf`, the file's own blocks when every tensor is of a type the
+        native kernels serve (`gguf_blocks.NATIVE_TYPES`), all of one type, and the rank takes whole rows (of whole
+        heads for q/k); otherwise float values."""
+        from specula_server.layers.quantization import gguf_blocks_served
+
+        if (self.quantization is not None and self.quantization.method == "gguf" and
+                (dim == 0 or self.world_size == 1) and gguf_blocks_served(self.device)):
+            parts = [self._blocks(name) for name in names]
+            if all(p is not None for p in parts) and len({p.type_name for p in parts}) == 1:
+                return GGUFBlocks.cat(parts)
+        return self.get_packed_sharded(names, dim)
+
+    def _blocks(self, name: str) -> GGUFBlocks | None:
+        full_name, handle = self._handle(name)
+        if not isinstance(handle, GGUFTensors):
+            return None
+        rows = handle.get_slice(full_name).get_shape()[0]
+        if rows % self.world_size:
+            return None
+        block = rows // self.world_size
+        blocks = handle.get_blocks(full_name, self.rank * block, (self.rank + 1) * block)
+        if blocks is None:
+            return None
+        return GGUFBlocks(blocks.type_name, blocks.data.to(self.device), blocks.in_features)
 
     def _handle(self, name: str) -> tuple[str, Any]:
         full_name = self.prefix + name

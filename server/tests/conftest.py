@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specula_server.testing.gguf_files import BLOCK_TYPES, K_TYPES, write_gguf
 from specula_server.testing.models import build_tiny_model
 
 
@@ -33,3 +34,17 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def llama_dir(model_dirs) -> Path:
     return model_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def wide_llama_dir(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("wide") / "llama", "llama", hidden_size=256,
+                            intermediate_size=512, head_dim=64)
+
+
+@pytest.fixture(scope="session")
+def gguf_files(tmp_path_factory, llama_dir, wide_llama_dir) -> dict[str, Path]:
+    """The tiny Llama written in each tensor type (K-quants from the wide one), one file per type."""
+    root = tmp_path_factory.mktemp("gguf")
+    return {kind: write_gguf(wide_llama_dir if kind in K_TYPES else llama_dir, root / f"model-{kind}.gguf", kind)
+            for kind in BLOCK_TYPES + K_TYPES}

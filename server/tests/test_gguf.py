@@ -17,27 +17,10 @@ from specula_server import hub
 from specula_server.gguf_checkpoint import GGUFCheckpoint, GGUFError, GGUFTensors
 from specula_server.gguf_metadata import model_directory
 from specula_server.models.config import ModelConfig
-from specula_server.testing.gguf_files import write_gguf
+from specula_server.testing.gguf_files import BLOCK_TYPES, K_TYPES, write_gguf
 from specula_server.testing.models import build_tiny_model
 from specula_server.testing.tokenizer import MULTILINGUAL_TEXT, training_corpus
 from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
-
-BLOCK_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
-K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]  # 256-wide blocks: written from a 256-wide model
-
-
-@pytest.fixture(scope="session")
-def wide_llama_dir(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("wide") / "llama", "llama", hidden_size=256,
-                            intermediate_size=512, head_dim=64)
-
-
-@pytest.fixture(scope="session")
-def gguf_files(tmp_path_factory, llama_dir, wide_llama_dir) -> dict[str, Path]:
-    """The tiny Llama written in each tensor type (K-quants from the wide one), one file per type."""
-    root = tmp_path_factory.mktemp("gguf")
-    return {kind: write_gguf(wide_llama_dir if kind in K_TYPES else llama_dir, root / f"model-{kind}.gguf", kind)
-            for kind in BLOCK_TYPES + K_TYPES}
 
 
 def transformers_state_dict(gguf_file: Path) -> dict[str, torch.Tensor]:

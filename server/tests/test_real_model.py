@@ -175,3 +175,17 @@ def test_quantized_weights_keep_perplexity_within_tolerance(smollm2, generator, 
                                            ignore_eos_token=False))[-1].generated_text.text
                for g in (generator, quantized)]
     assert (answers[1] == answers[0]) == SAME_ANSWER[(method, group_size)], answers
+
+
+def test_the_files_own_blocks_keep_the_float_models_answers_and_perplexity(smollm2, generator, model_dir,
+                                                                           chat_prompts):
+    """`--quantize gguf` multiplies the very values the float model holds (the file's Q4_1 layers and its Q8_0
+    embedding as the LM head); only the order of the float32 sums differs."""
+    served = load_test_generator(smollm2, num_blocks=512, quantize="gguf")
+    for name, ids in held_out_texts(model_dir).items():
+        assert perplexity(served, ids) == pytest.approx(perplexity(generator, ids), rel=1e-3), name
+
+    def run(gen, prompt):
+        return generate_alone(gen, make_spec(0, prompt, BlockPool(512, 16), max_new_tokens=NUM_NEW))
+
+    assert_same_greedy_output(generator, served, chat_prompts, run)

@@ -17,9 +17,14 @@
 // after another, the same loops streamed well below the memory's bandwidth; interleaved, at it):
 //   int8: q [N / 4][K / 16][4 rows][16 inputs] int8, scale [N] float32: w[n, k] = q * scale[n].
 //   int4: q4 [N / 4][K / 32][4 rows][16 bytes], byte j of a row holding input j in its low half and input j + 16
-//         in its high half; sz [N / 4][K / group][4 rows][2] bfloat16 (scale, zero):
-//         w[n, k] = (q - 8) * scale + zero for k's group.
-// N is padded to a multiple of 4 with zero rows, whose outputs are not written.
+//         in its high half; sz [N / 4][K / group][4 rows][2] (scale, offset), bfloat16 for Specula's own int4
+//         and float32 for GGUF's Q4_0 / Q4_1: w[n, k] = (q - bias) * scale + offset for k's group, with
+//         bias 8 (Specula's int4, where the offset is the zero; Q4_0, offset 0) or 0 (Q4_1, offset the minimum).
+//   q8_0 (GGUF's Q8_0): q [N / 4][K / 32][4 rows][32] int8, d [N / 4][K / 32][4 rows] float32:
+//         w[n, k] = q * d for k's block of 32.
+// N is padded to a multiple of 4 with zero rows, whose outputs are not written. For the GGUF types each weight
+// is computed as the `gguf` package's reference dequantizer computes it (one rounding of q * d + m, or an exact
+// product), so the values multiplied are the file's own.
 //
 // Two builds of the blocks, one driver: with AVX-512, 16-wide vectors, int8 widened by one instruction and int4
 // looked up in a 16-entry table by one permute; with AVX2 (`simd.h`'s 8-wide vectors), a 16-input line is two
@@ -43,6 +48,29 @@ static inline float bf16_to_f32(uint16_t h) {
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+
+// The (scale, offset) pairs of a product's 4-bit groups, and the bias of its codes: code c of a group stands for
+// (c - bias) * scale + offset.
+struct Int4Groups {
+  const void* pairs;  // bfloat16 or float32 pairs
+  bool f32;
+  float bias;
+
+  void get(int64_t i, float& scale, float& offset) const {
+    if (f32) {
+      scale = static_cast<const float*>(pairs)[2 * i];
+      offset = static_cast<const float*>(pairs)[2 * i + 1];
+    } else {
+      scale = bf16_to_f32(static_cast<const uint16_t*>(pairs)[2 * i]);
+      offset = bf16_to_f32(static_cast<const uint16_t*>(pairs)[2 * i + 1]);
+    }
+  }
+  Int4Groups at(int64_t i) const {  // the pairs from pair i on
+    return {f32 ? static_cast<const void*>(static_cast<const float*>(pairs) + 2 * i)
+                : static_cast<const void*>(static_cast<const uint16_t*>(pairs) + 2 * i),
+            f32, bias};
+  }
+};
 
 #if defined(__AVX512F__)
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -98,19 +126,21 @@ static void int8_block(const float* x, int64_t K, const int8_t* q, const float* 
     for (int j = 0; j < nb; ++j) y[i * N + j] = lane_sum(acc[i][j]) * scale[j];
 }
 
-// The same for int4. `q4`: the block's [K / 32][4][16] bytes; `sz`: its [K / group][4][2] (scale, zero).
+// The same for int4. `q4`: the block's [K / 32][4][16] bytes; `sz`: its [K / group][4] (scale, offset) pairs.
 template <int MB>
-static void int4_block(const float* x, int64_t K, const uint8_t* q4, const uint16_t* sz, int64_t group, float* y,
+static void int4_block(const float* x, int64_t K, const uint8_t* q4, Int4Groups sz, int64_t group, float* y,
                        int64_t N, int nb) {
   const int64_t groups = K / group;
   f32x16 acc[MB][kCols];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < kCols; ++j) acc[i][j] = f32x16{};
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 table[kCols];  // code c stands for (c - 8) * scale + zero
+    __m512 table[kCols];  // code c stands for (c - bias) * scale + offset
     for (int j = 0; j < kCols; ++j) {
-      const float s = bf16_to_f32(sz[(g * kCols + j) * 2]), z = bf16_to_f32(sz[(g * kCols + j) * 2 + 1]);
-      table[j] = _mm512_fmadd_ps(_mm512_sub_ps(kCodes, _mm512_set1_ps(8.0f)), _mm512_set1_ps(s), _mm512_set1_ps(z));
+      float s, z;
+      sz.get(g * kCols + j, s, z);
+      table[j] = _mm512_fmadd_ps(_mm512_sub_ps(kCodes, _mm512_set1_ps(sz.bias)), _mm512_set1_ps(s),
+                                 _mm512_set1_ps(z));
     }
     for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
       const uint8_t* line = q4 + k / 2 * kCols;
@@ -136,11 +166,12 @@ static inline vfloat widen_i8(const int8_t* p) {
   return (vfloat)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
-// 8 bytes of int4 pairs, dequantized: (q - 8) * scale + zero for their low halves' codes and their high halves'.
-static inline void dequantize_u4(const uint8_t* p, vfloat scale, vfloat zero, vfloat& lo, vfloat& hi) {
+// 8 bytes of int4 pairs, dequantized: (q - bias) * scale + offset for their low halves' codes and their high
+// halves'.
+static inline void dequantize_u4(const uint8_t* p, float bias, vfloat scale, vfloat offset, vfloat& lo, vfloat& hi) {
   const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
-  lo = vfma((vfloat)_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15))) - 8.0f, scale, zero);
-  hi = vfma((vfloat)_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4)) - 8.0f, scale, zero);
+  lo = vfma((vfloat)_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15))) - bias, scale, offset);
+  hi = vfma((vfloat)_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4)) - bias, scale, offset);
 }
 
 template <int MB>
@@ -165,7 +196,7 @@ static void int8_block(const float* x, int64_t K, const int8_t* q, const float* 
 }
 
 template <int MB>
-static void int4_block(const float* x, int64_t K, const uint8_t* q4, const uint16_t* sz, int64_t group, float* y,
+static void int4_block(const float* x, int64_t K, const uint8_t* q4, Int4Groups sz, int64_t group, float* y,
                        int64_t N, int nb) {
   const int64_t groups = K / group;
   vfloat acc[MB][kCols];
@@ -174,8 +205,10 @@ static void int4_block(const float* x, int64_t K, const uint8_t* q4, const uint1
   for (int64_t g = 0; g < groups; ++g) {
     vfloat scale[kCols], zero[kCols];
     for (int j = 0; j < kCols; ++j) {
-      scale[j] = vsplat(bf16_to_f32(sz[(g * kCols + j) * 2]));
-      zero[j] = vsplat(bf16_to_f32(sz[(g * kCols + j) * 2 + 1]));
+      float s, z;
+      sz.get(g * kCols + j, s, z);
+      scale[j] = vsplat(s);
+      zero[j] = vsplat(z);
     }
     for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
       const uint8_t* line = q4 + k / 2 * kCols;
@@ -183,7 +216,7 @@ static void int4_block(const float* x, int64_t K, const uint8_t* q4, const uint1
       for (int half = 0; half < 16; half += kLanes) {  // bytes [half, half + kLanes): inputs there and 16 on
         for (int j = 0; j < kCols; ++j) {
           vfloat lo, hi;
-          dequantize_u4(line + 16 * j + half, scale[j], zero[j], lo, hi);
+          dequantize_u4(line + 16 * j + half, sz.bias, scale[j], zero[j], lo, hi);
           for (int i = 0; i < MB; ++i) {
             acc[i][j] = vfma(vload(x + i * K + k + half), lo, acc[i][j]);
             acc[i][j] = vfma(vload(x + i * K + k + 16 + half), hi, acc[i][j]);
@@ -201,15 +234,16 @@ static void int4_block(const float* x, int64_t K, const uint8_t* q4, const uint1
 // the multiply-adds are int4_block's, so a row's result is the same bits on either path.
 static constexpr int64_t kDequantizeRows = 2 * kRows;  // passes of more rows than this take the buffer
 
-static void dequantize_u4_block(const uint8_t* q4, const uint16_t* sz, int64_t K, int64_t group, float* w) {
+static void dequantize_u4_block(const uint8_t* q4, Int4Groups sz, int64_t K, int64_t group, float* w) {
   for (int64_t g = 0; g < K / group; ++g) {
     for (int j = 0; j < kCols; ++j) {
-      const vfloat scale = vsplat(bf16_to_f32(sz[(g * kCols + j) * 2]));
-      const vfloat zero = vsplat(bf16_to_f32(sz[(g * kCols + j) * 2 + 1]));
+      float s, z;
+      sz.get(g * kCols + j, s, z);
+      const vfloat scale = vsplat(s), zero = vsplat(z);
       for (int64_t k = g * group; k < (g + 1) * group; k += 32) {
         for (int half = 0; half < 16; half += kLanes) {
           vfloat lo, hi;
-          dequantize_u4(q4 + k / 2 * kCols + 16 * j + half, scale, zero, lo, hi);
+          dequantize_u4(q4 + k / 2 * kCols + 16 * j + half, sz.bias, scale, zero, lo, hi);
           vstore(w + j * K + k + half, lo);
           vstore(w + j * K + k + 16 + half, hi);
         }
@@ -281,38 +315,108 @@ void int8_linear_team(const float* x, int64_t M, int64_t K, const int8_t* q, con
   });
 }
 
-// x [M, K] float32; q4 [ceil(N / 4), K / 32, 4, 16] uint8; sz [ceil(N / 4), K / group, 4, 2] bfloat16 bits
-// -> y [M, N]. group % 32 == 0.
-void int4_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* q4, const uint16_t* sz, int64_t group,
-                      int64_t N, float* y) {
-  const int64_t groups = K / group;
-#if !defined(__AVX512F__)
-  if (M > kDequantizeRows) {
-    for_each_pass(M, N, [=](int64_t begin, int64_t end, int64_t b, int nb) {
-      thread_local std::vector<float> w;
-      w.resize(kCols * K);
-      dequantize_u4_block(q4 + b * kCols * (K / 2), sz + b * kCols * groups * 2, K, group, w.data());
-      for (int64_t m0 = begin; m0 < end; m0 += kRows) {
-        const float* xm = x + m0 * K;
-        float* ym = y + m0 * N + b * kCols;
-        if (end - m0 < kRows) dequantized_block<1>(xm, K, w.data(), ym, N, nb);
-        else dequantized_block<kRows>(xm, K, w.data(), ym, N, nb);
+// GGUF's Q8_0: one block of 4 weight rows against MB activation rows. `q`: the block's [K / 32][4][32] int8; `d`:
+// its [K / 32][4] scales. Each weight is q * d, exact in float32 (d is a float16's value), and the multiply-adds
+// run in int4_block's order (per 32 inputs, lanes [half, half + lanes) and [16 + half, ...)), so the buffered path
+// gives the same bits.
+template <int MB>
+static void q8_0_block(const float* x, int64_t K, const int8_t* q, const float* d, float* y, int64_t N, int nb) {
+  vfloat acc[MB][kCols];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < kCols; ++j) acc[i][j] = vfloat{};
+  for (int64_t k = 0; k < K; k += 32) {
+    const int8_t* line = q + k * kCols;  // 128 bytes: 32 inputs of 4 rows
+    const float* scales = d + k / 32 * kCols;
+    __builtin_prefetch(line + kAhead);
+    __builtin_prefetch(line + kAhead + 64);
+    for (int half = 0; half < 16; half += kLanes) {
+      for (int j = 0; j < kCols; ++j) {
+        const vfloat scale = vsplat(scales[j]);
+        const vfloat lo = widen_i8(line + 32 * j + half) * scale, hi = widen_i8(line + 32 * j + 16 + half) * scale;
+        for (int i = 0; i < MB; ++i) {
+          acc[i][j] = vfma(vload(x + i * K + k + half), lo, acc[i][j]);
+          acc[i][j] = vfma(vload(x + i * K + k + 16 + half), hi, acc[i][j]);
+        }
       }
-    });
-    return;
+    }
   }
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < nb; ++j) y[i * N + j] = vsum(acc[i][j]);
+}
+
+#if !defined(__AVX512F__)
+static void dequantize_q8_0_block(const int8_t* q, const float* d, int64_t K, float* w) {
+  for (int64_t k = 0; k < K; k += 32)
+    for (int j = 0; j < kCols; ++j) {
+      const vfloat scale = vsplat(d[k / 32 * kCols + j]);
+      for (int h = 0; h < 32; h += kLanes) vstore(w + j * K + k + h, widen_i8(q + k * kCols + 32 * j + h) * scale);
+    }
+}
+
+// Passes of many rows on AVX2: `dequantize(b, w)` writes weight block b's kCols rows as floats into `w` [kCols][K],
+// which every row of the pass then reads (dequantized_block).
+template <typename Dequantize>
+static void buffered_passes(const float* x, int64_t M, int64_t K, int64_t N, float* y, const Dequantize& dequantize) {
+  for_each_pass(M, N, [&](int64_t begin, int64_t end, int64_t b, int nb) {
+    thread_local std::vector<float> w;
+    w.resize(kCols * K);
+    dequantize(b, w.data());
+    for (int64_t m0 = begin; m0 < end; m0 += kRows) {
+      const float* xm = x + m0 * K;
+      float* ym = y + m0 * N + b * kCols;
+      if (end - m0 < kRows) dequantized_block<1>(xm, K, w.data(), ym, N, nb);
+      else dequantized_block<kRows>(xm, K, w.data(), ym, N, nb);
+    }
+  });
+}
+#endif
+
+// x [M, K] float32; q4 [ceil(N / 4), K / 32, 4, 16] uint8; sz [ceil(N / 4), K / group, 4, 2] (scale, offset),
+// float32 if `f32_pairs` else bfloat16 bits; codes stand for (q - bias) * scale + offset -> y [M, N].
+// group % 32 == 0.
+void int4_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* q4, const void* sz, bool f32_pairs,
+                      float bias, int64_t group, int64_t N, float* y) {
+  const int64_t groups = K / group;
+  const Int4Groups pairs{sz, f32_pairs, bias};
+#if !defined(__AVX512F__)
+  if (M > kDequantizeRows)
+    return buffered_passes(x, M, K, N, y, [&](int64_t b, float* w) {
+      dequantize_u4_block(q4 + b * kCols * (K / 2), pairs.at(b * kCols * groups), K, group, w);
+    });
 #endif
   for_each_block(M, N, [=](int64_t m0, int mb, int64_t b, int nb) {
     const float* xm = x + m0 * K;
     float* ym = y + m0 * N + b * kCols;
     const uint8_t* qb = q4 + b * kCols * (K / 2);
-    const uint16_t* szb = sz + b * kCols * groups * 2;
+    const Int4Groups szb = pairs.at(b * kCols * groups);
     if (mb == 1) return int4_block<1>(xm, K, qb, szb, group, ym, N, nb);
     if constexpr (kRows > 3) {
       if (mb == 2) return int4_block<2>(xm, K, qb, szb, group, ym, N, nb);
       if (mb == 3) return int4_block<3>(xm, K, qb, szb, group, ym, N, nb);
     }
     return int4_block<kRows>(xm, K, qb, szb, group, ym, N, nb);
+  });
+}
+
+// x [M, K] float32; q [ceil(N / 4), K / 32, 4, 32] int8; d [ceil(N / 4), K / 32, 4] float32 -> y [M, N].
+void q8_0_linear_team(const float* x, int64_t M, int64_t K, const int8_t* q, const float* d, int64_t N, float* y) {
+#if !defined(__AVX512F__)
+  if (M > kDequantizeRows)
+    return buffered_passes(x, M, K, N, y, [&](int64_t b, float* w) {
+      dequantize_q8_0_block(q + b * kCols * K, d + b * kCols * (K / 32), K, w);
+    });
+#endif
+  for_each_block(M, N, [=](int64_t m0, int mb, int64_t b, int nb) {
+    const float* xm = x + m0 * K;
+    float* ym = y + m0 * N + b * kCols;
+    const int8_t* qb = q + b * kCols * K;
+    const float* db = d + b * kCols * (K / 32);
+    if (mb == 1) return q8_0_block<1>(xm, K, qb, db, ym, N, nb);
+    if constexpr (kRows > 3) {
+      if (mb == 2) return q8_0_block<2>(xm, K, qb, db, ym, N, nb);
+      if (mb == 3) return q8_0_block<3>(xm, K, qb, db, ym, N, nb);
+    }
+    return q8_0_block<kRows>(xm, K, qb, db, ym, N, nb);
   });
 }
 
@@ -324,10 +428,24 @@ void specula_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* q, 
   int8_linear_team(x, M, K, q, scale, N, y);
 }
 
+// `sz`: bfloat16 (scale, zero) pairs; codes stand for (q - 8) * scale + zero (`quantized_linear.pack_int4_native`).
 void specula_int4_linear(const float* x, int64_t M, int64_t K, const uint8_t* q4, const uint16_t* sz, int64_t group,
                          int64_t N, float* y, int threads) {
 #pragma omp parallel num_threads(threads)
-  int4_linear_team(x, M, K, q4, sz, group, N, y);
+  int4_linear_team(x, M, K, q4, sz, false, 8.0f, group, N, y);
+}
+
+// GGUF's Q4_0 (bias 8) and Q4_1 (bias 0): float32 (scale, offset) pairs per block of 32 (`gguf_blocks.py`).
+void specula_q4_linear(const float* x, int64_t M, int64_t K, const uint8_t* q4, const float* sz, float bias,
+                       int64_t N, float* y, int threads) {
+#pragma omp parallel num_threads(threads)
+  int4_linear_team(x, M, K, q4, sz, true, bias, 32, N, y);
+}
+
+void specula_q8_0_linear(const float* x, int64_t M, int64_t K, const int8_t* q, const float* d, int64_t N, float* y,
+                         int threads) {
+#pragma omp parallel num_threads(threads)
+  q8_0_linear_team(x, M, K, q, d, N, y);
 }
 
 }  // extern "C"

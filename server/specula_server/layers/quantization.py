@@ -11,6 +11,12 @@ Tensor parallelism quantizes exactly as one shard would: every quantized layer's
 row-parallel layers split their outputs when quantized, `RowParallelLinear`), and int8 scales and int4 groups
 lie within a row, so each shard quantizes its own slice to the very values one unsharded model holds.
 
+`--quantize gguf` serves a GGUF file's Q8_0, Q4_0 and Q4_1 tensors as the file holds them (`GGUFLinear`, on the
+native kernels through `specula_kernels.gguf_blocks`): no float round trip, no requantization, the very weights
+llama.cpp multiplies. The reader hands those layers `GGUFBlocks` instead of float slices (`Weights.get_linear`);
+tensors of other types, and every tensor where the native kernels do not serve, arrive as float (the file's
+values dequantized to `--dtype`) and become `DenseLinear`s.
+
 Checkpoints that are already quantized (GPTQ, AWQ, bitsandbytes, FP8, ...) are refused with a pointer to
 `--quantize` (`check_float_checkpoint`): Specula quantizes float checkpoints itself.
 """
@@ -25,6 +31,7 @@ import torch
 from torch import nn
 
 from specula_kernels import native
+from specula_kernels.gguf_blocks import GGUFBlocks, gguf_linear_native
 from specula_kernels.linear import (
     default_num_parts,
     linear,
@@ -51,7 +58,7 @@ from specula_kernels.quantized_linear import (
     quantize_int8,
 )
 
-QUANTIZE_METHODS = ("int8", "int4")
+QUANTIZE_METHODS = ("int8", "int4", "gguf")
 DEFAULT_GROUP_SIZE = 64
 # Tensor names that only a pre-quantized checkpoint has (GPTQ/AWQ `qweight`, bitsandbytes `absmax`/`quant_map`,
 # FP8 and compressed-tensors `weight_scale`).
@@ -68,8 +75,9 @@ class Quantization:
     def __post_init__(self) -> None:
         if self.method not in QUANTIZE_METHODS:
             raise ValueError(f"--quantize {self.method} is not supported; supported: {', '.join(QUANTIZE_METHODS)} "
-                             "(weight-only, quantized at load time from a float checkpoint: for a GPTQ or AWQ "
-                             "model, serve its float original with --quantize int4)")
+                             "(int8 and int4: weight-only, quantized at load time from a float checkpoint, so for "
+                             "a GPTQ or AWQ model serve its float original with --quantize int4; gguf: a GGUF "
+                             "file's own Q8_0/Q4_0/Q4_1 blocks)")
         _check_group_size(self.group_size)
 
     @classmethod
@@ -152,12 +160,39 @@ class Int4Linear(nn.Module):
         return int4_linear(x, self.packed, self.scales_and_zeros, self.group_size, self.out_features)
 
 
-def build_linear(weight: torch.Tensor, quantization: Quantization | None, name: str) -> nn.Module:
+class GGUFLinear(nn.Module):
+    """A GGUF file's Q8_0, Q4_0 or Q4_1 weight, as the file holds it, on the native kernels (`Weights.get_linear`
+    hands out blocks only where they are built)."""
+
+    def __init__(self, blocks: GGUFBlocks) -> None:
+        super().__init__()
+        self.type_name, self.out_features, self.in_features = blocks.type_name, *blocks.shape
+        self.native = _native_kernels(blocks.data.device)
+        if not self.native:
+            raise ValueError(f"GGUF {blocks.type_name} blocks need the native kernels, which do not serve "
+                             f"{blocks.data.device} here")
+        weight, scales = blocks.pack_native()
+        self.register_buffer("weight", weight)  # the file's payloads, rows regrouped in fours
+        self.register_buffer("scales", scales)  # float32: each block's scale (and Q4_1's minimum)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gguf_linear_native(self.native, x, self.type_name, self.weight, self.scales, self.out_features)
+
+
+def gguf_blocks_served(device: torch.device) -> bool:
+    """Whether `--quantize gguf` keeps a file's blocks on `device` (else they are dequantized to the model's
+    dtype)."""
+    return _native_kernels(device) is not None
+
+
+def build_linear(weight: torch.Tensor | GGUFBlocks, quantization: Quantization | None, name: str) -> nn.Module:
     """The product `x @ weight^T` for this rank's slice `weight` `[out, in]` of layer `name`.
 
     Raises ValueError, naming the flag and the layer, when the weight does not fit the format.
     """
-    if quantization is None:
+    if isinstance(weight, GGUFBlocks):
+        return GGUFLinear(weight)
+    if quantization is None or quantization.method == "gguf":
         return DenseLinear(weight)
     in_features = weight.shape[1]
     if quantization.method == "int8":

@@ -3,7 +3,7 @@
 Column-parallel linears split output features across ranks and need no communication; row-parallel linears
 split input features and sum partial results with an all-reduce. The embedding and LM head split the
 vocabulary. Each layer reads only its rank's slice of the checkpoint through `Weights`, and holds it in the
-format `Weights.quantization` asks for (`quantization.build_linear`: float, int8 or int4).
+format `Weights.quantization` asks for (`quantization.build_linear`: float, int8, int4 or a GGUF file's blocks).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def load(cls, weights: Weights, prefixes: Sequence[str], bias: bool) -> ColumnParallelLinear:
         """Loads `{prefix}.weight` for each prefix, sharded on dim 0 and concatenated (fused q/k/v, gate/up)."""
-        weight = weights.get_packed_sharded([f"{p}.weight" for p in prefixes], dim=0)
+        weight = weights.get_linear([f"{p}.weight" for p in prefixes], dim=0)
         b = weights.get_packed_sharded([f"{p}.bias" for p in prefixes], dim=0) if bias else None
         return cls(weight, b, weights.quantization, " + ".join(prefixes))
 
@@ -63,7 +63,7 @@ class RowParallelLinear(nn.Module):
     @classmethod
     def load(cls, weights: Weights, prefix: str, bias: bool, group: ShardGroup) -> RowParallelLinear:
         splits_outputs = weights.quantization is not None and group.world_size > 1
-        weight = weights.get_sharded(f"{prefix}.weight", dim=0 if splits_outputs else 1)
+        weight = weights.get_linear([f"{prefix}.weight"], dim=0 if splits_outputs else 1)
         b = weights.get_tensor(f"{prefix}.bias") if bias else None
         return cls(weight, b, group, weights.quantization, prefix)
 
@@ -83,13 +83,14 @@ class RowParallelLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-def _vocab_shard(weights: Weights, name: str, group: ShardGroup) -> tuple[torch.Tensor, int]:
-    """This rank's rows of a `[vocab, hidden]` matrix, padded so every rank holds the same count."""
+def _vocab_shard(weights: Weights, name: str, group: ShardGroup, linear: bool = False) -> tuple[torch.Tensor, int]:
+    """This rank's rows of a `[vocab, hidden]` matrix, padded so every rank holds the same count; `linear`: for a
+    product (`Weights.get_linear`: a GGUF file's blocks under `--quantize gguf`)."""
     full_rows = weights.shape(name)[0]
     rows = -(-full_rows // group.world_size)  # ceil: the last rank may hold padding rows
     start = group.rank * rows
     if full_rows % group.world_size == 0:
-        return weights.get_sharded(name, dim=0), start
+        return weights.get_linear([name], dim=0) if linear else weights.get_sharded(name, dim=0), start
     part = weights.get_tensor(name)[start : start + rows]
     if part.shape[0] < rows:
         part = torch.cat([part, part.new_zeros(rows - part.shape[0], part.shape[1])])
@@ -120,7 +121,7 @@ class ParallelLMHead(nn.Module):
 
     def __init__(self, weights: Weights, name: str, group: ShardGroup) -> None:
         super().__init__()
-        weight, _ = _vocab_shard(weights, name, group)
+        weight, _ = _vocab_shard(weights, name, group, linear=True)
         self.linear = build_linear(weight, weights.quantization, f"the LM head ({name})")  # -> [m, vocab_local]
         self.vocab_size = weights.shape(name)[0]
         self.group = group

@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from specula_kernels import native
-from specula_kernels.decode_layers import INT4, INT8, PANELS, LayerWeights, NativeStack, ProductWeights
+from specula_kernels.decode_layers import GGUF_KINDS, INT4, INT8, PANELS, LayerWeights, NativeStack, ProductWeights
 from specula_kernels.fused import add_rms_norm, rms_norm, rotary_and_cache, silu_and_mul
 from specula_kernels.paged_attention import GroupedAttentionInputs, PagedAttentionInputs, paged_attention
 from specula_server.adapters.registry import LoraBatch
 from specula_server.distributed import ShardGroup
-from specula_server.layers.quantization import DenseLinear, Int4Linear, Int8Linear
+from specula_server.layers.quantization import DenseLinear, GGUFLinear, Int4Linear, Int8Linear
 from specula_server.layers.rotary import RotaryEmbedding
 from specula_server.layers.tensor_parallel import (
     ColumnParallelLinear,
@@ -193,9 +193,9 @@ class LlamaForCausalLM(nn.Module):
 
     def _native_stack(self) -> NativeStack | None:
         """The layers as one native call (`specula_kernels.decode_layers`) where every layer fits it: a CPU with the
-        native kernels, one shard, no q/k/v bias, products in the panel, native int8 or native int4 layouts, float32
-        norms. None otherwise (the layers run one operator at a time, as they do for prompts, LoRA and
-        `SPECULA_NATIVE_STACK=0`)."""
+        native kernels, one shard, no q/k/v bias, products in the panel, native int8 or native int4 layouts or a GGUF
+        file's blocks, float32 norms. None otherwise (the layers run one operator at a time, as they do for prompts,
+        LoRA and `SPECULA_NATIVE_STACK=0`)."""
         if self._stack is False:
             self._stack = None
             try:
@@ -245,4 +245,7 @@ def _product_weights(linear: torch.nn.Module) -> ProductWeights:
     if isinstance(linear, Int4Linear) and linear.native:
         return ProductWeights(INT4, linear.out_features, linear.packed.shape[1] * 32, linear.packed,
                               linear.scales_and_zeros, linear.group_size)
+    if isinstance(linear, GGUFLinear):
+        return ProductWeights(GGUF_KINDS[linear.type_name], linear.out_features, linear.in_features, linear.weight,
+                              linear.scales, 32)
     raise _DoesNotFit

@@ -22,6 +22,9 @@ from specula_server.gguf_checkpoint import gguf_tensor_name
 _K_SCALE_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
+BLOCK_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
+K_TYPES = ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]  # 256-wide blocks: written from a 256-wide model
+
 def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter's q/k row order: each head's rotary halves interleaved into pairs."""
     return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
@@ -48,9 +51,10 @@ def llama3_rope_factors(head_dim: int, scaling: dict, rope_theta: float) -> np.n
 
 def write_gguf(model_dir: Path, out_file: Path, tensor_type: str = "F32", *, architecture: str = "llama",
                embedding_type: str | None = None, drop: tuple[str, ...] = (), pre_tokenizer: str = "default",
-               seed: int = 0) -> Path:
+               seed: int = 0, types: dict[str, str] | None = None) -> Path:
     """Writes `model_dir` as a GGUF file; `embedding_type` (default: `tensor_type`) for the token embedding,
-    `drop`: metadata keys or tensor names (llama.cpp's) to leave out."""
+    `types`: the type of other tensors (by llama.cpp's name) that are not `tensor_type`, `drop`: metadata keys or
+    tensor names (llama.cpp's) to leave out."""
     import gguf
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -91,7 +95,7 @@ def write_gguf(model_dir: Path, out_file: Path, tensor_type: str = "F32", *, arc
             value = llama_cpp_permute(value, heads)
         elif name.endswith("attn_k.weight"):
             value = llama_cpp_permute(value, kv_heads)
-        kind = (embedding_type or tensor_type) if name == "token_embd.weight" else tensor_type
+        kind = (embedding_type or tensor_type) if name == "token_embd.weight" else (types or {}).get(name, tensor_type)
         if value.ndim == 1:
             kind = "F32"
         _add_tensor(writer, name, value, kind, rng)
