@@ -17,6 +17,7 @@ bytes at the bandwidth of a large sum (`worker_decode.measure_bandwidth`).
 
     python benchmark/decode_profile.py                          # real model, float32, 2 threads
     python benchmark/decode_profile.py --quantize int8 int4     # several precisions, one after another
+    python benchmark/decode_profile.py --quantize gguf          # the file's own Q4_1 / Q8_0 blocks
 """
 
 from __future__ import annotations
@@ -191,7 +192,7 @@ def report(label: str, result: dict, bandwidth: float, steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=REAL_MODEL, help="GGUF file or model directory")
-    parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4"])
+    parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4", "gguf"])
     parser.add_argument("--group-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=128)

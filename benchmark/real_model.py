@@ -3,7 +3,8 @@ OpenAI's chat completions route, side by side.
 
 The model is the Q4_1 GGUF of `specula_server.testing.real_model`. Each server serves the same weights:
 
-    specula*     the GGUF itself (dequantized to float32 at load; `--quantize` where a setting asks for it)
+    specula*     the GGUF itself (dequantized to float32 at load; `--quantize` where a setting asks for it:
+                 `specula-gguf` serves the file's own Q4_1 layers and Q8_0 embedding, as `llamacpp-q4_1` does)
     vllm*        a float32 safetensors directory written from the same dequantized tensors, with the tokenizer,
                  chat template and config Specula derives from the file
     llamacpp-*   the GGUF: `q4_1` the file as it is, `f32` and `q8_0` made from it by `llama-quantize
@@ -68,6 +69,7 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
     "specula-eagle3": ("specula", ["--speculative-tokens", str(DRAFTS), "--speculator", "{eagle3}"]),
     "specula-int8": ("specula", ["--quantize", "int8"]),
     "specula-int4": ("specula", ["--quantize", "int4", "--quantize-group-size", "32"]),
+    "specula-gguf": ("specula", ["--quantize", "gguf"]),
     "vllm": ("vllm", []),
     "vllm-ngram": ("vllm", ["--speculative-config", json.dumps(
         {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_lookup_max": 4, "prompt_lookup_min": 1})]),
