@@ -37,7 +37,8 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --no-cache-dir torch==2.13.0 --index-url ${TORCH_INDEX_URL}
 
 # --- The package sources, as pyproject.toml [tool.setuptools.packages.find] lists their roots, plus the files
-# it reads. One stage, so the two images below copy the same tree.
+# it reads; not testing/ (the test helpers, specula_testing, which the server never imports). One stage, so the
+# two images below copy the same tree.
 FROM scratch AS source
 COPY pyproject.toml README.md /src/
 COPY proto /src/proto

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto")]
+sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "testing")]
 
 import torch  # noqa: E402
 
@@ -40,8 +40,8 @@ from specula_server import batch as batch_module  # noqa: E402
 from specula_server.params import SamplingParams  # noqa: E402
 from specula_server.request import StepPlan  # noqa: E402
 from specula_server.sampling import Sampler  # noqa: E402
-from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
-from specula_server.testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
+from specula_testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
+from specula_testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
 
 
 def gather_by_advanced_indexing(cache: torch.Tensor, inputs, name: str) -> torch.Tensor:

@@ -17,12 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto")]
+sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "testing")]
 
 import torch  # noqa: E402
 
 from specula_server.request import StepPlan  # noqa: E402
-from specula_server.testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
+from specula_testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
 
 
 def main() -> None:

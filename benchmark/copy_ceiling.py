@@ -36,7 +36,7 @@ import torch  # noqa: E402
 from specula_server.batch import build_step  # noqa: E402
 from specula_server.request import StepPlan  # noqa: E402
 from specula_server.speculation.drafters import PromptLookupDrafter  # noqa: E402
-from specula_server.testing.worker import generate_alone, load_test_generator, token_ids  # noqa: E402
+from specula_testing.worker import generate_alone, load_test_generator, token_ids  # noqa: E402
 
 
 def oracle_steps(prompt: list[int], answer: list[int], k: int) -> int:

@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto")]
+sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "testing")]
 
 import torch  # noqa: E402
 
@@ -44,7 +44,7 @@ def write_model(out_dir: Path, device: torch.device, shape: dict, seed: int = 0,
     its weights drawn on `device` (drawing 1.1B values on the CPU takes longer than the whole benchmark)."""
     from safetensors.torch import save_file
 
-    from specula_server.testing.tokenizer import build_tokenizer
+    from specula_testing.tokenizer import build_tokenizer
 
     out_dir.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out_dir)  # ids beyond its vocabulary detokenize as nothing; the model's vocabulary is larger
@@ -85,7 +85,7 @@ def prompts(num_streams: int, length: int) -> list[list[int]]:
 
 def run_streams(generator, num_streams: int, args, speculative_tokens: int) -> dict:
     from specula_server.request import StepPlan
-    from specula_server.testing.worker import BlockPool, make_spec
+    from specula_testing.worker import BlockPool, make_spec
 
     pool = BlockPool(generator.kv_cache.num_blocks, generator.block_size)
     specs = [make_spec(i, prompt, pool, max_new_tokens=args.new_tokens, lookahead=args.speculative_tokens,
@@ -135,7 +135,7 @@ def main() -> None:
     device = torch.device("cpu" if args.tiny else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
-    from specula_server.testing.worker import load_test_generator
+    from specula_testing.worker import load_test_generator
 
     shape = TINY if args.tiny else LLAMA_1B
     report: dict = dict(gpu=torch.cuda.get_device_name(0) if device.type == "cuda" else "none (CPU)",

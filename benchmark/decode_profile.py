@@ -31,13 +31,13 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "benchmark")]
+sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "benchmark", "testing")]
 
 import torch  # noqa: E402
 from worker_decode import measure_bandwidth  # noqa: E402
 
 from specula_server.request import StepPlan  # noqa: E402
-from specula_server.testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
+from specula_testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
 
 REAL_MODEL = Path.home() / ".cache" / "specula" / "real-model" / "SmolLM2-135M-Instruct.Q4_1.gguf"
 PRODUCTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")

@@ -22,12 +22,12 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "benchmark")]
+sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "benchmark", "testing")]
 
 import torch  # noqa: E402
 from speculation import DEMO_MODEL, add_run_arguments, paired_ratio, side_by_side, workload_requests  # noqa: E402
 
-from specula_server.testing.worker import load_test_generator  # noqa: E402
+from specula_testing.worker import load_test_generator  # noqa: E402
 
 DEMO_ADAPTERS = REPO / "launcher" / "specula_launcher" / "demo_adapters"
 METHODS = ["off", "ngram", "medusa-chain", "medusa-tree", "mlp-chain", "mlp-tree", "draft-model"]

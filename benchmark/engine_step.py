@@ -1,9 +1,9 @@
 """The worker's plain decode step time, for comparing source trees (e.g. before and after an engine change).
 
-Loads the model in-process from the source tree given (its `server`, `kernels`, `proto`), starts `--concurrency`
-greedy requests of 32 prompt tokens, and times `--steps` decode steps after 10 warm-up steps; prints the median
-step time. It drives either engine API: requests by id (`TextGenerator.step`) or the older cached batches
-(`prefill` / `decode`). Run it once per tree, alternating, on an otherwise idle machine:
+Loads the model in-process from the source tree given (its `server`, `kernels`, `proto`, `testing`), starts
+`--concurrency` greedy requests of 32 prompt tokens, and times `--steps` decode steps after 10 warm-up steps;
+prints the median step time. It drives either engine API: requests by id (`TextGenerator.step`) or the older
+cached batches (`prefill` / `decode`). Run it once per tree, alternating, on an otherwise idle machine:
 
     for tree in /tmp/specula-before .; do python benchmark/engine_step.py --tree $tree --model-dir MODEL; done
 """
@@ -11,6 +11,7 @@ step time. It drives either engine API: requests by id (`TextGenerator.step`) or
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import sys
 import time
@@ -27,10 +28,15 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--quantize", choices=("int8", "int4"), help="weight-only quantization (trees that have it)")
     args = parser.parse_args()
-    sys.path[:0] = [str(args.tree.resolve() / p) for p in ("server", "kernels", "proto")]
+    tree = args.tree.resolve()
+    sys.path[:0] = [str(tree / p) for p in ("server", "kernels", "proto", "testing")]
     import torch
 
-    from specula_server.testing.worker import BlockPool, load_test_generator, make_spec
+    # The test helpers: their own package `specula_testing` (testing/), or, in trees from before they moved out
+    # of the worker's package, `specula_server.testing`.
+    helpers = "specula_testing" if (tree / "testing" / "specula_testing").is_dir() else "specula_server.testing"
+    worker = importlib.import_module(f"{helpers}.worker")
+    BlockPool, load_test_generator, make_spec = worker.BlockPool, worker.load_test_generator, worker.make_spec
 
     torch.set_num_threads(args.threads)
     num_blocks = args.concurrency * 8 + 16

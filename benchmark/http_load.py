@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "router", "launcher")]
+sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "router", "launcher", "testing")]
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
@@ -213,7 +213,7 @@ def main() -> None:
         if url is None:
             model_dir = args.model_dir
             if model_dir is None:
-                from specula_server.testing.models import BENCHMARK_125M, build_tiny_model
+                from specula_testing.models import BENCHMARK_125M, build_tiny_model
 
                 model_dir = build_tiny_model(tmp / "model", "llama", **BENCHMARK_125M)
             port = free_port()

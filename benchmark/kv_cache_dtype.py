@@ -18,14 +18,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "launcher")]
+sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "launcher", "testing")]
 
 import torch  # noqa: E402
 
 from specula_kernels.paged_attention import PagedAttentionInputs, _gather  # noqa: E402
 from specula_launcher.config import DEMO_MODEL_DIR  # noqa: E402
 from specula_server.request import StepPlan  # noqa: E402
-from specula_server.testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
+from specula_testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--threads", type=int, default=1)

@@ -25,14 +25,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto")]
+sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "testing")]
 
 import torch  # noqa: E402
 
 from specula_server.request import StepPlan  # noqa: E402
-from specula_server.testing.adapters import ALL_PROJECTIONS, build_lora_adapter  # noqa: E402
-from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
-from specula_server.testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
+from specula_testing.adapters import ALL_PROJECTIONS, build_lora_adapter  # noqa: E402
+from specula_testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
+from specula_testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
 
 
 def decode_rate(generator, adapter_ids: list[str], prompt_len: int, new_tokens: int, seed: int) -> float:

@@ -24,15 +24,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto")]
+sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "testing")]
 
 import torch  # noqa: E402
 from lora import decode_rate  # noqa: E402 (benchmark/lora.py)
 
 from specula_server.adapters.merge import STRATEGIES, MergeSpec  # noqa: E402
-from specula_server.testing.adapters import ALL_PROJECTIONS, build_lora_adapter  # noqa: E402
-from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
-from specula_server.testing.worker import load_test_generator  # noqa: E402
+from specula_testing.adapters import ALL_PROJECTIONS, build_lora_adapter  # noqa: E402
+from specula_testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
+from specula_testing.worker import load_test_generator  # noqa: E402
 
 
 def timed_load(generator, name: str, merge: MergeSpec | None = None) -> float:

@@ -118,12 +118,12 @@ def prepare_model(model_dir: Path | None, tmp: Path, small_tokenizer: bool) -> P
     nothing, and comparing outputs as text would compare empty strings."""
     if model_dir is not None and (model_dir / "config.json").is_file():
         return model_dir
-    from specula_server.testing.models import BENCHMARK_125M, build_tiny_model
+    from specula_testing.models import BENCHMARK_125M, build_tiny_model
 
     model_dir = build_tiny_model(model_dir or tmp / "model", "llama", **BENCHMARK_125M)
     if not small_tokenizer:
-        from specula_server.testing.code_corpus import read_sources, source_files
-        from specula_server.testing.tokenizer import build_tokenizer
+        from specula_testing.code_corpus import read_sources, source_files
+        from specula_testing.tokenizer import build_tokenizer
 
         start = time.perf_counter()
         size = build_tokenizer(model_dir, vocab_size=BENCHMARK_125M["vocab_size"],

@@ -139,7 +139,7 @@ def main() -> None:
         tmp = Path(tmp_name)
         model_dir = args.model_dir
         if model_dir is None:
-            from specula_server.testing.models import BENCHMARK_125M, build_tiny_model
+            from specula_testing.models import BENCHMARK_125M, build_tiny_model
 
             model_dir = build_tiny_model(tmp / "model", "llama", **BENCHMARK_125M)
         for _ in range(args.rounds):  # alternating, so both modes see the same machine

@@ -12,7 +12,7 @@ perplexity over the first `--windows` windows of `--window-tokens` tokens (every
 scored from the prompt log-probabilities of one prefill), and greedy agreement with float32: how many of the
 first `--agreement-tokens` tokens after a held-out code prompt are identical, up to the first difference.
 
-`accuracy --real-model`: the same on SmolLM2-135M-Instruct's Q4_1 GGUF (`testing/real_model.py`, dequantized to
+`accuracy --real-model`: the same on SmolLM2-135M-Instruct's Q4_1 GGUF (`specula_testing.real_model`, dequantized to
 float32 as served), with int4 at groups of 64 and of 32 (the file's own group), perplexity reported separately
 on an English passage written for the tests (`server/tests/data/held_out_english.txt`, one window) and on the
 held-out standard-library code.
@@ -33,15 +33,15 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto")]
+sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "testing")]
 
 import torch  # noqa: E402
 from worker_decode import measure_bandwidth, time_worker  # noqa: E402
 
 from specula_server.request import StepPlan  # noqa: E402
-from specula_server.testing import code_corpus  # noqa: E402
-from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
-from specula_server.testing.worker import (  # noqa: E402
+from specula_testing import code_corpus  # noqa: E402
+from specula_testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
+from specula_testing.worker import (  # noqa: E402
     BlockPool,
     generate_alone,
     load_test_generator,
@@ -162,7 +162,7 @@ def run_accuracy(args) -> dict:
     torch.set_num_threads(args.threads)
     if args.real_model:
         from specula_server.hub import resolve_model_dir
-        from specula_server.testing.real_model import fetch_smollm2
+        from specula_testing.real_model import fetch_smollm2
 
         model_id = fetch_smollm2()
         model_dir = resolve_model_dir(str(model_id))

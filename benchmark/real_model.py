@@ -1,7 +1,7 @@
 """Specula against vLLM's CPU build and llama.cpp's `llama-server` on a real model, SmolLM2-135M-Instruct, over
 OpenAI's chat completions route, side by side.
 
-The model is the Q4_1 GGUF of `specula_server.testing.real_model`. Each server serves the same weights:
+The model is the Q4_1 GGUF of `specula_testing.real_model`. Each server serves the same weights:
 
     specula*     the GGUF itself (dequantized to float32 at load; `--quantize` where a setting asks for it:
                  `specula-gguf` serves the file's own Q4_1 layers and Q8_0 embedding, as `llamacpp-q4_1` does)
@@ -398,7 +398,7 @@ def main() -> None:
     parser.add_argument("--training-prompts", type=int, default=160, help="training prompts of each kind")
     args = parser.parse_args()
 
-    from specula_server.testing.real_model import fetch_smollm2
+    from specula_testing.real_model import fetch_smollm2
 
     gguf = fetch_smollm2()
     if args.write_training_prompts:

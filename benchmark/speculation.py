@@ -35,16 +35,16 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto")]
+sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "testing")]
 
 import torch  # noqa: E402
 
 from specula_server.params import SamplingParams  # noqa: E402
 from specula_server.request import StepPlan  # noqa: E402
-from specula_server.testing import code_corpus  # noqa: E402
-from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
-from specula_server.testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
 from specula_server.warmup import calibrate_step_cost  # noqa: E402
+from specula_testing import code_corpus  # noqa: E402
+from specula_testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
+from specula_testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
 
 DEMO_MODEL = REPO / "launcher" / "specula_launcher" / "demo_model"
 

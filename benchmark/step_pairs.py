@@ -27,8 +27,8 @@ import speculation as bench  # noqa: E402  (puts the repo's packages on the path
 import torch  # noqa: E402
 
 from specula_server.request import StepPlan  # noqa: E402
-from specula_server.testing.worker import load_test_generator  # noqa: E402
 from specula_server.warmup import calibrate_step_cost  # noqa: E402
+from specula_testing.worker import load_test_generator  # noqa: E402
 
 
 def measure(generators: dict, requests: list[dict], repeats: int, new_tokens: int, lookahead: int) -> dict:

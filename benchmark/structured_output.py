@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "router", "benchmark")]
+sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "router", "benchmark", "testing")]
 
 import llguidance  # noqa: E402
 import torch  # noqa: E402
@@ -38,10 +38,10 @@ from structured_output_grammars import EXTRACTION_SCHEMA, FREE_TEXT_SCHEMA, JSON
 
 from specula_server.params import SamplingParams  # noqa: E402
 from specula_server.request import StepPlan  # noqa: E402
-from specula_server.testing.code_corpus import read_sources, source_files  # noqa: E402
-from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
-from specula_server.testing.tokenizer import build_tokenizer  # noqa: E402
-from specula_server.testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
+from specula_testing.code_corpus import read_sources, source_files  # noqa: E402
+from specula_testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
+from specula_testing.tokenizer import build_tokenizer  # noqa: E402
+from specula_testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
 
 DEMO = REPO / "launcher" / "specula_launcher" / "demo_model"
 JSON_OPTIONS = {"whitespace_flexible": False}  # what the router compiles schemas with
@@ -60,7 +60,7 @@ def grammars_to_compile() -> dict[str, str]:
            for name, schema in JSON_SCHEMAS.items()}
     out.update((name, llguidance.LLMatcher.grammar_from_regex(regex)) for name, regex in REGEXES.items())
     from specula_router.grammar import HERMES, tool_call_grammar
-    from specula_server.testing.chat_templates import WEATHER_TOOL
+    from specula_testing.chat_templates import WEATHER_TOOL
 
     out["tool call (Hermes, required)"] = tool_call_grammar([WEATHER_TOOL], "required", HERMES).text
     return out

@@ -51,9 +51,9 @@ from speculation import (  # noqa: E402
 
 from specula_server.speculation.speculator import Speculator  # noqa: E402
 from specula_server.speculation.suffix import SuffixDrafter  # noqa: E402
-from specula_server.testing import code_corpus  # noqa: E402
-from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec  # noqa: E402
 from specula_server.warmup import calibrate_step_cost  # noqa: E402
+from specula_testing import code_corpus  # noqa: E402
+from specula_testing.worker import BlockPool, generate_alone, load_test_generator, make_spec  # noqa: E402
 
 SETTINGS = ("off", "ngram", "suffix", "both")
 

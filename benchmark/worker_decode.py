@@ -21,12 +21,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto")]
+sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "testing")]
 
 import torch  # noqa: E402
 
-from specula_server.testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
-from specula_server.testing.worker import (  # noqa: E402
+from specula_testing.models import BENCHMARK_125M, build_tiny_model  # noqa: E402
+from specula_testing.worker import (  # noqa: E402
     BlockPool,
     generate_alone,
     load_test_generator,

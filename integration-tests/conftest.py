@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 from stack import MAX_BATCH_SIZE, MAX_POSITIONS, PAYLOAD_LIMIT, LauncherProcess, started, stopped
 
-from specula_server.testing import clients
-from specula_server.testing.models import build_tiny_model
+from specula_testing import clients
+from specula_testing.models import build_tiny_model
 
 CLIENT_SCRIPT_TIMEOUT_S = 120
 

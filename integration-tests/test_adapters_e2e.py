@@ -9,7 +9,7 @@ import httpx
 import pytest
 from wire import generate, metric
 
-from specula_server.testing.adapters import build_lora_adapter, build_medusa_adapter
+from specula_testing.adapters import build_lora_adapter, build_medusa_adapter
 
 PROMPT = "def add(a, b):\n    return a + b\n"
 

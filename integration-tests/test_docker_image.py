@@ -131,8 +131,8 @@ def image(request, engine) -> str:
 def data_dir(tmp_path_factory) -> Path:
     """The /data volume: a Hub cache holding HUB_REPO (as huggingface_hub lays one out) and that model as a GGUF
     file, owned by the image's user as docs/deployment.md says."""
-    from specula_server.testing.gguf_files import write_gguf
-    from specula_server.testing.models import build_tiny_model
+    from specula_testing.gguf_files import write_gguf
+    from specula_testing.models import build_tiny_model
 
     data = tmp_path_factory.mktemp("data")
     model = build_tiny_model(tmp_path_factory.mktemp("model") / "llama", "llama", max_position_embeddings=2048)

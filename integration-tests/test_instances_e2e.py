@@ -37,7 +37,7 @@ from stack import (
 )
 from wire import REQUEST_TIMEOUT_S, generate, wait_until
 
-from specula_server.testing.models import build_tiny_model
+from specula_testing.models import build_tiny_model
 
 PROMPT = "def main():\n    return"
 NUM_TOKENS = 12

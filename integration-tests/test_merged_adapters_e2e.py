@@ -7,7 +7,7 @@ import httpx
 import pytest
 from wire import generate, generate_stream, metric
 
-from specula_server.testing.adapters import build_lora_adapter
+from specula_testing.adapters import build_lora_adapter
 
 PROMPT = "def add(a, b):\n    return a + b\n"
 MERGE = {"ids": ["code-lora", "style-lora"], "weights": [0.6, 0.8], "merge_strategy": "ties", "density": 0.5,

@@ -16,9 +16,9 @@ import transformers
 from stack import MAX_POSITIONS
 from wire import REQUEST_TIMEOUT_S, generate, metric
 
-from specula_server.testing.adapters import build_lora_adapter
-from specula_server.testing.chat_templates import TEMPLATES, WEATHER_TOOL, add_chat_template
-from specula_server.testing.models import build_tiny_model
+from specula_testing.adapters import build_lora_adapter
+from specula_testing.chat_templates import TEMPLATES, WEATHER_TOOL, add_chat_template
+from specula_testing.models import build_tiny_model
 
 PROMPT = "def fibonacci(n):"
 MESSAGES = [{"role": "user", "content": PROMPT}]

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from stack import LauncherProcess, started, stopped
 
-from specula_server.testing.real_model import fetch_smollm2
+from specula_testing.real_model import fetch_smollm2
 
 pytestmark = pytest.mark.real_model
 

@@ -14,8 +14,8 @@ import pytest
 from stack import MAX_POSITIONS
 from wire import REQUEST_TIMEOUT_S, metric, sse_events
 
-from specula_server.testing.chat_templates import TEMPLATES, add_chat_template
-from specula_server.testing.models import build_tiny_model
+from specula_testing.chat_templates import TEMPLATES, add_chat_template
+from specula_testing.models import build_tiny_model
 
 SCHEMA = {
     "type": "object",

@@ -13,7 +13,7 @@
 Both are trained with `peft` on the demo model loaded by transformers in float32 (LoRA rank 8 on every
 projection, q k v o gate up down) and written with `save_pretrained`, in PEFT's own layout
 (`adapter_config.json` + `adapter_model.safetensors`). Training data come from the training files of
-`specula_server.testing.code_corpus` only; the measured prompts from the held-out files. Decoding is greedy.
+`specula_testing.code_corpus` only; the measured prompts from the held-out files. Decoding is greedy.
 
     python scripts/build_demo_loras.py                          # both, into launcher/.../demo_adapters
     python scripts/build_demo_loras.py --only camel-case --steps 20 --out /tmp/loras   # a quick try
@@ -35,12 +35,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "server"), str(ROOT / "scripts")]  # runnable from a checkout without installing
+sys.path[:0] = [str(ROOT / p) for p in ("server", "testing", "scripts")]  # runnable from a checkout without installing
 
 import torch  # noqa: E402
 from build_demo_model import sample_windows, token_stream  # noqa: E402  (the demo model's own training data)
 
-from specula_server.testing import code_corpus  # noqa: E402
+from specula_testing import code_corpus  # noqa: E402
 
 DEMO_MODEL = ROOT / "launcher" / "specula_launcher" / "demo_model"
 DEFAULT_OUT = ROOT / "launcher" / "specula_launcher" / "demo_adapters"

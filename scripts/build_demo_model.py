@@ -3,7 +3,7 @@
 
 A small Llama-architecture model trained from scratch on the Python standard library's own source code (so it
 needs no download) and on code-editing tasks made from it (a block of code, "# after: rename X to Y", the
-block again with the rename applied; see `specula_server.testing.code_corpus`). It learns to write
+block again with the rename applied; see `specula_testing.code_corpus`). It learns to write
 Python-looking code and, above all, to copy and edit code it was given, which is what prompt lookup and the
 other drafters speed up. Files are split by a hash of their path; one in 16 is held out for benchmarks.
 
@@ -42,12 +42,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "server"))  # runnable from a checkout without installing
+sys.path[:0] = [str(ROOT / "server"), str(ROOT / "testing")]  # runnable from a checkout without installing
 
 import torch  # noqa: E402
 
-from specula_server.testing import code_corpus  # noqa: E402
-from specula_server.testing.tokenizer import BOS_ID, EOS_ID, MULTILINGUAL_TEXT, build_tokenizer  # noqa: E402
+from specula_testing import code_corpus  # noqa: E402
+from specula_testing.tokenizer import BOS_ID, EOS_ID, MULTILINGUAL_TEXT, build_tokenizer  # noqa: E402
 
 DEFAULT_OUT = ROOT / "launcher" / "specula_launcher" / "demo_model"
 DRAFT_OUT = ROOT / "launcher" / "specula_launcher" / "demo_adapters" / "draft-model"
@@ -469,7 +469,7 @@ def measure_draft(target_dir: Path, draft_dir: Path, num_prompts: int = 16, max_
     tokens must be the same)."""
     from tokenizers import Tokenizer
 
-    from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
+    from specula_testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
 
     tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
     prompts = [tokenizer.encode(e.prompt).ids for e in code_corpus.held_out_edits(num_prompts, seed=5)]

@@ -2,7 +2,7 @@
 """Trains the demo model's speculators with `specula-train`: a Medusa adapter and an MLP speculator.
 
 Prompts are code-editing tasks and code beginnings from the training files of the demo model's corpus
-(`specula_server.testing.code_corpus`; the held-out files stay unseen, so the benchmarks measure held-out
+(`specula_testing.code_corpus`; the held-out files stay unseen, so the benchmarks measure held-out
 acceptance). The demo model continues them greedily and the speculators learn those continuations.
 
     python scripts/build_demo_speculators.py                       # both, into launcher/.../demo_adapters
@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "server"))  # runnable from a checkout without installing
+sys.path[:0] = [str(ROOT / "server"), str(ROOT / "testing")]  # runnable from a checkout without installing
 
-from specula_server.testing import code_corpus  # noqa: E402
+from specula_testing import code_corpus  # noqa: E402
 
 DEMO_MODEL = ROOT / "launcher" / "specula_launcher" / "demo_model"
 DEFAULT_OUT = ROOT / "launcher" / "specula_launcher" / "demo_adapters"

@@ -26,7 +26,7 @@ for arg in "$@"; do
     esac
 done
 export ROOT OUT WHEELS PYTHON
-export PYTHONPATH="$ROOT/server:$ROOT/kernels:$ROOT/proto:$ROOT/router:$ROOT/launcher${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$ROOT/server:$ROOT/kernels:$ROOT/proto:$ROOT/router:$ROOT/launcher:$ROOT/testing${PYTHONPATH:+:$PYTHONPATH}"
 
 # Seconds per step: 20 + 75 + 45 + 210 + 90 = 440. The benchmark also gets what the earlier steps left of
 # those 440 s (it writes its results after every configuration, so a limit leaves the ones that ran).
@@ -92,7 +92,7 @@ step_imports() {
 import importlib
 modules = ["specula_kernels.paged_attention", "specula_kernels.triton_paged_attention", "specula_kernels.sgmv",
            "specula_server.server", "specula_server.service", "specula_server.cli", "specula_router.server",
-           "specula_router.cli", "specula_launcher.cli"]
+           "specula_router.cli", "specula_launcher.cli", "specula_testing.worker"]
 failed = 0
 for name in modules:
     try:

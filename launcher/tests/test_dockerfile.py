@@ -23,6 +23,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGES = ("cpu", "cuda")  # the targets users build; the last stage is the default
+# Package roots the images leave out: the test helpers (specula_testing), which the server never imports.
+TEST_ONLY_ROOTS = ("testing",)
 
 
 def instructions(text: str) -> list[tuple[str, str]]:
@@ -164,7 +166,10 @@ def lint(text: str, dockerignore: str) -> list[str]:
                 elif dockerignore_excludes(source.strip("/"), patterns):
                     problems.append(f"COPY {source}: excluded from the build context by .dockerignore")
     for root in package_roots():
-        if root not in copied:
+        if root in TEST_ONLY_ROOTS:
+            if root in copied:
+                problems.append(f"package root {root!r} holds test helpers only: it stays out of the image")
+        elif root not in copied:
             problems.append(f"package root {root!r} of pyproject.toml is not copied into the image")
     return problems
 
@@ -184,6 +189,7 @@ def test_the_dockerfile_passes_the_lint():
     ("COPY router /src/router", "COPY router/tests /src/router", "excluded from the build context"),
     ("COPY router /src/router", "COPY routers /src/router", "no such file"),
     ("COPY kernels /src/kernels", "", "package root 'kernels'"),
+    ("COPY launcher /src/launcher", "COPY launcher /src/launcher\nCOPY testing /src/testing", "test helpers only"),
     ('ENTRYPOINT ["specula-launcher"]', "ENTRYPOINT specula-launcher", "exec (JSON) form"),
     ('CMD ["python", "-c", "import os', 'CMD python -c "import os', "HEALTHCHECK CMD must be in exec"),
 ])

@@ -25,8 +25,8 @@ from specula_router.scheduler import Scheduler, SchedulerConfig
 from specula_router.server import RouterState, create_app
 from specula_router.validation import Validator
 from specula_router.validation_limits import ValidationLimits
-from specula_server.testing.chat_templates import CHATML
-from specula_server.testing.tokenizer import build_tokenizer
+from specula_testing.chat_templates import CHATML
+from specula_testing.tokenizer import build_tokenizer
 
 KEY = "s3cret-key-0123"
 MODEL = "org/base-model"

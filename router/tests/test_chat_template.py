@@ -19,8 +19,8 @@ from specula_router.chat_template import ChatTemplate, ChatTemplateError, load_c
 from specula_router.schemas import GenerateParameters
 from specula_router.validation import Validator
 from specula_router.validation_limits import ValidationLimits
-from specula_server.testing.chat_templates import TEMPLATES, WEATHER_TOOL, add_chat_template
-from specula_server.testing.tokenizer import build_tokenizer
+from specula_testing.chat_templates import TEMPLATES, WEATHER_TOOL, add_chat_template
+from specula_testing.tokenizer import build_tokenizer
 
 CONVERSATIONS = {
     "single": [{"role": "user", "content": "Write a haiku about caching. ✨"}],

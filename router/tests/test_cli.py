@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from specula_proto import generate_pb2 as pb
 from specula_router import cli, server
 from specula_router.client import ShardedClient
-from specula_server.testing.tokenizer import build_tokenizer
+from specula_testing.tokenizer import build_tokenizer
 
 
 def parse(args: list[str], env: dict[str, str] | None = None, monkeypatch: pytest.MonkeyPatch | None = None) -> dict:

@@ -31,13 +31,13 @@ from specula_router.server import RouterState, create_app
 from specula_router.tool_calls import parse_tool_calls
 from specula_router.validation import Validator
 from specula_router.validation_limits import ValidationError, ValidationLimits
-from specula_server.testing.chat_templates import (
+from specula_testing.chat_templates import (
     CHATML,
     MISTRAL,
     QWEN_TOOLS,
     WEATHER_TOOL,
 )
-from specula_server.testing.tokenizer import EOS_ID, build_tokenizer
+from specula_testing.tokenizer import EOS_ID, build_tokenizer
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}

@@ -22,7 +22,7 @@ from specula_router.scheduler import Scheduler, SchedulerConfig
 from specula_router.server import RouterState
 from specula_router.validation import Validator
 from specula_router.validation_limits import ValidationLimits
-from specula_server.testing.tokenizer import build_tokenizer
+from specula_testing.tokenizer import build_tokenizer
 
 LIMITS = ValidationLimits(max_input_tokens=100, max_total_tokens=200, max_speculative_tokens=2)
 

@@ -18,7 +18,7 @@ from specula_router.scheduler import Scheduler, SchedulerConfig
 from specula_router.server import RouterState, create_app
 from specula_router.validation import Validator
 from specula_router.validation_limits import ValidationLimits
-from specula_server.testing.tokenizer import build_tokenizer
+from specula_testing.tokenizer import build_tokenizer
 
 
 def _free_port() -> int:

@@ -26,14 +26,14 @@ from specula_router.scheduler import Scheduler, SchedulerConfig
 from specula_router.server import RouterState, create_app
 from specula_router.validation import Validator
 from specula_router.validation_limits import ValidationLimits
-from specula_server.testing.chat_templates import (
+from specula_testing.chat_templates import (
     CHATML,
     MISTRAL,
     QWEN_TOOLS,
     WEATHER_TOOL,
     add_chat_template,
 )
-from specula_server.testing.tokenizer import build_tokenizer
+from specula_testing.tokenizer import build_tokenizer
 
 MODEL = "org/base-model"
 CHAT = [{"role": "user", "content": "hello"}]

@@ -24,8 +24,8 @@ from specula_router.schemas import GenerateParameters
 from specula_router.server import create_app
 from specula_router.validation_limits import ValidationError
 from specula_router.wire import FLOAT32_MAX, FLOAT32_MIN_NORMAL
-from specula_server.testing.chat_templates import LLAMA3
-from specula_server.testing.tokenizer import build_tokenizer
+from specula_testing.chat_templates import LLAMA3
+from specula_testing.tokenizer import build_tokenizer
 
 SCHEMATHESIS_CONFIG = Path(__file__).with_name("schemathesis.toml")
 

@@ -2,7 +2,7 @@
 
 The client checks run the real `text-generation` and `lorax-client` packages in their own virtual
 environment (they pin other pydantic versions than ours), in a subprocess: `.venv-clients` at the repository
-root, set up on first use (`specula_server.testing.clients`), or $SPECULA_CLIENTS_PYTHON.
+root, set up on first use (`specula_testing.clients`), or $SPECULA_CLIENTS_PYTHON.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from specula_router.response_schemas import (
 from specula_router.schemas import CompatGenerateRequest, GenerateParameters, GenerateRequest, TokenizeRequest
 from specula_router.validation import Validator
 from specula_router.validation_limits import ValidationLimits
-from specula_server.testing import clients
-from specula_server.testing.tokenizer import build_tokenizer
+from specula_testing import clients
+from specula_testing.tokenizer import build_tokenizer
 
 
 def run_clients(script: str, payload: Any = None) -> Any:

@@ -15,7 +15,7 @@ from specula_router.schemas import GenerateParameters
 from specula_router.validation import Validator
 from specula_router.validation_limits import ValidationError, ValidationLimits
 from specula_router.wire import FLOAT32_BELOW_ONE, FLOAT32_MAX, FLOAT32_MIN_NORMAL
-from specula_server.testing.tokenizer import BOS_ID, build_tokenizer
+from specula_testing.tokenizer import BOS_ID, build_tokenizer
 
 PROMPT = "def hello(name):\n    return name"
 

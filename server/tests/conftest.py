@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from specula_server.testing.gguf_files import BLOCK_TYPES, K_TYPES, write_gguf
-from specula_server.testing.models import build_tiny_model
+from specula_testing.gguf_files import BLOCK_TYPES, K_TYPES, write_gguf
+from specula_testing.models import build_tiny_model
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -21,7 +21,7 @@ from specula_server.adapters import (
 )
 from specula_server.adapters.lora import COLUMN_PARALLEL, PROJECTIONS
 from specula_server.models.config import ModelConfig
-from specula_server.testing.adapters import medusa_tensors as random_medusa_tensors
+from specula_testing.adapters import medusa_tensors as random_medusa_tensors
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 SECRET = "hf_secret_token_never_shown"

@@ -13,7 +13,7 @@ import torch
 from specula_server.batch import _single_token_step, _spans_step
 from specula_server.params import FinishReason, SamplingParams
 from specula_server.request import RequestUpdate
-from specula_server.testing.worker import (
+from specula_testing.worker import (
     BlockPool,
     generate_alone,
     load_test_generator,

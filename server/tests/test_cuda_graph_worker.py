@@ -17,7 +17,7 @@ from specula_kernels import cuda_graphs
 from specula_kernels.cuda_graphs import GraphBucket, GraphCaptureError
 from specula_server.generator import TextGenerator
 from specula_server.server import parse_cuda_graphs
-from specula_server.testing.worker import BlockPool, load_test_generator, make_spec, run_steps, token_ids
+from specula_testing.worker import BlockPool, load_test_generator, make_spec, run_steps, token_ids
 
 # Prompts with repetition, so prompt lookup finds drafts (as in test_speculation.py).
 PROMPTS = [

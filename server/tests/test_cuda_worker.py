@@ -20,7 +20,7 @@ import torch
 
 from specula_kernels import paged_attention as paged_attention_module
 from specula_kernels import triton_paged_attention
-from specula_server.testing.worker import (
+from specula_testing.worker import (
     BlockPool,
     assert_same_greedy_output,
     generate_alone,

@@ -12,8 +12,8 @@ import torch
 import transformers
 from test_model_parity import reference_greedy
 
-from specula_server.testing import code_corpus
-from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
+from specula_testing import code_corpus
+from specula_testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_MODEL = REPO / "launcher" / "specula_launcher" / "demo_model"

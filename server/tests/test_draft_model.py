@@ -23,9 +23,9 @@ from specula_server.models.config import ModelConfig
 from specula_server.params import FinishReason, SamplingParams
 from specula_server.speculation.draft_model import DraftModelDrafter
 from specula_server.speculation.verify import Verdict
-from specula_server.testing.adapters import build_medusa_adapter
-from specula_server.testing.models import build_tiny_model
-from specula_server.testing.worker import (
+from specula_testing.adapters import build_medusa_adapter
+from specula_testing.models import build_tiny_model
+from specula_testing.worker import (
     BlockPool,
     assert_same_greedy_output,
     generate_alone,

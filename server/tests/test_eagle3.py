@@ -27,12 +27,12 @@ from specula_server.params import SamplingParams
 from specula_server.speculation import eagle3_drafter
 from specula_server.speculation.eagle3 import Eagle3Error, load_eagle3
 from specula_server.speculation.eagle3_drafter import Eagle3Drafter
-from specula_server.testing.eagle3 import (
+from specula_testing.eagle3 import (
     SPECULATORS_SCRIPT,
     build_eagle3,
     build_echo_eagle3,
 )
-from specula_server.testing.worker import (
+from specula_testing.worker import (
     BlockPool,
     assert_same_greedy_output,
     generate_alone,
@@ -453,7 +453,7 @@ def test_adaptive_mode_and_kv_budget(llama_dir, checkpoints, plain):
 
 def test_greedy_output_is_identical_under_lora(llama_dir, checkpoints, tmp_path):
     """A request with a LoRA adapter: the target's states the draft layer reads are the adapted model's."""
-    from specula_server.testing.adapters import build_lora_adapter
+    from specula_testing.adapters import build_lora_adapter
 
     build_lora_adapter(llama_dir, tmp_path / "lora")
     plain_gen = load_test_generator(llama_dir, adapter_dirs=(tmp_path,))

@@ -7,8 +7,8 @@ import pytest
 from specula_proto import generate_pb2 as pb
 from specula_server.params import FinishReason, SamplingParams
 from specula_server.service import request_from_pb
-from specula_server.testing.models import build_tiny_model
-from specula_server.testing.worker import (
+from specula_testing.models import build_tiny_model
+from specula_testing.worker import (
     BlockPool,
     generate_alone,
     load_test_generator,

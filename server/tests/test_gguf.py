@@ -17,10 +17,10 @@ from specula_server import hub
 from specula_server.gguf_checkpoint import GGUFCheckpoint, GGUFError, GGUFTensors
 from specula_server.gguf_metadata import model_directory
 from specula_server.models.config import ModelConfig
-from specula_server.testing.gguf_files import BLOCK_TYPES, K_TYPES, write_gguf
-from specula_server.testing.models import build_tiny_model
-from specula_server.testing.tokenizer import MULTILINGUAL_TEXT, training_corpus
-from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
+from specula_testing.gguf_files import BLOCK_TYPES, K_TYPES, write_gguf
+from specula_testing.models import build_tiny_model
+from specula_testing.tokenizer import MULTILINGUAL_TEXT, training_corpus
+from specula_testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
 
 
 def transformers_state_dict(gguf_file: Path) -> dict[str, torch.Tensor]:

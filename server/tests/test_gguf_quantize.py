@@ -19,9 +19,9 @@ from specula_kernels.decode_layers import NativeStack
 from specula_server.gguf_checkpoint import GGUFTensors
 from specula_server.layers.quantization import DenseLinear, GGUFLinear
 from specula_server.server import ServerConfig
-from specula_server.testing.gguf_files import write_gguf
-from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
 from specula_server.weights import Weights
+from specula_testing.gguf_files import write_gguf
+from specula_testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
 

@@ -21,8 +21,8 @@ from specula_server.grammar import GrammarCompiler, MaskJob, apply_masks, mask_w
 from specula_server.params import SamplingParams
 from specula_server.speculation.drafters import Draft
 from specula_server.speculation.speculator import GRAMMAR_METHOD, within_grammar
-from specula_server.testing.adapters import build_medusa_adapter
-from specula_server.testing.worker import (
+from specula_testing.adapters import build_medusa_adapter
+from specula_testing.worker import (
     BlockPool,
     generate_alone,
     load_test_generator,
@@ -376,7 +376,7 @@ def test_sampled_drafts_of_a_draft_model_follow_the_schema(more_drafters):
 def test_adapters_and_grammars_share_a_batch(llama_dir, tmp_path_factory):
     """Constrained and free requests, with a LoRA adapter and without, in one batch, speculating: each gets
     exactly the tokens it gets in the same batch without speculation, and the constrained ones validate."""
-    from specula_server.testing.adapters import build_lora_adapter
+    from specula_testing.adapters import build_lora_adapter
 
     root = tmp_path_factory.mktemp("grammar-lora")
     build_lora_adapter(llama_dir, root / "code", rank=4, std=0.2)

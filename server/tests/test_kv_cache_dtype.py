@@ -11,7 +11,7 @@ import torch
 
 from specula_server.kv_cache import KV_CACHE_DTYPES, KVCache, parse_kv_cache_dtype
 from specula_server.server import ServerConfig
-from specula_server.testing.worker import (
+from specula_testing.worker import (
     BlockPool,
     generate_alone,
     load_test_generator,

@@ -16,7 +16,7 @@ from specula_server.generator import InvalidRequestError
 from specula_server.params import SamplingParams
 from specula_server.sampling import Sampler, SamplingRow
 from specula_server.service import request_from_pb
-from specula_server.testing.worker import (
+from specula_testing.worker import (
     BlockPool,
     assert_same_greedy_output,
     generate_alone,

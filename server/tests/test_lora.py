@@ -9,8 +9,8 @@ from test_tensor_parallel import spawn_ranks
 
 from specula_server.adapters.sources import AdapterError
 from specula_server.params import SamplingParams
-from specula_server.testing.adapters import build_lora_adapter, load_peft_reference
-from specula_server.testing.worker import (
+from specula_testing.adapters import build_lora_adapter, load_peft_reference
+from specula_testing.worker import (
     BlockPool,
     generate_alone,
     load_test_generator,

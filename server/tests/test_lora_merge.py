@@ -20,8 +20,8 @@ from specula_server.adapters.lora import read_lora
 from specula_server.adapters.merge import MergeSpec, combine, merge_lora
 from specula_server.adapters.sources import AdapterError
 from specula_server.models.config import ModelConfig
-from specula_server.testing.adapters import build_lora_adapter, build_medusa_adapter
-from specula_server.testing.worker import (
+from specula_testing.adapters import build_lora_adapter, build_medusa_adapter
+from specula_testing.worker import (
     BlockPool,
     generate_alone,
     load_test_generator,
@@ -86,7 +86,7 @@ def peft_merged(llama_dir, root, spec: MergeSpec):
 def references(llama_dir, adapters):
     import transformers
 
-    from specula_server.testing.adapters import load_peft_reference
+    from specula_testing.adapters import load_peft_reference
 
     models = {"": transformers.AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval(),
               "m1": load_peft_reference(llama_dir, adapters / "m1"),

@@ -9,8 +9,8 @@ from test_speculation import PROMPTS, memory_bound_costs
 from specula_server.params import SamplingParams
 from specula_server.speculation.drafters import Draft
 from specula_server.speculation.medusa import best_first_tree
-from specula_server.testing.adapters import build_medusa_adapter
-from specula_server.testing.worker import (
+from specula_testing.adapters import build_medusa_adapter
+from specula_testing.worker import (
     BlockPool,
     assert_same_greedy_output,
     generate_alone,
@@ -163,7 +163,7 @@ def test_medusa_sampling_is_reproducible_with_a_seed(llama_dir, medusa_dir):
 
 
 def test_speculator_must_be_medusa_heads(llama_dir, tmp_path):
-    from specula_server.testing.adapters import build_lora_adapter
+    from specula_testing.adapters import build_lora_adapter
 
     lora = build_lora_adapter(llama_dir, tmp_path / "lora", rank=4)
     with pytest.raises(ValueError, match="--speculator .*: a lora adapter"):

@@ -24,8 +24,8 @@ from specula_server.speculation.mlp_speculator import (
     find_mlp_speculator,
     load_mlp_speculator,
 )
-from specula_server.testing.adapters import build_medusa_adapter, build_mlp_speculator
-from specula_server.testing.worker import (
+from specula_testing.adapters import build_medusa_adapter, build_mlp_speculator
+from specula_testing.worker import (
     BlockPool,
     assert_same_greedy_output,
     generate_alone,

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from specula_kernels import native
-from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, step, token_ids
+from specula_testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, step, token_ids
 
 PROMPTS = [
     [1, 50, 60, 70, 80, 90, 100],

@@ -9,7 +9,7 @@ import pytest
 from specula_kernels import native
 from specula_kernels.decode_layers import NativeStack
 from specula_server.params import SamplingParams
-from specula_server.testing.worker import BlockPool, load_test_generator, make_spec, run_steps
+from specula_testing.worker import BlockPool, load_test_generator, make_spec, run_steps
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
 

@@ -23,8 +23,8 @@ from specula_server.params import SamplingParams
 from specula_server.request import StepOutput
 from specula_server.service import TextGenerationService, generation_to_pb
 from specula_server.speculation.drafters import PromptLookupDrafter
-from specula_server.testing.adapters import build_lora_adapter, medusa_tensors
-from specula_server.testing.worker import BlockPool, load_test_generator, make_spec, step
+from specula_testing.adapters import build_lora_adapter, medusa_tensors
+from specula_testing.worker import BlockPool, load_test_generator, make_spec, step
 
 SHORT, MEDIUM, LONG = [1, 50, 60, 70, 80, 90, 100], [1, 7, 8, 7, 8, 7, 8, 7, 8, 7, 8], [1] + list(range(100, 140))
 NUM_NEW = 12

@@ -13,8 +13,8 @@ import pytest
 
 from specula_server.params import SamplingParams
 from specula_server.request import RequestUpdate
-from specula_server.testing.adapters import build_lora_adapter
-from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, run_steps, step
+from specula_testing.adapters import build_lora_adapter
+from specula_testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, run_steps, step
 
 BLOCK = 16
 PREFIX = [1] + [(7 * i) % 200 + 20 for i in range(44)]  # 45 tokens: two whole blocks and a part of one

@@ -34,12 +34,12 @@ from specula_server.layers.quantization import (
 )
 from specula_server.server import ServerConfig
 from specula_server.service import TextGenerationService, WorkerInfo
-from specula_server.testing.adapters import (
+from specula_testing.adapters import (
     build_lora_adapter,
     build_medusa_adapter,
     load_peft_reference,
 )
-from specula_server.testing.worker import (
+from specula_testing.worker import (
     BlockPool,
     assert_same_greedy_output,
     generate_alone,

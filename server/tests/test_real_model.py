@@ -1,4 +1,4 @@
-"""The real-model tier: SmolLM2-135M-Instruct (a Q4_1 GGUF from the package index, `testing.real_model`).
+"""The real-model tier: SmolLM2-135M-Instruct (a Q4_1 GGUF from the package index, `specula_testing.real_model`).
 
 Served output against transformers loading the same GGUF, chat prompts against `apply_chat_template`, three
 shards against one, speculation against none, and `--quantize` against the float model on text that is in no
@@ -20,8 +20,9 @@ from tokenizers import pre_tokenizers
 from specula_router.chat_template import load_chat_template
 from specula_server.hub import resolve_model_dir
 from specula_server.params import SamplingParams
-from specula_server.testing.real_model import fetch_smollm2
-from specula_server.testing.worker import (
+from specula_server.tokens import load_tokenizer
+from specula_testing.real_model import fetch_smollm2
+from specula_testing.worker import (
     BlockPool,
     assert_same_greedy_output,
     generate_alone,
@@ -30,7 +31,6 @@ from specula_server.testing.worker import (
     step,
     token_ids,
 )
-from specula_server.tokens import load_tokenizer
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 

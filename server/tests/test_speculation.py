@@ -18,7 +18,7 @@ from specula_server.speculation.controller import (
     drafting_bar,
 )
 from specula_server.speculation.drafters import Draft, PromptLookupDrafter
-from specula_server.testing.worker import (
+from specula_testing.worker import (
     BlockPool,
     generate_alone,
     load_test_generator,
@@ -27,7 +27,7 @@ from specula_server.testing.worker import (
     token_ids,
     token_texts,
 )
-from specula_server.testing.worker import step as one_step
+from specula_testing.worker import step as one_step
 
 # Prompts with repetition, so prompt lookup finds drafts; the random model also tends to loop, which it copies.
 PROMPTS = [

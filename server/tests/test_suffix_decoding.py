@@ -8,7 +8,7 @@ from test_speculation import PROMPTS, chi_square_p_value, sample_prefixes
 
 from specula_server.params import SamplingParams
 from specula_server.speculation import suffix_native
-from specula_server.testing.worker import (
+from specula_testing.worker import (
     BlockPool,
     assert_same_greedy_output,
     generate_alone,

@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from specula_server.params import SamplingParams
-from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
+from specula_testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
 
 PROMPTS = [[1, 50, 60, 70, 80, 90, 100], [1, 7, 8, 7, 8, 7], [1] + list(range(100, 140))]
 SAMPLED = SamplingParams(do_sample=True, temperature=0.8, top_p=0.9, seed=99)

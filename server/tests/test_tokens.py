@@ -9,9 +9,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from specula_server.params import FinishReason, StoppingParams
-from specula_server.testing import build_tokenizer
-from specula_server.testing.tokenizer import BOS_ID, EOS_ID, KINDS, MULTILINGUAL_TEXT
 from specula_server.tokens import IncrementalDetokenizer, StopChecker, eos_token_ids, load_tokenizer
+from specula_testing import build_tokenizer
+from specula_testing.tokenizer import BOS_ID, EOS_ID, KINDS, MULTILINGUAL_TEXT
 
 REPLACEMENT = "\ufffd"
 

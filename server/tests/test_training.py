@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 from specula_server.adapters.medusa import load_medusa
 from specula_server.models.config import ModelConfig
 from specula_server.speculation.mlp_speculator import load_mlp_speculator
-from specula_server.testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
 from specula_server.training.cli import app
 from specula_server.training.data import HiddenStates, Sample, batches, generate_samples, read_prompts
 from specula_server.training.speculators import MedusaTrainee, MLPSpeculatorTrainee
+from specula_testing.worker import BlockPool, generate_alone, load_test_generator, make_spec, token_ids
 
 PROMPT_WORDS = ["def", "return", "class", "import", "value", "self", "for", "in", "range", "print", "if", "else"]
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from specula_server.testing.tokenizer import build_tokenizer
+from specula_testing.tokenizer import build_tokenizer
 
 # Small shapes that still exercise GQA, an explicit head_dim, biases, tied embeddings and rope scaling.
 TINY_CONFIGS: dict[str, dict[str, Any]] = {

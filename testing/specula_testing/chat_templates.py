@@ -2,7 +2,7 @@
 
 Each is the public template of a model family (no download: the text is here), with the special tokens its
 markers need. `add_chat_template(model_dir, name)` writes one into a test model directory built by
-`testing.models.build_tiny_model` or `testing.tokenizer.build_tokenizer`: the markers become special tokens of
+`models.build_tiny_model` or `tokenizer.build_tokenizer`: the markers become special tokens of
 its tokenizer.json (with ids below the model's vocabulary size when the model leaves room) and the template
 goes into tokenizer_config.json, where `transformers.AutoTokenizer` and the router both find it.
 """

@@ -1,6 +1,6 @@
 """GGUF files for tests, written from a Hugging Face model directory the way llama.cpp's converter writes them.
 
-`write_gguf(model_dir, out_file, tensor_type)` takes a Llama directory (`testing.models.build_tiny_model`) and writes
+`write_gguf(model_dir, out_file, tensor_type)` takes a Llama directory (`models.build_tiny_model`) and writes
 it with the `gguf` package's own writer and quantizers: `llama.*` metadata, the byte-level tokenizer's vocabulary
 and merges under `tokenizer.ggml.*`, the chat template, q/k rows permuted for llama.cpp's rotary layout, 2-D
 weights in `tensor_type` and norms in F32 (as the converter leaves them). The K-quant types have no quantizer in

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 CLIENTS_VENV = REPO_ROOT / ".venv-clients"
 CLIENTS_REQUIREMENTS = REPO_ROOT / "integration-tests" / "requirements-clients.txt"
 PIP_TIMEOUT_S = 600
