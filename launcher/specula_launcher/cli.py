@@ -68,7 +68,7 @@ def main(
         "latest", envvar="NGRAM_MATCH", help="Which earlier occurrence prompt lookup copies: latest or earliest."),
     speculator: str | None = typer.Option(
         None, envvar="SPECULATOR",
-        help="Medusa heads, an MLP speculator, an EAGLE-3 speculator (the `speculators` layout, trained for this "
+        help="Medusa heads, an MLP speculator, an EAGLE-3 speculator (`speculators` or original layout, for this "
              "model) or a draft model (a small causal LM with the model's tokenizer): "
              "directory or Hub id, drafting for every request without Medusa heads of its own; or `suffix`, "
              "suffix decoding (drafts from the request's context and from earlier requests' outputs, prompt "

@@ -74,7 +74,7 @@ def serve(
                                     help="Which earlier occurrence drafts: latest or earliest."),
     speculator: str | None = typer.Option(
         None, envvar="SPECULATOR",
-        help="Medusa heads, an MLP speculator, an EAGLE-3 speculator (the `speculators` layout, trained for this "
+        help="Medusa heads, an MLP speculator, an EAGLE-3 speculator (`speculators` or original layout, for this "
              "model) or a draft model (a small causal LM with the model's tokenizer): "
              "directory or Hub id, drafting for every request that has no Medusa heads of its own."),
     draft_tree_width: int = typer.Option(

@@ -35,7 +35,7 @@ from specula_server.models.config import ModelConfig
 from specula_server.service import ExceptionInterceptor, TextGenerationService, WorkerInfo, fault_policy
 from specula_server.speculation.draft_model import DraftModelDrafter, find_draft_model, load_draft_model
 from specula_server.speculation.drafters import PromptLookupDrafter
-from specula_server.speculation.eagle3 import find_eagle3, load_eagle3
+from specula_server.speculation.eagle3_checkpoint import find_eagle3, load_eagle3
 from specula_server.speculation.eagle3_drafter import Eagle3Drafter
 from specula_server.speculation.medusa import MedusaDrafter
 from specula_server.speculation.mlp_speculator import (

@@ -81,6 +81,7 @@ class Weights:
         # Handles stay open for the loader's lifetime: opening parses the header, reads are mmap-backed.
         self._handles: dict[Path, Any] = {}
         self._routing: dict[str, Path] = {}  # full tensor name -> file holding it
+        self._stored: dict[str, str] = {}  # full tensor name -> the name the file has for it, where they differ
         for file in self.files:
             handle = GGUFTensors(file) if file.suffix == GGUF_SUFFIX else safe_open(str(file), framework="pt")
             self._handles[file] = handle
@@ -167,12 +168,19 @@ class Weights:
             return None
         return GGUFBlocks(blocks.type_name, blocks.data.to(self.device), blocks.in_features)
 
+    def rename_prefix(self, old: str, new: str) -> None:
+        """Serves the tensors the files name `old...` as `new...` (a checkpoint layout that names them otherwise)."""
+        for stored in [name for name in self._routing if name.startswith(old)]:
+            served = new + stored[len(old):]
+            self._routing[served] = self._routing.pop(stored)
+            self._stored[served] = self._stored.pop(stored, stored)
+
     def _handle(self, name: str) -> tuple[str, Any]:
         full_name = self.prefix + name
         file = self._routing.get(full_name)
         if file is None:
             raise WeightNotFoundError(full_name, self.files)
-        return full_name, self._handles[file]
+        return self._stored.get(full_name, full_name), self._handles[file]
 
     def _place(self, tensor: Tensor, to_dtype: bool) -> Tensor:
         # safetensors (0.8 at least) hands out zero-copy views into one private mmap per handle: every read of a

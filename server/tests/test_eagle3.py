@@ -25,7 +25,8 @@ from specula_server.kv_cache import KVCache
 from specula_server.models.config import ModelConfig
 from specula_server.params import SamplingParams
 from specula_server.speculation import eagle3_drafter
-from specula_server.speculation.eagle3 import Eagle3Error, load_eagle3
+from specula_server.speculation.eagle3 import LLAMA_DEFAULTS, Eagle3Error
+from specula_server.speculation.eagle3_checkpoint import load_eagle3
 from specula_server.speculation.eagle3_drafter import Eagle3Drafter
 from specula_testing.eagle3 import (
     SPECULATORS_SCRIPT,
@@ -347,7 +348,7 @@ def test_no_config_or_weights(checkpoints, llama_dir, model_config, tmp_path):
 
 
 def test_a_checkpoint_from_the_hub_cache(llama_dir, checkpoints, plain, tmp_path, monkeypatch):
-    from specula_server.speculation.eagle3 import find_eagle3
+    from specula_server.speculation.eagle3_checkpoint import find_eagle3
 
     repo = tmp_path / "models--org--tiny-eagle3"
     commit = "0123456789abcdef0123456789abcdef01234567"
@@ -495,6 +496,50 @@ def test_two_ranks_draft_and_accept_the_same_tokens(llama_dir, checkpoints, tmp_
     expected = run_requests(llama_dir, **settings)
     results = run_two_ranks(llama_dir, settings)
     assert results[0] == results[1] == expected
+
+
+# --- the original EAGLE-3 layout ----------------------------------------------------------------------------
+
+
+def to_original_layout(checkpoint: Path, target: Path) -> Path:
+    """A one-layer speculators checkpoint written as the original EAGLE-3 repository (and SpecForge) write theirs:
+    a flat Llama config with `LlamaForCausalLMEagle3`, the draft layer under `midlayer.`."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    flat = {**LLAMA_DEFAULTS, **config["transformer_layer_config"], "architectures": ["LlamaForCausalLMEagle3"],
+            "draft_vocab_size": config["draft_vocab_size"], "norm_before_residual": config["norm_before_residual"],
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": config["eagle_aux_hidden_state_layer_ids"]}}
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps(flat))
+    weights = load_file(checkpoint / "model.safetensors")
+    save_file({k.replace("layers.0.", "midlayer.", 1): v for k, v in weights.items()}, target / "model.safetensors")
+    return target
+
+
+@pytest.mark.parametrize("variant", ["reduced-vocab", "norm-before-residual"])
+def test_the_original_layout_drafts_as_its_speculators_conversion(variant, checkpoints, llama_dir, model_config,
+                                                                  tmp_path):
+    original = to_original_layout(checkpoints[variant], tmp_path / "original")
+    drafters = [drafter_for(path, llama_dir, model_config) for path in (checkpoints[variant], original)]
+    tokens = torch.randint(0, model_config.vocab_size, (11,), generator=torch.Generator().manual_seed(4))
+    aux = torch.randn(10, drafters[0].model.fc.shape[1], generator=torch.Generator().manual_seed(5))
+    results = [recorded_logits(drafter, [fake_request(tokens, aux)], [K]) for drafter in drafters]
+    (drafts, logits), (original_drafts, original_logits) = results
+    assert drafts[0].tokens.tolist() == original_drafts[0].tokens.tolist()
+    assert all(torch.equal(a, b) for a, b in zip(logits, original_logits))
+
+
+def test_the_original_layout_decodes_exactly(llama_dir, checkpoints, plain, tmp_path):
+    original = to_original_layout(checkpoints["plain"], tmp_path / "original")
+    got = assert_same_greedy_output(plain, with_eagle(llama_dir, original), PROMPTS[:2], run, max_new_tokens=16)
+    assert sum(o.num_drafted for outputs in got for o in outputs) > 0
+
+
+def test_original_weights_in_a_pickle_are_refused_with_what_to_do(checkpoints, llama_dir, model_config, tmp_path):
+    original = to_original_layout(checkpoints["plain"], tmp_path / "original")
+    torch.save(load_file(original / "model.safetensors"), original / "pytorch_model.bin")
+    (original / "model.safetensors").unlink()
+    with pytest.raises(Eagle3Error, match=r"a PyTorch pickle \(\.bin\), and Specula reads safetensors only"):
+        load_eagle3(original, str(llama_dir), model_config, None)
 
 
 # --- the `speculators` package itself ---------------------------------------------------------------------
@@ -708,3 +753,28 @@ def test_leaves_only_trees_when_scratch_runs_out(checkpoints, llama_dir, model_c
         assert all(path[:-1] == line[: len(path) - 1] for path in paths)  # every inner node is on the chain
         assert paths[0] == line[:1]
     assert not draft.is_chain  # at 8 nodes, some leaf beat the chain's depth
+
+
+@pytest.mark.slow
+@needs_speculators
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_the_original_layout_reads_as_the_speculators_converter_converts_it(package_checkpoint, llama_dir,
+                                                                           model_config, tmp_path,
+                                                                           norm_before_residual):
+    """The package's converter (`speculators convert`) on an original-layout checkpoint, against reading that
+    checkpoint directly: the same drafts and logits."""
+    config = json.loads((package_checkpoint / "config.json").read_text())
+    source = rewrite(package_checkpoint, tmp_path / "source", {"norm_before_residual": norm_before_residual,
+                                                               "fc_norm": False, "norm_output": False},
+                     drop=[k for k in load_file(package_checkpoint / "model.safetensors") if k.startswith("fc_norm")])
+    original = to_original_layout(source, tmp_path / "original")
+    speculators("convert", str(original), str(tmp_path / "converted"), str(llama_dir), json.dumps(
+        {"norm_before_residual": norm_before_residual,
+         "eagle_aux_hidden_state_layer_ids": config["eagle_aux_hidden_state_layer_ids"]}))
+    drafters = [drafter_for(path, llama_dir, model_config) for path in (tmp_path / "converted", original)]
+    tokens = torch.randint(0, model_config.vocab_size, (11,), generator=torch.Generator().manual_seed(6))
+    aux = torch.randn(10, drafters[0].model.fc.shape[1], generator=torch.Generator().manual_seed(7))
+    (drafts, logits), (original_drafts, original_logits) = [
+        recorded_logits(drafter, [fake_request(tokens, aux)], [K]) for drafter in drafters]
+    assert drafts[0].tokens.tolist() == original_drafts[0].tokens.tolist()
+    assert all(torch.equal(a, b) for a, b in zip(logits, original_logits))

@@ -5,13 +5,15 @@ transformers), never imported by the server:
 
     python speculators_eagle3.py save VERIFIER_DIR OUT_DIR '{"draft_vocab_size": 300, ...}'
     python speculators_eagle3.py forward CHECKPOINT_DIR INPUTS.safetensors OUTPUTS.safetensors TTT_STEPS
+    python speculators_eagle3.py convert ORIGINAL_DIR OUT_DIR VERIFIER_DIR '{"norm_before_residual": true, ...}'
 
 `save` builds `Eagle3DraftModel.from_training_args` for the verifier (its embedding and, through t2d, its LM
 head rows), gives every norm a random weight (ones would hide a norm applied to the wrong tensor) and saves it
 with `save_pretrained`. `forward` loads a checkpoint with `Eagle3DraftModel.from_pretrained` and runs its
 training forward on `hidden_states [1, T, A * H]`, `input_ids [1, T]` and `position_ids [1, T]`, recording the
 draft logits of every step (`logits [steps, T, draft_vocab]`). `specula_testing.eagle3` writes the same
-layout without the package, and the tests check the two against each other.
+layout without the package, and the tests check the two against each other. `convert` runs the package's
+converter (`speculators convert`'s) on a checkpoint in the original EAGLE-3 layout.
 """
 
 from __future__ import annotations
@@ -73,11 +75,19 @@ def forward(checkpoint: str, inputs_path: str, outputs_path: str, steps: int) ->
     save_file({"logits": torch.stack(recorded).float().contiguous()}, outputs_path)
 
 
+def convert(original: str, out_dir: str, verifier_dir: str, options: dict) -> None:
+    from speculators.convert.eagle.eagle3_converter import Eagle3Converter
+
+    Eagle3Converter().convert(original, out_dir, verifier_dir, validate=False, **options)
+
+
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
     if command == "save":
         save(args[0], args[1], json.loads(args[2]) if len(args) > 2 else {})
     elif command == "forward":
         forward(args[0], args[1], args[2], int(args[3]))
+    elif command == "convert":
+        convert(args[0], args[1], args[2], json.loads(args[3]) if len(args) > 3 else {})
     else:
-        raise SystemExit(f"unknown command {command!r}: save or forward")
+        raise SystemExit(f"unknown command {command!r}: save, forward or convert")

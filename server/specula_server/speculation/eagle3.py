@@ -1,4 +1,5 @@
-"""EAGLE-3 drafters (arXiv 2503.01840) in the `speculators` layout: the checkpoint, its checks and the draft layer.
+"""EAGLE-3 drafters (arXiv 2503.01840) in the `speculators` layout: the checkpoint's config, its checks and the draft
+layer (finding and loading a checkpoint, and the original EAGLE-3 layout: `eagle3_checkpoint.py`).
 
 Checkpoint layout (what the `speculators` package saves and vLLM and SGLang load):
   - `config.json`: `{"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
@@ -28,10 +29,7 @@ One draft position (`Eagle3Model.forward`), for a token x and an input state s:
 
 from __future__ import annotations
 
-import json
 import logging
-import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,7 +71,8 @@ class Eagle3Error(ValueError):
     """An EAGLE-3 checkpoint that cannot be used with this model; the message names it and says why."""
 
 
-def _error(name: str, reason: str) -> Eagle3Error:
+def refuse(name: str, reason: str) -> Eagle3Error:
+    """The error refusing checkpoint `name`, saying why."""
     return Eagle3Error(f"EAGLE-3 speculator `{name}`: {reason}")
 
 
@@ -96,16 +95,16 @@ class Eagle3Config:
     @classmethod
     def from_dict(cls, raw: object, name: str) -> Eagle3Config:
         if not isinstance(raw, dict):
-            raise _error(name, f"{CONFIG_FILE} is not a JSON object")
+            raise refuse(name, f"{CONFIG_FILE} is not a JSON object")
         if raw.get("speculators_model_type") != MODEL_TYPE:
-            raise _error(name, f"{CONFIG_FILE} has speculators_model_type {raw.get('speculators_model_type')!r}, "
+            raise refuse(name, f"{CONFIG_FILE} has speculators_model_type {raw.get('speculators_model_type')!r}, "
                                f"not {MODEL_TYPE!r}")
         layer_raw = raw.get("transformer_layer_config")
         if not isinstance(layer_raw, dict):
-            raise _error(name, f"{CONFIG_FILE} lacks transformer_layer_config (the draft layer's Llama config)")
+            raise refuse(name, f"{CONFIG_FILE} lacks transformer_layer_config (the draft layer's Llama config)")
         layer_type = layer_raw.get("model_type", "llama")
         if layer_type not in LAYER_TYPES:
-            raise _error(name, f"its draft layer is a {layer_type!r} layer; the server implements "
+            raise refuse(name, f"its draft layer is a {layer_type!r} layer; the server implements "
                                f"{', '.join(LAYER_TYPES)} draft layers")
         try:
             layer = ModelConfig.from_dict({**LLAMA_DEFAULTS, **layer_raw, "architectures": ["LlamaForCausalLM"]})
@@ -115,14 +114,14 @@ class Eagle3Config:
             target_hidden = raw.get("target_hidden_size")
             target_hidden = layer.hidden_size if target_hidden is None else _int(target_hidden)
         except (TypeError, ValueError, KeyError) as error:
-            raise _error(name, f"{CONFIG_FILE} has a malformed field ({error})") from None
+            raise refuse(name, f"{CONFIG_FILE} has a malformed field ({error})") from None
         if draft_vocab < 1 or target_hidden < 1 or layer.num_layers < 1:
-            raise _error(name, f"needs a positive draft_vocab_size ({draft_vocab}), target_hidden_size "
+            raise refuse(name, f"needs a positive draft_vocab_size ({draft_vocab}), target_hidden_size "
                                f"({target_hidden}) and num_hidden_layers ({layer.num_layers})")
         if aux_ids is not None and (not aux_ids or len(set(aux_ids)) != len(aux_ids) or min(aux_ids) < 0):
-            raise _error(name, f"eagle_aux_hidden_state_layer_ids {list(aux_ids)} must be distinct layer ids >= 0")
+            raise refuse(name, f"eagle_aux_hidden_state_layer_ids {list(aux_ids)} must be distinct layer ids >= 0")
         if raw.get("norm_before_fc") and raw.get("fc_norm"):
-            raise _error(name, "norm_before_fc and fc_norm are both set (they exclude each other)")
+            raise refuse(name, "norm_before_fc and fc_norm are both set (they exclude each other)")
         spec = raw.get("speculators_config") if isinstance(raw.get("speculators_config"), dict) else {}
         verifier = spec.get("verifier") if isinstance(spec.get("verifier"), dict) else {}
         return cls(
@@ -179,7 +178,7 @@ def check_verifier(spec: Eagle3Config, name: str, model_id: str, config: ModelCo
         problems.append(f"{config.num_layers} layers (its auxiliary hidden states are read after layers "
                         f"{list(layer_ids)})")
     if problems:
-        raise _error(name, f"its verifier is {verifier}, which is not the served model {model_id}: the served "
+        raise refuse(name, f"its verifier is {verifier}, which is not the served model {model_id}: the served "
                            f"model has " + "; ".join(problems))
     if spec.verifier_name and _base_name(spec.verifier_name) != _base_name(model_id):
         logger.warning("EAGLE-3 speculator %s was trained for %s; serving it for %s, whose shapes match",
@@ -281,119 +280,3 @@ class Eagle3Model(nn.Module):
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.draft_to_target[draft_ids]
 
-
-# --- finding and loading ----------------------------------------------------------------------------------------
-
-
-def read_config(path: Path) -> object | None:
-    try:
-        return json.loads((Path(path) / CONFIG_FILE).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-
-
-def is_eagle3_dir(path: Path) -> bool:
-    """Whether `path` is a directory whose `config.json` says `speculators_model_type: eagle3`."""
-    raw = read_config(path) if Path(path).is_dir() else None
-    return isinstance(raw, dict) and raw.get("speculators_model_type") == MODEL_TYPE
-
-
-def find_eagle3(speculator_id: str, cache_dir: Path | None = None, revision: str | None = None) -> Path | None:
-    """The local directory of `speculator_id` (a directory or a Hub id) when it is an EAGLE-3 checkpoint, else
-    None. For a Hub id only `config.json` is fetched first, the weights only when it names one."""
-    local = Path(speculator_id).expanduser()
-    if local.is_dir():
-        return local if is_eagle3_dir(local) else None
-    from specula_server.hub import ModelNotFoundError, is_offline_from_env, snapshot
-
-    token, offline = os.environ.get("HF_TOKEN") or None, is_offline_from_env()
-    try:
-        config_dir = snapshot(speculator_id, revision, cache_dir, token, (CONFIG_FILE,), offline)
-    except ModelNotFoundError:
-        return None
-    if not is_eagle3_dir(config_dir):
-        return None
-    try:
-        return snapshot(speculator_id, revision, cache_dir, token, HUB_ALLOW_PATTERNS, offline)
-    except ModelNotFoundError as error:
-        raise _error(speculator_id, f"cannot fetch its weights from the Hub: {error.reason}") from None
-
-
-def load_eagle3(path: Path, model_id: str, config: ModelConfig, target_embed: nn.Module | None, *,
-                dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                speculator_id: str | None = None) -> Eagle3Model:
-    """Reads the EAGLE-3 checkpoint in `path` whole (every tensor-parallel rank holds it), checked against the
-    served model `model_id` (`config`) before any weight is read, then every tensor's shape.
-
-    Raises:
-        Eagle3Error: no or bad config, a verifier other than the served model, unreadable weights, a tensor
-            missing or of the wrong shape.
-    """
-    from specula_server.hub import weight_files
-    from specula_server.weights import Weights
-
-    path, device = Path(path), torch.device(device)
-    name = speculator_id if speculator_id is not None else str(path)
-    raw = read_config(path)
-    if raw is None:
-        raise _error(name, f"no readable {CONFIG_FILE} in {path}")
-    spec = Eagle3Config.from_dict(raw, name)
-    layer_ids = check_verifier(spec, name, model_id, config)
-    try:
-        weights = Weights(weight_files(path), device, dtype)
-    except Exception as error:  # no files, a damaged file, a tensor in two shards
-        raise _error(name, f"cannot read its weights: {error}") from error
-    check_shapes(weights, spec, len(layer_ids), name)
-    embed = target_embed
-    if weights.has("embed_tokens.weight"):
-        embed = nn.Embedding.from_pretrained(weights.get_tensor("embed_tokens.weight"), freeze=True)
-    elif target_embed is None or spec.layer.hidden_size != config.hidden_size:
-        raise _error(name, f"it has no embed_tokens.weight, and its hidden size {spec.layer.hidden_size} is not "
-                           f"the model's {config.hidden_size}, whose embedding it would use")
-    model = Eagle3Model(spec, weights, embed, layer_ids, device)
-    logger.info("EAGLE-3 speculator %s: %d draft layer(s), draft vocabulary %d, auxiliary layers %s", name,
-                spec.layer.num_layers, spec.draft_vocab_size, list(layer_ids))
-    return model
-
-
-def check_shapes(weights: Weights, spec: Eagle3Config, num_aux: int, name: str) -> None:
-    """Every tensor the draft layer reads, present and of its shape (before any is loaded)."""
-    cfg = spec.layer
-    h, th, heads, kv = cfg.hidden_size, spec.target_hidden_size, cfg.num_heads, cfg.num_kv_heads
-    expected = {
-        "fc.weight": [h, num_aux * th], "norm.weight": [h], "lm_head.weight": [spec.draft_vocab_size, h],
-        "layers.0.hidden_norm.weight": [h],
-    }
-    for i in range(cfg.num_layers):
-        width = 2 * h if i == 0 else h
-        p = f"layers.{i}"
-        expected.update({
-            f"{p}.input_layernorm.weight": [h], f"{p}.post_attention_layernorm.weight": [h],
-            f"{p}.self_attn.q_proj.weight": [heads * cfg.head_dim, width],
-            f"{p}.self_attn.k_proj.weight": [kv * cfg.head_dim, width],
-            f"{p}.self_attn.v_proj.weight": [kv * cfg.head_dim, width],
-            f"{p}.self_attn.o_proj.weight": [h, heads * cfg.head_dim],
-            f"{p}.mlp.gate_proj.weight": [cfg.intermediate_size, h],
-            f"{p}.mlp.up_proj.weight": [cfg.intermediate_size, h],
-            f"{p}.mlp.down_proj.weight": [h, cfg.intermediate_size],
-        })
-    if spec.norm_before_fc:
-        expected["input_norm.weight"] = [num_aux * th]
-    for a in range(num_aux if spec.fc_norm else 0):
-        expected[f"fc_norm.{a}.weight"] = [th]
-    if spec.draft_vocab_size != cfg.vocab_size or weights.has("d2t"):
-        expected["d2t"] = [spec.draft_vocab_size]
-    if weights.has("embed_tokens.weight"):
-        expected["embed_tokens.weight"] = [cfg.vocab_size, h]
-    for tensor, shape in expected.items():
-        if not weights.has(tensor):
-            raise _error(name, f"tensor {tensor} is missing")
-        found = weights.shape(tensor)
-        if found != shape:
-            raise _error(name, f"tensor {tensor} has shape {found}, expected {shape} (hidden size {h}, "
-                               f"{num_aux} auxiliary layers of {th}, draft vocabulary {spec.draft_vocab_size})")
-    if "d2t" in expected:
-        targets = torch.arange(spec.draft_vocab_size) + weights.get_tensor("d2t").long()
-        if targets.min() < 0 or targets.max() >= cfg.vocab_size or math.prod(targets.unique().shape) != len(targets):
-            raise _error(name, f"d2t maps draft tokens outside the {cfg.vocab_size}-token vocabulary or two onto "
-                               "one target token")
