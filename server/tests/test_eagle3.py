@@ -778,3 +778,14 @@ def test_the_original_layout_reads_as_the_speculators_converter_converts_it(pack
         recorded_logits(drafter, [fake_request(tokens, aux)], [K]) for drafter in drafters]
     assert drafts[0].tokens.tolist() == original_drafts[0].tokens.tolist()
     assert all(torch.equal(a, b) for a, b in zip(logits, original_logits))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("width", [1, 3])
+def test_greedy_output_is_identical_on_cuda(llama_dir, checkpoints, width):
+    """The draft layer, its KV and the verification of its chains (and trees) on the GPU."""
+    plain = load_test_generator(llama_dir, device="cuda")
+    drafted = with_eagle(llama_dir, checkpoints["echo"], device="cuda", draft_tree_width=width)
+    got = assert_same_greedy_output(plain, drafted, PROMPTS[:2], run, max_new_tokens=16)
+    assert sum(o.num_accepted for outputs in got for o in outputs) > 0

@@ -108,3 +108,19 @@ def test_without_the_flag_the_reader_hands_out_float(gguf_files):
     weights = Weights([gguf_files["Q4_1"]], torch.device("cpu"), torch.float32)
     weight = weights.get_linear(["model.layers.0.mlp.down_proj.weight"], dim=1)
     assert isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_files_values_are_served_as_float(gguf_files):
+    from test_cuda_worker import agree_up_to_a_near_tie
+
+    file = gguf_files["Q4_1"]
+    cuda = load_test_generator(file, quantize="gguf", device="cuda")
+    assert not any(isinstance(m, GGUFLinear) for m in cuda.model.modules())
+    cpu = load_test_generator(file, quantize="gguf")
+    for i, prompt in enumerate(PROMPTS):
+        spec = {"max_new_tokens": 16, "top_n_tokens": 2}
+        got = generate_alone(cuda, make_spec(i, prompt, BlockPool(256, 16), **spec))
+        expected = generate_alone(cpu, make_spec(i, prompt, BlockPool(256, 16), **spec))
+        assert agree_up_to_a_near_tie(got, expected, 1e-3) >= 8
