@@ -23,7 +23,7 @@ sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "launcher"
 import torch  # noqa: E402
 
 from specula_kernels.paged_attention import PagedAttentionInputs, _gather  # noqa: E402
-from specula_launcher.config import DEMO_MODEL_DIR  # noqa: E402
+from specula_launcher.defaults import DEMO_MODEL_DIR  # noqa: E402
 from specula_server.request import StepPlan  # noqa: E402
 from specula_testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
 

@@ -59,7 +59,7 @@ def grammars_to_compile() -> dict[str, str]:
     out = {name: llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
            for name, schema in JSON_SCHEMAS.items()}
     out.update((name, llguidance.LLMatcher.grammar_from_regex(regex)) for name, regex in REGEXES.items())
-    from specula_router.grammar import HERMES, tool_call_grammar
+    from specula_router.tool_call_grammar import HERMES, tool_call_grammar
     from specula_testing.chat_templates import WEATHER_TOOL
 
     out["tool call (Hermes, required)"] = tool_call_grammar([WEATHER_TOOL], "required", HERMES).text

@@ -20,7 +20,7 @@ from stack import LauncherProcess, is_alive
 from tokenizers import Tokenizer
 from wire import REQUEST_TIMEOUT_S, generate, metric, sse_events, wait_until
 
-from specula_launcher.config import DEMO_MODEL_DIR
+from specula_launcher.defaults import DEMO_MODEL_DIR
 
 PROMPTS = ["The quick brown fox", "héllo wörld, 漢字", "def main():\n    return"]
 

@@ -19,7 +19,8 @@ import typer
 
 from specula_launcher.commands import router_spec, shard_sockets, shard_specs
 from specula_launcher.compat import UnknownArgument, check_foreign
-from specula_launcher.config import LauncherConfig, build_config
+from specula_launcher.config import LauncherConfig
+from specula_launcher.defaults import build_config
 from specula_launcher.endpoints import claim_endpoints
 from specula_launcher.processes import LAUNCHER, LogSink, Supervisor, run_with_signal_handlers
 

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from specula_launcher import cli
 from specula_launcher.commands import router_command, router_spec, shard_specs
-from specula_launcher.config import LauncherConfig, build_config
+from specula_launcher.config import LauncherConfig
+from specula_launcher.defaults import build_config
 
 KEY = "s3cret-key-0123"
 NO_GPU = {"count_cuda_devices": lambda: 0}

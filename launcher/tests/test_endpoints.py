@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from specula_launcher.config import build_config
+from specula_launcher.defaults import build_config
 from specula_launcher.endpoints import (
     OWNER_FILE,
     check_master_port,

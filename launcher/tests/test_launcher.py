@@ -25,7 +25,8 @@ from typer.testing import CliRunner
 from specula_launcher import cli
 from specula_launcher.commands import router_command, router_spec, shard_command, shard_env, shard_sockets, shard_specs
 from specula_launcher.compat import FOREIGN_FLAGS
-from specula_launcher.config import DEMO_ADAPTERS_DIR, DEMO_MODEL_DIR, LauncherConfig, build_config, derive_token_limits
+from specula_launcher.config import LauncherConfig
+from specula_launcher.defaults import DEMO_ADAPTERS_DIR, DEMO_MODEL_DIR, build_config, derive_token_limits
 from specula_launcher.endpoints import claim_endpoints
 from specula_launcher.processes import ChildSpec, LogSink, Supervisor, describe_exit
 

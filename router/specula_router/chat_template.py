@@ -1,6 +1,6 @@
 """Chat templates: a conversation in, the prompt text the model was trained on out, as transformers renders it.
 
-Loaded once at router startup (`specula_router.cli`) from the model directory, or the Hub snapshot, the way
+Loaded once at router startup (`specula_router.startup`) from the model directory, or the Hub snapshot, the way
 `transformers.AutoTokenizer` finds it:
 
     tokenizer_config.json "chat_template"   a string, or the list form [{"name", "template"}, ...]

@@ -13,49 +13,35 @@ refuse (422 on the TGI routes, 400 on `/v1/*`) any grammar that llguidance would
                                          {"type": "text"}  (no constraint)
     OpenAI   response_format             text (none), json_object (any object), json_schema (`name` required)
              tools + tool_choice         "required" or {"type": "function", "function": {"name": f}}: a call in
-                                         the chat template's own tool-call format (below)
+                                         the chat template's own tool-call format
 
 JSON schemas compile with `whitespace_flexible: False`: the output is compact JSON (`{"a":1}`), with no free
 whitespace, so keys, quotes, colons and commas are forced tokens, which the workers draft for free when
 speculating, and the model cannot pad the answer with blank lines up to `max_new_tokens`. A schema may still
 ask for other separators through llguidance's own `x-guidance` key.
 
-Tool calls follow the template's format (`tool_calls.py` parses them back):
-
-    Hermes / Qwen2.5 / ChatML   <tool_call>\\n{"name":"f","arguments":{...}}\\n</tool_call>   (blocks joined by \\n)
-    Mistral                     [TOOL_CALLS] [{"name":"f","arguments":{...}},...]
-    Llama 3.1 / 3.2 (JSON)      {"name":"f","parameters":{...}}   (one call)
-
-The format is read from the template text: `<tool_call>` means Hermes, `[TOOL_CALLS]` Mistral, anything else
-the Llama JSON form. A marker that is a special token of the tokenizer (`[TOOL_CALLS]` in Mistral's v3
-tokenizers) is left out: the grammar matches text, and a special token is not text (nor is it in the decoded
-answer), so the call is written bare: Mistral's JSON list, or one Hermes call object, which the parser reads too.
-Each call object is `{"name": {"const": f}, "arguments": <f's parameters schema>}`, `anyOf` the allowed
-functions: `required` allows one or more calls of any tool (one for Llama, and for bare Hermes objects), a named
-function exactly one call of it. Llama's optional `<|python_tag|>` is not written.
-
-This module builds the grammars; `grammar_check.py` checks them against the tokenizer at admission.
+This module builds these grammars; a forced tool call's is built by `tool_call_grammar.py` with the helpers
+here, and `grammar_check.py` checks every grammar against the tokenizer at admission.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
 import llguidance
-import tokenizers
 
 __all__ = [
     "DEFAULT_MAX_GRAMMAR_BYTES",
-    "HERMES",
-    "LLAMA",
-    "MISTRAL",
+    "JSON_OPTIONS",
     "Grammar",
     "GrammarError",
+    "check_size",
+    "dumps",
     "first_lines",
     "from_generate_parameters",
     "from_openai_response_format",
@@ -63,18 +49,12 @@ __all__ = [
     "json_schema_grammar",
     "regex_grammar",
     "shown",
-    "special_token_texts",
-    "tool_call_format",
-    "tool_call_grammar",
 ]
 
 DEFAULT_MAX_GRAMMAR_BYTES = 65536
 # Compact JSON: no whitespace between tokens, so structure is forced (see the module docstring).
 JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False}
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
-# A tool declared without `parameters` takes none: `{}` (an open object would let the answer repeat a key).
-NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
-HERMES, MISTRAL, LLAMA = "hermes", "mistral", "llama"
 _ERROR_LINES, _ERROR_CHARS = 4, 400
 _LISTING = re.compile(r"^\d+ \|")  # a numbered grammar line in llguidance's messages
 
@@ -106,13 +86,13 @@ def json_schema_grammar(schema: object, field: str, max_bytes: int = DEFAULT_MAX
              -> '{"grammars":[{"name":"json_schema","json_schema":{"type":"integer","x-guidance":...'
     """
     if isinstance(schema, str):
-        _check_size(schema, field, max_bytes)
+        check_size(schema, field, max_bytes)
         try:
             schema = json.loads(schema)
         except (json.JSONDecodeError, RecursionError) as e:
             raise GrammarError(f"`{field}` is a string that does not hold JSON: {e}", field) from None
     elif isinstance(schema, dict):
-        _check_size(_dumps(schema), field, max_bytes)
+        check_size(dumps(schema), field, max_bytes)
     if isinstance(schema, bool):  # JSON Schema's `true` (anything) and `false` (nothing: never compiles)
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
@@ -193,7 +173,7 @@ def regex_grammar(regex: object, field: str, max_bytes: int = DEFAULT_MAX_GRAMMA
     """The grammar of a regex the whole output must match (checked when the grammar is checked)."""
     if not isinstance(regex, str):
         raise GrammarError(f"`{field}` must be a string (a regex). Given: {type(regex).__name__}", field)
-    _check_size(regex, field, max_bytes)
+    check_size(regex, field, max_bytes)
     return Grammar(llguidance.LLMatcher.grammar_from_regex(ascii_classes(regex)), field)
 
 
@@ -308,86 +288,14 @@ def _response_format(response_format: Mapping[str, Any], max_bytes: int, name_re
     return json_schema_grammar({} if schema is None else schema, "response_format.json_schema.schema", max_bytes)
 
 
-def tool_call_format(template_text: str) -> str:
-    """The tool-call format a chat template teaches: HERMES, MISTRAL or LLAMA (the default)."""
-    if "<tool_call>" in template_text:
-        return HERMES
-    if "[TOOL_CALLS]" in template_text:
-        return MISTRAL
-    return LLAMA
-
-
-def tool_call_grammar(tools: Sequence[Mapping[str, Any]], tool_choice: str | Mapping[str, Any], call_format: str,
-                      special_tokens: Collection[str] = (), parallel: bool = True,
-                      max_bytes: int = DEFAULT_MAX_GRAMMAR_BYTES) -> Grammar:
-    """The grammar of a forced tool call: `tool_choice` "required" (one or more calls of any of `tools`; one for
-    LLAMA, and one when `parallel` is false: OpenAI's `parallel_tool_calls: false`) or
-    {"type": "function", "function": {"name": f}} (exactly one call of f).
-
-    `tools` are OpenAI's: {"type": "function", "function": {"name", "parameters"}}. `special_tokens`: the
-    tokenizer's special tokens' texts; a marker among them is left out (see the module docstring).
-
-    Example (HERMES, tool_choice "required", one tool `add` without parameters), as Lark:
-        start: call_block ("\\n" call_block)*
-        call_block: "<tool_call>\\n" call "\\n</tool_call>"
-        call: %json{"anyOf": [{"type": "object", "properties": {"name": {"const": "add"}, "arguments": ...
-    """
-    functions = {}
-    for tool in tools:
-        function = tool.get("function") or {}
-        functions[function.get("name")] = function.get("parameters")
-    if tool_choice == "required":
-        names, several = list(functions), parallel
-    else:
-        name = ((tool_choice or {}).get("function") or {}).get("name") if isinstance(tool_choice, Mapping) else None
-        if name not in functions:
-            raise GrammarError(f"`tool_choice` names a function that is not in `tools`: {shown(name)}",
-                               "tool_choice")
-        names, several = [name], False
-    if not names:
-        raise GrammarError("`tool_choice` required needs at least one tool in `tools`", "tool_choice")
-    key = "parameters" if call_format == LLAMA else "arguments"
-    calls = []
-    for name in names:
-        parameters = functions[name]
-        if parameters is None:  # OpenAI: "omitting parameters defines a function with an empty parameter list"
-            parameters = NO_ARGUMENTS
-        if not isinstance(parameters, dict):
-            raise GrammarError(f"`tools`: the parameters of {name!r} must be a JSON schema object", "tools")
-        calls.append({"type": "object", "properties": {"name": {"const": name}, key: parameters},
-                      "required": ["name", key], "additionalProperties": False})
-    call_schema = {"anyOf": calls, "x-guidance": dict(JSON_OPTIONS)}
-    lines = []
-    if call_format == HERMES:
-        opener = "" if "<tool_call>" in special_tokens else "<tool_call>\\n"
-        closer = "" if "</tool_call>" in special_tokens else "\\n</tool_call>"
-        several = several and bool(opener and closer)  # bare objects joined by newlines would not parse back
-        lines.append('start: call_block ("\\n" call_block)*' if several else "start: call_block")
-        lines.append(f'call_block: "{opener}" call "{closer}"' if opener or closer else "call_block: call")
-    elif call_format == MISTRAL:
-        marker = "" if "[TOOL_CALLS]" in special_tokens else '"[TOOL_CALLS] " '
-        lines.append(f'start: {marker}"[" call ("," call)* "]"' if several else f'start: {marker}"[" call "]"')
-    else:
-        lines.append("start: call")
-    lines.append("call: %json" + _dumps(call_schema))
-    lark = "\n".join(lines) + "\n"
-    _check_size(lark, "tools", max_bytes)
-    return Grammar(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
-
-
-def special_token_texts(tokenizer: tokenizers.Tokenizer) -> frozenset[str]:
-    """The texts of the tokenizer's special added tokens (`<s>`, `[TOOL_CALLS]`, ...)."""
-    return frozenset(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
-
-
-def _check_size(text: str, field: str, max_bytes: int) -> None:
+def check_size(text: str, field: str, max_bytes: int) -> None:
     size = len(text.encode("utf-8", errors="surrogatepass"))
     if size > max_bytes:
         raise GrammarError(f"`{field}` must be at most {max_bytes} bytes (--max-grammar-bytes). Given: {size}",
                            field)
 
 
-def _dumps(value: object) -> str:
+def dumps(value: object) -> str:
     try:
         return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
     except (ValueError, RecursionError) as e:  # NaN survives JSON parsing in Python; nesting past the limit

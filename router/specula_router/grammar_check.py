@@ -21,7 +21,8 @@ import llguidance
 import numpy as np
 import tokenizers
 
-from specula_router.grammar import Grammar, GrammarError, first_lines, json_schema_grammar, shown, special_token_texts
+from specula_router.grammar import Grammar, GrammarError, first_lines, json_schema_grammar, shown
+from specula_router.tool_call_grammar import special_token_texts
 
 __all__ = ["DEFAULT_GRAMMAR_COMPILE_TIMEOUT", "MAX_MASK_SECONDS", "PROBE_STEPS", "GrammarChecker"]
 

@@ -30,13 +30,7 @@ from fastapi.responses import JSONResponse
 
 from specula_router import openai_errors, openapi
 from specula_router.chat_template import ChatTemplateError
-from specula_router.grammar import (
-    Grammar,
-    GrammarError,
-    from_openai_response_format,
-    tool_call_format,
-    tool_call_grammar,
-)
+from specula_router.grammar import Grammar, GrammarError, from_openai_response_format
 from specula_router.openai_chat import chat_choice, parses_tools, template_messages, template_tools
 from specula_router.openai_errors import OpenAIError
 from specula_router.openai_models import ModelCatalog, ModelChoice, ModelNotFound, OpenAISettings
@@ -53,6 +47,7 @@ from specula_router.requests import ValidGenerateRequest
 from specula_router.responses import ClientGone, Generation, GenerationError
 from specula_router.schemas import GenerateParameters
 from specula_router.session import Job, Refused, RequestSession
+from specula_router.tool_call_grammar import tool_call_format, tool_call_grammar
 
 if TYPE_CHECKING:
     from specula_router.server import RouterState

@@ -36,7 +36,7 @@ MEDUSA_CONFIG = "config.json"
 
 @dataclass(frozen=True)
 class OpenAISettings:
-    """What the OpenAI routes need beyond the router's state; built once at startup by `specula_router.cli`."""
+    """What the OpenAI routes need beyond the router's state; built once at startup by `specula_router.startup`."""
 
     chat_template: ChatTemplate | None = None
     adapter_dirs: tuple[Path, ...] = ()  # the workers' `--adapter-dir`: their subdirectories are local adapters

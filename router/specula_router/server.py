@@ -63,7 +63,7 @@ T = TypeVar("T")
 
 @dataclass
 class RouterState:
-    """What the routes need; built once at startup by `specula_router.cli`."""
+    """What the routes need; built once at startup by `specula_router.startup`."""
 
     scheduler: Scheduler
     validator: Validator

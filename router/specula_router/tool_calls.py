@@ -8,7 +8,7 @@ The formats of the common templates:
     Llama 3.1 / 3.2 (JSON)      {"name": "f", "parameters": {...}}   (optionally after <|python_tag|>)
 
 With `tool_choice` "required" or a named function the answer is constrained to these formats, written as
-compact JSON (`grammar.tool_call_grammar`); a marker that is a special token of the tokenizer is left out, so
+compact JSON (`tool_call_grammar.tool_call_grammar`); a marker that is a special token of the tokenizer is left out, so
 such an answer may be the bare JSON list or object, which parses the same way.
 
 Each parsed call must name one of the request's functions; an answer that does not parse as calls is plain

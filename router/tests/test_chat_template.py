@@ -152,7 +152,7 @@ def test_the_sandbox_refuses_reaching_python_internals():
 
 
 def test_demo_model_has_an_honest_template():
-    from specula_launcher.config import DEMO_MODEL_DIR
+    from specula_launcher.defaults import DEMO_MODEL_DIR
 
     template = load_chat_template(DEMO_MODEL_DIR)
     assert template is not None

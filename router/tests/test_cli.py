@@ -13,6 +13,8 @@ from typer.testing import CliRunner
 from specula_proto import generate_pb2 as pb
 from specula_router import cli, server
 from specula_router.client import ShardedClient
+from specula_router.config import RouterConfig, split_ids
+from specula_router.startup import Limits, derive_limits, fit_to_kv, run
 from specula_testing.tokenizer import build_tokenizer
 
 
@@ -30,9 +32,9 @@ def test_adapter_flags_and_environment(monkeypatch):
     assert (params["max_active_adapters"], list(params["preloaded_adapter_ids"]), params["adapter_source"]) == (
         8, [], "hub")
     params = parse(["--preloaded-adapter-ids", "a,b", "--preloaded-adapter-ids", "c", "--max-active-adapters", "3"])
-    assert cli.split_ids(params["preloaded_adapter_ids"]) == ("a", "b", "c") and params["max_active_adapters"] == 3
+    assert split_ids(params["preloaded_adapter_ids"]) == ("a", "b", "c") and params["max_active_adapters"] == 3
     params = parse([], {"PRELOADED_ADAPTER_IDS": "org/a,org/b org/c", "MAX_ACTIVE_ADAPTERS": "4"}, monkeypatch)
-    assert cli.split_ids(params["preloaded_adapter_ids"]) == ("org/a", "org/b", "org/c")
+    assert split_ids(params["preloaded_adapter_ids"]) == ("org/a", "org/b", "org/c")
     assert params["max_active_adapters"] == 4
     with pytest.raises(Exception, match="greater than or equal to 1"):
         parse(["--max-active-adapters", "0"])
@@ -51,7 +53,7 @@ def test_adapter_flags_and_environment(monkeypatch):
 ])
 def test_adapter_settings_are_checked(settings, message):
     with pytest.raises(ValueError, match=message):
-        cli.RouterConfig(model_id="m", master_shard_uds_path="/tmp/s-0", **settings)
+        RouterConfig(model_id="m", master_shard_uds_path="/tmp/s-0", **settings)
 
 
 class StartupClient(FakeClient):
@@ -71,7 +73,7 @@ class StartupClient(FakeClient):
 
 @pytest.fixture()
 def startup(tmp_path, monkeypatch):
-    """Runs `cli.run` against a StartupClient; uvicorn's serve is replaced by a check of the state it would serve."""
+    """Runs `run` against a StartupClient; uvicorn's serve is replaced by a check of the state it would serve."""
     build_tokenizer(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 512}')
     client = StartupClient()
@@ -92,7 +94,7 @@ def startup(tmp_path, monkeypatch):
 
 def test_preloaded_adapters_are_loaded_before_serving_and_reported(startup):
     client, served, config = startup
-    code = asyncio.run(cli.run(cli.RouterConfig(**config, preloaded_adapter_ids=("org/a", "org/b"))))
+    code = asyncio.run(run(RouterConfig(**config, preloaded_adapter_ids=("org/a", "org/b"))))
     state, loaded = served
     assert code == 0 and loaded == {"org/a", "org/b"}
     assert client.adapter_calls == [("load", "org/a"), ("load", "org/b")]
@@ -121,9 +123,9 @@ def test_metrics_prefix_flag_and_environment(monkeypatch):
 
 def test_validation_workers_and_adapter_labels_reach_the_served_state(startup):
     client, served, config = startup
-    run_config = cli.RouterConfig(**config, preloaded_adapter_ids=("org/a", "org/b"), validation_workers=3,
-                                  max_adapter_labels=1, metrics_prefix="tgi")
-    assert asyncio.run(cli.run(run_config)) == 0
+    run_config = RouterConfig(**config, preloaded_adapter_ids=("org/a", "org/b"), validation_workers=3,
+                              max_adapter_labels=1, metrics_prefix="tgi")
+    assert asyncio.run(run(run_config)) == 0
     state = served[0]
     assert state.validation_workers == 3 and state.validation_pool._max_workers == 3
     assert state.info["validation_workers"] == 3
@@ -136,7 +138,7 @@ def test_a_preload_failure_stops_startup_naming_the_adapter(startup, caplog):
     client, served, config = startup
     client.adapters["org/bad"] = AdapterBehaviour(error="adapter `org/bad`: no adapter_config.json")
     with pytest.raises(ValueError, match="preloaded adapter `org/bad` could not be loaded: .*no adapter_config.json"):
-        asyncio.run(cli.run(cli.RouterConfig(**config, preloaded_adapter_ids=("org/good", "org/bad"))))
+        asyncio.run(run(RouterConfig(**config, preloaded_adapter_ids=("org/good", "org/bad"))))
     assert served == []
 
     caplog.set_level(logging.ERROR)
@@ -155,7 +157,7 @@ def test_the_router_takes_the_lookahead_and_block_size_from_the_workers(startup,
         return info
 
     monkeypatch.setattr(client, "info", workers_info)
-    assert asyncio.run(cli.run(cli.RouterConfig(**config, speculative_tokens=0))) == 0
+    assert asyncio.run(run(RouterConfig(**config, speculative_tokens=0))) == 0
     scheduler = served[0].scheduler
     assert scheduler.config.lookahead == 3 and scheduler.allocator.block_size == 8
     assert served[0].info["speculation"]["reserved_lookahead_tokens"] == 3
@@ -166,15 +168,15 @@ def test_the_router_takes_the_lookahead_and_block_size_from_the_workers(startup,
 def test_default_limits_are_lowered_to_the_kv_cache_and_flags_are_refused_when_they_do_not_fit():
     """TGI 3's defaults: every position of the model, then lowered to what the cache holds once warmup measured
     it (a 128k-position model on a small CPU cache starts). A limit a flag set is never lowered."""
-    config = cli.RouterConfig(model_id="m", master_shard_uds_path="/tmp/s-0")
-    limits = cli.derive_limits(config, 131072, lookahead=3)
-    assert limits == cli.Limits(131068, 131069, 4096)  # no 4096 cap on sequences; prefill steps of 4096
-    fitted = cli.fit_to_kv(limits, config, kv_tokens=4000, lookahead=3)
-    assert fitted == cli.Limits(3996, 3997, 4046)  # one request of max_total + lookahead fits the cache
-    assert cli.fit_to_kv(limits, config, kv_tokens=200_000, lookahead=3) == limits
-    explicit = cli.RouterConfig(model_id="m", master_shard_uds_path="/tmp/s-0", max_total_tokens=8000)
+    config = RouterConfig(model_id="m", master_shard_uds_path="/tmp/s-0")
+    limits = derive_limits(config, 131072, lookahead=3)
+    assert limits == Limits(131068, 131069, 4096)  # no 4096 cap on sequences; prefill steps of 4096
+    fitted = fit_to_kv(limits, config, kv_tokens=4000, lookahead=3)
+    assert fitted == Limits(3996, 3997, 4046)  # one request of max_total + lookahead fits the cache
+    assert fit_to_kv(limits, config, kv_tokens=200_000, lookahead=3) == limits
+    explicit = RouterConfig(model_id="m", master_shard_uds_path="/tmp/s-0", max_total_tokens=8000)
     with pytest.raises(ValueError, match=r"holds 4000 tokens, fewer than one request's 8003 .*--max-total-tokens"):
-        cli.fit_to_kv(cli.derive_limits(explicit, 131072, 3), explicit, kv_tokens=4000, lookahead=3)
-    long_input = cli.RouterConfig(model_id="m", master_shard_uds_path="/tmp/s-0", max_input_tokens=5000)
+        fit_to_kv(derive_limits(explicit, 131072, 3), explicit, kv_tokens=4000, lookahead=3)
+    long_input = RouterConfig(model_id="m", master_shard_uds_path="/tmp/s-0", max_input_tokens=5000)
     with pytest.raises(ValueError, match=r"--max-input-tokens \(5000\)"):
-        cli.fit_to_kv(cli.derive_limits(long_input, 131072, 3), long_input, kv_tokens=4000, lookahead=3)
+        fit_to_kv(derive_limits(long_input, 131072, 3), long_input, kv_tokens=4000, lookahead=3)

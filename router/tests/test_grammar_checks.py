@@ -20,6 +20,7 @@ from fake_worker import FakeClient
 
 from specula_router import grammar as g
 from specula_router import grammar_check as gc
+from specula_router import tool_call_grammar as tg
 from specula_router.adapters import AdapterManager
 from specula_router.block_allocator import BlockAllocator
 from specula_router.chat_template import ChatTemplate
@@ -201,21 +202,21 @@ def test_size_limit_counts_the_text_as_received():
 
 
 def test_the_format_is_read_from_the_template():
-    assert g.tool_call_format(QWEN_TOOLS) == g.HERMES
-    assert g.tool_call_format("{{ '[TOOL_CALLS]' }}") == g.MISTRAL
-    assert g.tool_call_format(CHATML) == g.tool_call_format(MISTRAL) == g.LLAMA
+    assert tg.tool_call_format(QWEN_TOOLS) == tg.HERMES
+    assert tg.tool_call_format("{{ '[TOOL_CALLS]' }}") == tg.MISTRAL
+    assert tg.tool_call_format(CHATML) == tg.tool_call_format(MISTRAL) == tg.LLAMA
 
 
 @pytest.mark.parametrize(("call_format", "special", "text"), [
-    (g.HERMES, (), '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'),
-    (g.MISTRAL, (), '[TOOL_CALLS] [{"name":"get_weather","arguments":{"city":"Paris"}}]'),
-    (g.MISTRAL, ("[TOOL_CALLS]",), '[{"name":"get_weather","arguments":{"city":"Paris"}}]'),
-    (g.HERMES, ("<tool_call>", "</tool_call>"), '{"name":"get_weather","arguments":{"city":"Paris"}}'),
-    (g.LLAMA, (), '{"name":"get_weather","parameters":{"city":"Paris"}}'),
+    (tg.HERMES, (), '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'),
+    (tg.MISTRAL, (), '[TOOL_CALLS] [{"name":"get_weather","arguments":{"city":"Paris"}}]'),
+    (tg.MISTRAL, ("[TOOL_CALLS]",), '[{"name":"get_weather","arguments":{"city":"Paris"}}]'),
+    (tg.HERMES, ("<tool_call>", "</tool_call>"), '{"name":"get_weather","arguments":{"city":"Paris"}}'),
+    (tg.LLAMA, (), '{"name":"get_weather","parameters":{"city":"Paris"}}'),
 ])
 def test_a_required_call_is_accepted_and_parsed(tokenizer, lltok, call_format, special, text):
     tools = [WEATHER_TOOL, ADD_TOOL]
-    built = g.tool_call_grammar(tools, "required", call_format, special)
+    built = tg.tool_call_grammar(tools, "required", call_format, special)
     assert built.field == "tools"
     assert accepts(lltok, tokenizer, built.text, text)
     content, calls = parse_tool_calls(text, {"get_weather", "add"})
@@ -229,13 +230,13 @@ def test_a_required_call_is_accepted_and_parsed(tokenizer, lltok, call_format, s
 
 
 def test_required_allows_several_calls_where_the_format_does(tokenizer, lltok):
-    hermes = g.tool_call_grammar([WEATHER_TOOL, ADD_TOOL], "required", g.HERMES)
+    hermes = tg.tool_call_grammar([WEATHER_TOOL, ADD_TOOL], "required", tg.HERMES)
     text = ('<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>\n'
             '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>')
     assert accepts(lltok, tokenizer, hermes.text, text)
     _, calls = parse_tool_calls(text, {"add", "get_weather"})
     assert [c.name for c in calls] == ["add", "get_weather"] and json.loads(calls[0].arguments) == {"a": 1, "b": 2}
-    mistral = g.tool_call_grammar([WEATHER_TOOL, ADD_TOOL], "required", g.MISTRAL)
+    mistral = tg.tool_call_grammar([WEATHER_TOOL, ADD_TOOL], "required", tg.MISTRAL)
     text = '[TOOL_CALLS] [{"name":"add","arguments":{"a":1,"b":2}},{"name":"add","arguments":{"a":3,"b":4}}]'
     assert accepts(lltok, tokenizer, mistral.text, text)
     assert [json.loads(c.arguments) for c in parse_tool_calls(text, {"add"})[1]] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}]
@@ -243,14 +244,14 @@ def test_required_allows_several_calls_where_the_format_does(tokenizer, lltok):
 
 def test_a_named_function_allows_exactly_one_call_of_it(tokenizer, lltok):
     choice = {"type": "function", "function": {"name": "add"}}
-    built = g.tool_call_grammar([WEATHER_TOOL, ADD_TOOL], choice, g.HERMES)
+    built = tg.tool_call_grammar([WEATHER_TOOL, ADD_TOOL], choice, tg.HERMES)
     one = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'
     assert accepts(lltok, tokenizer, built.text, one)
     assert not accepts(lltok, tokenizer, built.text, one + "\n" + one)
     other = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>'
     assert not accepts(lltok, tokenizer, built.text, other)
     with pytest.raises(g.GrammarError) as info:
-        g.tool_call_grammar([WEATHER_TOOL], choice, g.HERMES)
+        tg.tool_call_grammar([WEATHER_TOOL], choice, tg.HERMES)
     assert info.value.field == "tool_choice" and "'add'" in info.value.message
 
 
@@ -258,7 +259,7 @@ def test_a_tool_without_parameters_takes_no_arguments(tokenizer, lltok):
     """OpenAI: omitted `parameters` is an empty parameter list. Before, any object was allowed, and a forced answer
     repeated a key (`{"description":"a","description":"b"}`), which no JSON reader keeps."""
     tool = {"type": "function", "function": {"name": "now"}}
-    built = g.tool_call_grammar([tool], "required", g.LLAMA)
+    built = tg.tool_call_grammar([tool], "required", tg.LLAMA)
     assert accepts(lltok, tokenizer, built.text, '{"name":"now","parameters":{}}')
     assert not accepts(lltok, tokenizer, built.text, '{"name":"now","parameters":[]}')
     assert not accepts(lltok, tokenizer, built.text, '{"name":"now","parameters":{"a":1}}')
@@ -374,7 +375,7 @@ def test_a_valid_grammar_reaches_the_workers_from_every_route(tokenizer):
     regex = g.regex_grammar("[0-9]+", "grammar.value").text
     person = g.json_schema_grammar(PERSON, "x").text
     any_object = g.json_schema_grammar({"type": "object"}, "x").text
-    forced = g.tool_call_grammar([WEATHER_TOOL], "required", g.HERMES).text
+    forced = tg.tool_call_grammar([WEATHER_TOOL], "required", tg.HERMES).text
 
     async def fn(client):
         r = await client.post("/generate", json={"inputs": "x", "parameters": {
@@ -500,7 +501,7 @@ def test_the_limits_are_flags_with_environment_variables(monkeypatch):
     assert (params["max_grammar_bytes"], params["grammar_compile_timeout"]) == (1000, 2.5)
     params = parse([], {"MAX_GRAMMAR_BYTES": "2048", "GRAMMAR_COMPILE_TIMEOUT": "0.5"}, monkeypatch)
     assert (params["max_grammar_bytes"], params["grammar_compile_timeout"]) == (2048, 0.5)
-    from specula_router.cli import RouterConfig
+    from specula_router.config import RouterConfig
 
     with pytest.raises(ValueError, match="--max-grammar-bytes must be at least 1; got 0"):
         RouterConfig(model_id="m", master_shard_uds_path="/tmp/s-0", max_grammar_bytes=0)
@@ -510,7 +511,7 @@ def test_the_limits_are_flags_with_environment_variables(monkeypatch):
 
 def test_the_launcher_passes_the_limits_to_the_router_when_given(monkeypatch):
     from specula_launcher.commands import router_command
-    from specula_launcher.config import build_config
+    from specula_launcher.defaults import build_config
 
     for name in ("MAX_GRAMMAR_BYTES", "GRAMMAR_COMPILE_TIMEOUT"):
         monkeypatch.delenv(name, raising=False)
@@ -528,8 +529,9 @@ def test_the_router_startup_builds_the_checker_from_the_workers_info(tmp_path, m
     from test_cli import StartupClient
 
     from specula_proto import generate_pb2 as pb
-    from specula_router import cli
+    from specula_router import startup
     from specula_router.client import ShardedClient
+    from specula_router.config import RouterConfig
 
     build_tokenizer(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "llama", "max_position_embeddings": 512}')
@@ -550,9 +552,9 @@ def test_the_router_startup_builds_the_checker_from_the_workers_info(tmp_path, m
     monkeypatch.setattr(client, "info", info)
     monkeypatch.setattr(ShardedClient, "connect", staticmethod(connect))
     monkeypatch.setattr("uvicorn.Server.serve", serve)
-    config = cli.RouterConfig(model_id=str(tmp_path), master_shard_uds_path="/tmp/unused-0", max_grammar_bytes=777,
-                              grammar_compile_timeout=3.0)
-    assert asyncio.run(cli.run(config)) == 0
+    config = RouterConfig(model_id=str(tmp_path), master_shard_uds_path="/tmp/unused-0", max_grammar_bytes=777,
+                          grammar_compile_timeout=3.0)
+    assert asyncio.run(startup.run(config)) == 0
     (state,) = served
     checker = state.grammar_checker
     assert state.validator.limits.max_grammar_bytes == 777
@@ -564,7 +566,7 @@ def test_parallel_tool_calls_false_allows_one_call_only(lltok, tokenizer):
     """`tool_choice: required` with `parallel_tool_calls: false`: one Hermes block, never a second."""
     call = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'
     for parallel in (True, False):
-        grammar = g.tool_call_grammar([ADD_TOOL], "required", g.HERMES, parallel=parallel).text
+        grammar = tg.tool_call_grammar([ADD_TOOL], "required", tg.HERMES, parallel=parallel).text
         assert accepts(lltok, tokenizer, grammar, call)
         assert accepts(lltok, tokenizer, grammar, call + "\n" + call) is parallel
 

@@ -17,8 +17,9 @@ from openapi_spec_validator import validate
 from test_http_limits import LIMITS, build_state
 
 from specula_proto import generate_pb2 as pb
-from specula_router import cli
+from specula_router import startup
 from specula_router.chat_template import ChatTemplate
+from specula_router.config import RouterConfig
 from specula_router.openai_models import OpenAISettings
 from specula_router.schemas import GenerateParameters
 from specula_router.server import create_app
@@ -38,13 +39,13 @@ def tokenizer(tmp_path_factory):
 
 
 def info_body() -> dict:
-    """A complete `/info` answer, as `cli.run` builds it, for the limits of `build_state`."""
-    config = cli.RouterConfig(model_id="fake", master_shard_uds_path="/tmp/unused-0", speculative_tokens=2)
+    """A complete `/info` answer, as `startup.run` builds it, for the limits of `build_state`."""
+    config = RouterConfig(model_id="fake", master_shard_uds_path="/tmp/unused-0", speculative_tokens=2)
     info = pb.InfoResponse(model_id="fake", dtype="float32", device_type="cpu", block_size=16,
                            max_position_embeddings=512, world_size=1,
                            speculation=pb.SpeculationInfo(method="ngram", max_speculative_tokens=2, mode="fixed"))
-    limits = cli.Limits(LIMITS.max_input_tokens, LIMITS.max_total_tokens, 512)
-    return cli.info_body(config, info, limits, num_blocks=256)
+    limits = startup.Limits(LIMITS.max_input_tokens, LIMITS.max_total_tokens, 512)
+    return startup.info_body(config, info, limits, num_blocks=256)
 
 
 @pytest.fixture(scope="module")

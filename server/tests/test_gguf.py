@@ -181,7 +181,7 @@ def test_an_unknown_pre_tokenizer_is_refused_by_name(tmp_path, llama_dir):
 
 
 def test_the_launcher_refuses_a_bad_file_before_any_shard_starts(tmp_path, llama_dir):
-    from specula_launcher.config import build_config
+    from specula_launcher.defaults import build_config
 
     other = write_gguf(llama_dir, tmp_path / "gpt2.gguf", "F32", architecture="gpt2")
     with pytest.raises(ValueError, match=r"--model-id: GGUF file \S+gpt2\.gguf: architecture 'gpt2'"):
@@ -191,7 +191,7 @@ def test_the_launcher_refuses_a_bad_file_before_any_shard_starts(tmp_path, llama
 
 
 def test_the_launcher_takes_the_position_limit_from_the_file(gguf_files):
-    from specula_launcher.config import build_config
+    from specula_launcher.defaults import build_config
 
     config = build_config(model_id=str(gguf_files["Q8_0"]), device="cpu")
     assert config.max_total_tokens == 512  # the tiny model's max_position_embeddings

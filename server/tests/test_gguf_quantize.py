@@ -96,7 +96,7 @@ def test_types_without_native_blocks_and_mixed_fusions_are_served_as_float(gguf_
 
 
 def test_the_flag_is_refused_for_a_checkpoint_that_is_not_a_gguf_file(llama_dir):
-    from specula_launcher.config import build_config
+    from specula_launcher.defaults import build_config
 
     with pytest.raises(ValueError, match=r"--quantize gguf serves a GGUF file's own blocks; --model-id \S+ is not"):
         ServerConfig(model_id=str(llama_dir), uds_path="/tmp/unused", quantize="gguf")

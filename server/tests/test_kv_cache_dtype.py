@@ -92,7 +92,7 @@ def test_the_launcher_passes_the_flag_to_every_shard(value, monkeypatch, tmp_pat
 
     from specula_launcher import cli as launcher_cli
     from specula_launcher.commands import shard_command
-    from specula_launcher.config import build_config
+    from specula_launcher.defaults import build_config
     from specula_launcher.endpoints import claim_endpoints
     from specula_server import cli as server_cli
 
@@ -242,13 +242,14 @@ def test_info_reports_the_kv_cache_dtype(llama_dir):
     import asyncio
 
     from specula_proto import generate_pb2 as pb
-    from specula_router import cli as router_cli
+    from specula_router.config import RouterConfig
+    from specula_router.startup import Limits, info_body
     from specula_server.service import TextGenerationService, WorkerInfo
 
     generator = load_test_generator(llama_dir, num_blocks=4, kv_cache_dtype="fp8")
     info = WorkerInfo(str(llama_dir), "", torch.device("cpu"), 1, ("unix:///tmp/unused-0",), None)
     reply = asyncio.run(TextGenerationService(generator, info).Info(pb.InfoRequest(), None))
     assert (reply.dtype, reply.kv_cache_dtype) == ("float32", "float8_e4m3fn")
-    config = router_cli.RouterConfig(model_id="fake", master_shard_uds_path="/tmp/unused-0")
-    body = router_cli.info_body(config, reply, router_cli.Limits(100, 200, 512), num_blocks=8)
+    config = RouterConfig(model_id="fake", master_shard_uds_path="/tmp/unused-0")
+    body = info_body(config, reply, Limits(100, 200, 512), num_blocks=8)
     assert body["kv_cache_dtype"] == "float8_e4m3fn"

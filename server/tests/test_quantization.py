@@ -295,18 +295,19 @@ def test_info_reports_quantize(model_dir):
 
 @pytest.mark.parametrize("quantize,expected", [("int4", "int4"), ("", None)])
 def test_router_info_reports_quantize(quantize, expected):
-    from specula_router import cli as router_cli
+    from specula_router.config import RouterConfig
+    from specula_router.startup import Limits, info_body
 
-    config = router_cli.RouterConfig(model_id="fake", master_shard_uds_path="/tmp/unused-0")
+    config = RouterConfig(model_id="fake", master_shard_uds_path="/tmp/unused-0")
     info = pb.InfoResponse(model_id="fake", dtype="float32", device_type="cpu", block_size=16, world_size=1,
                            max_position_embeddings=512, quantize=quantize)
-    body = router_cli.info_body(config, info, router_cli.Limits(100, 200, 512), num_blocks=8)
+    body = info_body(config, info, Limits(100, 200, 512), num_blocks=8)
     assert body["quantize"] == expected
 
 
 def test_the_launcher_passes_quantize_to_every_shard_and_refuses_the_rest():
     from specula_launcher.commands import shard_command
-    from specula_launcher.config import build_config
+    from specula_launcher.defaults import build_config
 
     no_gpu = {"count_cuda_devices": lambda: 0, "shard_uds_path": "/run/s"}
     config = build_config(model_id="org/model", quantize="int4", quantize_group_size=32, **no_gpu)
