@@ -11,15 +11,16 @@
 
 Requests leave on their own in the step that finishes them (stop, EOS, max_new_tokens) or fails them (their
 logits were not finite, their blocks did not cover the step); the router frees their blocks.
+
+Beside it: `request_checks.py` (what the router sends, checked), `step_outputs.py` (logits → tokens → outputs),
+`speculative_step.py` (verified drafts accepted and committed), `step_graphs.py` (the CUDA graphs it replays).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import tokenizers
 import torch
@@ -27,46 +28,35 @@ import torch
 from specula_kernels.cuda_graphs import GraphCaptureError
 from specula_kernels.paged_attention import BlockTableInputs
 from specula_server.adapters.registry import AdapterRegistry, LoraBatch
-from specula_server.adapters.sources import AdapterError
 from specula_server.batch import StepInputs, build_step
 from specula_server.distributed import ShardGroup
-from specula_server.grammar import GrammarCompiler, MaskJob, apply_masks
-from specula_server.kv_cache import KVCache, slots_for_blocks
+from specula_server.grammar import GrammarCompiler
+from specula_server.kv_cache import KVCache
 from specula_server.models.llama import LlamaForCausalLM
-from specula_server.nonfinite import failure, kept_rows, nonfinite_requests
-from specula_server.request import (
-    InvalidRequestError,
-    RequestSpec,
-    RequestState,
-    RequestUpdate,
-    StepOutput,
-    StepPlan,
-    TokenInfo,
-    check_spec,
-)
-from specula_server.sampling import Sampler, SampleResult, SamplingRow
+from specula_server.request import InvalidRequestError, RequestSpec, RequestState, RequestUpdate, StepOutput, StepPlan
+from specula_server.request_checks import block_slots, check_new_request, chunk_end
+from specula_server.sampling import Sampler
 from specula_server.speculation.controller import AcceptancePriors, StepCostModel
 from specula_server.speculation.draft_model import DraftModelDrafter
 from specula_server.speculation.drafters import Draft
 from specula_server.speculation.eagle3_drafter import Eagle3Drafter
 from specula_server.speculation.speculator import DraftPlan, SpeculationConfig, Speculator
+from specula_server.speculative_step import accept_drafts, keep_aux, place_drafts
 from specula_server.step_graphs import StepGraphs, default_graph_batch_sizes, unavailable
+from specula_server.step_outputs import (
+    StepResult,
+    StepTimings,
+    TokenReports,
+    commit_prompts,
+    commit_sampled,
+    grammar_masks,
+    sample,
+    screen,
+)
 
-__all__ = ["InvalidRequestError", "SpeculationConfig", "StepPlan", "StepResult", "StepTimings", "TextGenerator"]
+__all__ = ["InvalidRequestError", "SpeculationConfig", "StepPlan", "TextGenerator"]
 
 logger = logging.getLogger("specula.generator")
-
-
-@dataclass
-class StepTimings:
-    forward_ns: int = 0
-    decode_ns: int = 0
-
-
-@dataclass
-class StepResult:
-    outputs: list[StepOutput]
-    timings: StepTimings = field(default_factory=StepTimings)
 
 
 class TextGenerator:
@@ -91,15 +81,13 @@ class TextGenerator:
             self.speculation, model.config.max_position_embeddings, self.agreed_seconds)
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self.special_ids = frozenset(
-            tid for tid, tok in tokenizer.get_added_tokens_decoder().items() if tok.special
-        )
         self.block_size = block_size
         self.device = device
         self.dtype = model.norm.weight.dtype
         # What the KV cache stores keys and values in (--kv-cache-dtype); by default the compute dtype.
         self.kv_cache_dtype = kv_cache_dtype or self.dtype
         self.sampler = Sampler()
+        self.reports = TokenReports(tokenizer)  # top-n alternatives and prompt log-probs, with their text
         self.kv_cache: KVCache | None = None
         self.requests: dict[int, RequestState] = {}
         self._grammars: GrammarCompiler | None = None  # built with the first constrained request
@@ -210,22 +198,11 @@ class TextGenerator:
 
     def _slots(self, request_id: int, blocks: Sequence[int]) -> torch.Tensor:
         assert self.kv_cache is not None
-        if any(not 0 <= b < self.kv_cache.num_blocks for b in blocks):
-            raise InvalidRequestError(f"request {request_id}: KV block ids must be in [0, {self.kv_cache.num_blocks})")
-        return slots_for_blocks(torch.tensor(blocks, dtype=torch.long, device=self.device), self.block_size)
+        return block_slots(request_id, blocks, self.kv_cache.num_blocks, self.block_size, self.device)
 
     def _admit(self, spec: RequestSpec) -> RequestState:
-        """Checks a new request against the model and the cache (`check_spec`), then builds its state."""
-        if spec.id in self.requests:
-            raise InvalidRequestError(f"request {spec.id} is already running")
-        check_spec(spec, self.model.config.vocab_size, self.model.config.max_position_embeddings, self.block_size)
-        if spec.adapter_id:
-            if self.adapters is None:
-                raise InvalidRequestError(f"request {spec.id}: this worker serves no adapters")
-            try:
-                self.adapters.check(spec.adapter_id)
-            except AdapterError as e:
-                raise InvalidRequestError(f"request {spec.id}: {e}") from None
+        """Checks a new request (`check_new_request`), then builds its state."""
+        check_new_request(spec, self.requests, self.model.config, self.block_size, self.adapters)
         grammar = self.grammars.start(spec.grammar, spec.generated_ids) if spec.grammar else None
         return RequestState.create(spec, self.tokenizer, self._slots(spec.id, spec.blocks), self.eos_token_ids,
                                    self.device, grammar)
@@ -240,13 +217,7 @@ class TextGenerator:
         """Appends an update's blocks; returns the end of the prompt chunk it schedules (None: none)."""
         if update.new_blocks:
             r.grow(self._slots(r.id, update.new_blocks))
-        if not r.is_prefilling:
-            return None
-        until = update.prefill_until or r.num_tokens
-        if not r.prefilled < until <= r.num_tokens:
-            raise InvalidRequestError(f"request {r.id}: prefill_until ({update.prefill_until}) must lie past the "
-                                      f"{r.prefilled} positions already computed, within {r.num_tokens}")
-        return until
+        return chunk_end(r, update)
 
     # --- the step -----------------------------------------------------------------------------------------
 
@@ -328,14 +299,6 @@ class TextGenerator:
         step = self.graphs.build_step(reqs, counts, trees) if self.graphs is not None else None
         return step or build_step(reqs, [r.num_tokens - 1 for r in reqs], counts, self.device, trees)
 
-    def _keep_aux(self, reqs: Sequence[RequestState], aux: torch.Tensor | None, rows: Sequence[slice | list[int]],
-                  first_positions: Sequence[int]) -> None:
-        """Hands each request's auxiliary rows (of consecutive positions from `first_positions[i]`) to EAGLE-3."""
-        if aux is None or self.eagle is None:
-            return
-        for r, index, first in zip(reqs, rows, first_positions):
-            self.eagle.keep_aux(r, aux[index], first)
-
     @torch.inference_mode()
     def _prefill(self, items: list[tuple[RequestState, int]], timings: StepTimings) -> list[StepOutput]:
         """One forward over prompt chunks: each writes its KV; a prompt whose end ran yields its first token."""
@@ -348,9 +311,9 @@ class TextGenerator:
         waiting = [i for i in done if reqs[i].grammar is not None and not reqs[i].grammar.is_ready
                    and not reqs[i].spec.prefill_logprobs]
         done = [i for i in done if i not in waiting]
-        masks = self._masks([reqs[i] for i in done])
+        masks = grammar_masks([reqs[i] for i in done], self.model.config.vocab_size)
         hidden, aux = self._forward(reqs, step)
-        self._keep_aux(reqs, aux, [slice(s, s + c) for s, c in zip(step.row_starts, step.counts)], starts)
+        keep_aux(self.eagle, reqs, aux, [slice(s, s + c) for s, c in zip(step.row_starts, step.counts)], starts)
         for r, until in items:
             r.prefilled = until
         if waiting:
@@ -367,31 +330,22 @@ class TextGenerator:
         reqs, row_starts = [reqs[i] for i in done], [step.row_starts[i] for i in done]
         for r in reqs:
             r.prefilled = None
-        outputs, kept, logits = self._screen(reqs, logits, [1] * len(reqs), masks)
-        prompts = {}
-        for i in kept:
-            if reqs[i].spec.prefill_logprobs:
-                prompts[i] = self._prefill_tokens(reqs[i], hidden, row_starts[i])
-                if prompts[i] is None:
-                    outputs.append(failure(reqs[i], "prompt logits"))
-        sampled = [j for j, i in enumerate(kept) if prompts.get(i, ()) is not None]
-        kept = [kept[j] for j in sampled]
-        if kept:
-            sample = self._sample([reqs[i] for i in kept], logits[sampled])
-            outputs += self._commit_sampled([reqs[i] for i in kept], sample, last_hidden[kept],
-                                            [prompts.get(i) for i in kept])
-        return outputs
+
+        def prompt_logits(i: int) -> torch.Tensor:  # of request i's prompt positions but the last
+            return self.model.compute_logits(hidden[row_starts[i] : row_starts[i] + reqs[i].prompt_len - 1])
+
+        return commit_prompts(reqs, logits, last_hidden, masks, self.sampler, self.reports, prompt_logits)
 
     @torch.inference_mode()
     def _first_tokens(self, reqs: list[RequestState]) -> list[StepOutput]:
         """The first token of prompts that waited for their grammar, from the logits their prefill kept."""
         rows = [self._waiting.pop(r.id) for r in reqs]
         logits, last_hidden = torch.stack([row for row, _ in rows]), torch.stack([h for _, h in rows])
-        outputs, kept, logits = self._screen(reqs, logits, [1] * len(reqs), self._masks(reqs))
+        outputs, kept, logits = screen(reqs, logits, [1] * len(reqs), grammar_masks(reqs, self.model.config.vocab_size))
         if not kept:
             return outputs
-        sample = self._sample([reqs[i] for i in kept], logits)
-        return outputs + self._commit_sampled([reqs[i] for i in kept], sample, last_hidden[kept])
+        chosen = sample(self.sampler, [reqs[i] for i in kept], logits)
+        return outputs + commit_sampled([reqs[i] for i in kept], chosen, last_hidden[kept], self.reports)
 
     @torch.inference_mode()
     def _decode(self, reqs: list[RequestState], timings: StepTimings) -> list[StepOutput]:
@@ -401,71 +355,21 @@ class TextGenerator:
         if plan is not None:
             return self._verify(reqs, plan, start, timings)
         step = self._build_step(reqs, [1] * len(reqs))
-        masks = self._masks(reqs)
+        masks = grammar_masks(reqs, self.model.config.vocab_size)
         hidden, aux = self._forward(reqs, step)
-        self._keep_aux(reqs, aux, [slice(i, i + 1) for i in range(len(reqs))], [r.num_tokens - 1 for r in reqs])
+        keep_aux(self.eagle, reqs, aux, [slice(i, i + 1) for i in range(len(reqs))], [r.num_tokens - 1 for r in reqs])
         last_hidden = hidden[step.last_rows]
         logits = self.model.compute_logits(last_hidden)
         timings.forward_ns += time.perf_counter_ns() - start
-        outputs, kept, logits = self._screen(reqs, logits, [1] * len(reqs), masks)
+        outputs, kept, logits = screen(reqs, logits, [1] * len(reqs), masks)
         if not kept:
             return outputs
-        sample = self._sample([reqs[i] for i in kept], logits)
+        chosen = sample(self.sampler, [reqs[i] for i in kept], logits)
         if self.speculator is not None:  # timed up to the chosen tokens, as a verifying step is
             self.speculator.observe_plain(len(reqs), time.perf_counter_ns() - start)
-        outputs += self._commit_sampled([reqs[i] for i in kept], sample, last_hidden[kept])
+        outputs += commit_sampled([reqs[i] for i in kept], chosen, last_hidden[kept], self.reports)
         if self.eagle is not None:
             self.eagle.bound_kept_rows([r for r in reqs if not r.is_finished])
-        return outputs
-
-    def _masks(self, reqs: Sequence[RequestState], plan: DraftPlan | None = None) -> MaskJob | None:
-        """Starts computing the allowed-token masks of the constrained requests among `reqs` (each feeding one row,
-        or its last token and its drafts in `plan`) on the mask thread; None when none is constrained."""
-        items = []
-        for i, r in enumerate(reqs):
-            if r.grammar is not None:
-                draft = plan.drafts[i] if plan is not None else None
-                tokens, parents = ([], []) if draft is None else (draft.tokens.tolist(), draft.node_parents())
-                items.append((i, r.grammar, tokens, parents))
-        return MaskJob(items, self.model.config.vocab_size) if items else None
-
-    def _screen(self, reqs: Sequence[RequestState], logits: torch.Tensor, counts: Sequence[int],
-                masks: MaskJob | None) -> tuple[list[StepOutput], list[int], torch.Tensor]:
-        """Failures of the requests whose rows are not finite or whose grammar failed, the indices of the others,
-        and their rows of `logits` (request after request, `counts[i]` each) with every grammar's mask applied."""
-        failed = dict.fromkeys(nonfinite_requests(logits, counts), "")
-        if masks is not None:
-            masks.wait()
-            failed.update((i, error) for i, error in masks.errors.items() if i not in failed)
-        outputs = [StepOutput(reqs[i].id, [], [], error=f"request {reqs[i].id}: {error}") if error else failure(reqs[i])
-                   for i, error in failed.items()]
-        keep = [i for i in range(len(reqs)) if i not in failed]
-        rows, starts = kept_rows(counts, keep)
-        if len(keep) < len(reqs):
-            logits = logits[rows]
-        if masks is not None:
-            new_start = dict(zip(keep, starts))
-            mask_rows = [(new_start[i] + j, at + j) for i, at, n in masks.spans() if i in new_start for j in range(n)]
-            if mask_rows:
-                dst, src = zip(*mask_rows)
-                apply_masks(logits, torch.tensor(dst), masks.bitmask[list(src)])
-        return outputs, keep, logits
-
-    def _sample(self, reqs: Sequence[RequestState], logits: torch.Tensor) -> SampleResult:
-        rows = [SamplingRow(r.spec.sampling, r.history, r.generator) for r in reqs]
-        return self.sampler(logits, rows, num_top=max(r.spec.top_n_tokens for r in reqs))
-
-    def _commit_sampled(self, reqs: Sequence[RequestState], sample: SampleResult, last_hidden: torch.Tensor,
-                        prompts: Sequence[list[TokenInfo] | None] | None = None) -> list[StepOutput]:
-        """Appends each request's sampled token (row i) and reports it."""
-        token_ids, logprobs = sample.token_ids.tolist(), sample.logprobs.tolist()
-        outputs = []
-        for i, r in enumerate(reqs):
-            r.last_hidden = last_hidden[i]
-            top = self._top_tokens(sample, i, r.spec.top_n_tokens)
-            out = r.commit([token_ids[i]], [logprobs[i]], [top] if r.spec.top_n_tokens else [])
-            out.prefill_tokens = prompts[i] if prompts else None
-            outputs.append(out)
         return outputs
 
     # --- speculative decoding -------------------------------------------------------------------------------
@@ -479,82 +383,17 @@ class TextGenerator:
                 ) -> list[StepOutput]:
         """verify → accept → commit: one forward over `[last, d1..dk]` per request, then the exact rule."""
         assert self.speculator is not None and self.kv_cache is not None
-        drafts, methods, counts = plan.drafts, plan.methods, plan.counts
-        for r, d in zip(reqs, drafts):  # the buffer tail past num_tokens is free: drafts go there
-            r.token_ids[r.num_tokens : r.num_tokens + len(d)] = d.tokens
-        trees = [None if d.is_chain else d for d in drafts]
-        step = self._build_step(reqs, counts, trees)
-        masks = self._masks(reqs, plan)
+        counts = plan.counts
+        step = self._build_step(reqs, counts, place_drafts(reqs, plan.drafts))
+        masks = grammar_masks(reqs, self.model.config.vocab_size, plan)
         hidden, aux = self._forward(reqs, step)
         logits = self.model.compute_logits(hidden)  # [sum(counts), vocab]
         timings.forward_ns += time.perf_counter_ns() - start
-        num_seqs, row_starts = len(reqs), step.row_starts
-        # A verified row's logits are its drafts' too: a request with one bad row fails whole.
-        outputs, keep, logits = self._screen(reqs, logits, counts, masks)
-        if len(keep) < num_seqs:  # the others go on without them: from here on every operation is row by row
-            rows, row_starts = kept_rows(counts, keep)
-            hidden = hidden[rows]
-            aux = aux[rows] if aux is not None else None
-            reqs = [reqs[i] for i in keep]
-            plan = DraftPlan([drafts[i] for i in keep], [methods[i] for i in keep])
-            if not reqs:
-                return outputs
-        verdicts, processed = self.speculator.accept(reqs, plan, logits, row_starts, self.sampler, self.kv_cache,
-                                                     start, num_seqs)
-        scores = processed if processed is not None else logits
-        # The accepted path's rows: the positions num_tokens - 1 .. of the tokens committed now.
-        self._keep_aux(reqs, aux, [v.rows for v in verdicts], [r.num_tokens - 1 for r in reqs])
-        for r, v, method, draft in zip(reqs, verdicts, plan.methods, plan.drafts):
-            r.last_hidden = hidden[v.rows[-1]]
-            tops = self._row_top_tokens(scores, v.rows, r.spec.top_n_tokens, normalized=processed is not None)
-            out = r.commit(v.token_ids, v.logprobs, tops)  # up to a stop: nothing after it is emitted
-            self.speculator.record(r, v, method, draft)
-            out.num_drafted, out.num_accepted, out.draft_method = v.num_drafted, min(v.num_accepted,
-                                                                                     len(out.tokens)), method
-            outputs.append(out)
-        if self.eagle is not None:
-            self.eagle.bound_kept_rows([r for r in reqs if not r.is_finished])
-        return outputs
+        return accept_drafts(reqs, plan, counts, hidden, aux, logits, step.row_starts, masks, start,
+                             speculator=self.speculator, sampler=self.sampler, kv_cache=self.kv_cache,
+                             reports=self.reports, eagle=self.eagle)
 
     def _lora(self, requests: Sequence[RequestState], counts: Sequence[int]) -> LoraBatch | None:
         if self.adapters is None:
             return None
         return self.adapters.batch([r.spec.adapter_id for r in requests], counts)
-
-    def _row_top_tokens(self, scores: torch.Tensor, rows: list[int], n: int, normalized: bool) -> list[list[TokenInfo]]:
-        if n == 0:
-            return []
-        selected = scores[rows].float()
-        if not normalized:
-            selected = torch.log_softmax(selected, dim=-1)
-        top = selected.topk(n, dim=-1)
-        return [
-            [TokenInfo(t, lp, self.tokenizer.decode([t], skip_special_tokens=False), t in self.special_ids)
-             for t, lp in zip(ids, lps)]
-            for ids, lps in zip(top.indices.tolist(), top.values.tolist())
-        ]
-
-    def _prefill_tokens(self, r: RequestState, hidden: torch.Tensor, row_start: int) -> list[TokenInfo] | None:
-        """Log-probability of every prompt token given the ones before it (the first has none); None when
-        some prompt position's logits are not finite."""
-        prompt = r.token_ids[: r.prompt_len]
-        logits = self.model.compute_logits(hidden[row_start : row_start + r.prompt_len - 1])
-        if nonfinite_requests(logits, [logits.shape[0]]):
-            return None
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, prompt[1:].to(self.device).unsqueeze(1))
-        values = [math.nan] + logprobs.squeeze(1).tolist()
-        ids = prompt.tolist()
-        return [
-            TokenInfo(t, lp, self.tokenizer.decode([t], skip_special_tokens=False), t in self.special_ids)
-            for t, lp in zip(ids, values)
-        ]
-
-    def _top_tokens(self, sample, row: int, n: int) -> list[TokenInfo]:
-        if n == 0:
-            return []
-        ids = sample.top_ids[row, :n].tolist()
-        lps = sample.top_logprobs[row, :n].tolist()
-        return [
-            TokenInfo(t, lp, self.tokenizer.decode([t], skip_special_tokens=False), t in self.special_ids)
-            for t, lp in zip(ids, lps)
-        ]

@@ -38,12 +38,8 @@ from specula_server.speculation.drafters import PromptLookupDrafter
 from specula_server.speculation.eagle3_checkpoint import find_eagle3, load_eagle3
 from specula_server.speculation.eagle3_drafter import Eagle3Drafter
 from specula_server.speculation.medusa import MedusaDrafter
-from specula_server.speculation.mlp_speculator import (
-    MLPSpeculator,
-    MLPSpeculatorDrafter,
-    find_mlp_speculator,
-    load_mlp_speculator,
-)
+from specula_server.speculation.mlp_speculator import MLPSpeculator, MLPSpeculatorDrafter
+from specula_server.speculation.mlp_speculator_checkpoint import find_mlp_speculator, load_mlp_speculator
 from specula_server.speculation.suffix import DEFAULT_CACHE_TOKENS, SUFFIX, SuffixDrafter
 from specula_server.threads import worker_threads
 from specula_server.tokens import eos_token_ids, load_tokenizer

@@ -21,9 +21,10 @@ from specula_proto import generate_pb2 as pb
 from specula_proto import generate_pb2_grpc
 from specula_server.adapters.merge import MergeSpec
 from specula_server.adapters.sources import AdapterError
-from specula_server.generator import InvalidRequestError, StepResult, TextGenerator
+from specula_server.generator import InvalidRequestError, TextGenerator
 from specula_server.params import FinishReason, SamplingParams, StoppingParams
 from specula_server.request import RequestSpec, RequestUpdate, StepOutput, StepPlan, TokenInfo
+from specula_server.step_outputs import StepResult
 from specula_server.threads import compute_executor
 from specula_server.warmup import warmup
 

@@ -210,9 +210,9 @@ def test_the_masked_distribution_test_detects_an_unmasked_draw(llama_dir, abc_pr
     drafts the grammar allows are then accepted at the rate of the raw model."""
     import specula_server.generator as generator_module
 
-    original = generator_module.TextGenerator._masks
-    monkeypatch.setattr(generator_module.TextGenerator, "_masks",
-                        lambda self, reqs, plan=None: None if plan is not None else original(self, reqs))
+    original = generator_module.grammar_masks
+    monkeypatch.setattr(generator_module, "grammar_masks",
+                        lambda reqs, vocab_size, plan=None: None if plan is not None else original(reqs, vocab_size))
     plain = load_test_generator(llama_dir, num_blocks=1024)
     spec = load_test_generator(llama_dir, num_blocks=1024, speculative_tokens=3, speculation_mode="fixed")
     baseline, _ = sample_under_grammar(plain, abc_prompt, regex_grammar(ABC_REGEX), 0)

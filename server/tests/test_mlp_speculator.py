@@ -18,8 +18,8 @@ from test_speculation import PROMPTS
 from specula_server.models.config import ModelConfig
 from specula_server.params import SamplingParams
 from specula_server.speculation.drafters import PromptLookupDrafter
-from specula_server.speculation.mlp_speculator import (
-    MLPSpeculatorDrafter,
+from specula_server.speculation.mlp_speculator import MLPSpeculatorDrafter
+from specula_server.speculation.mlp_speculator_checkpoint import (
     MLPSpeculatorError,
     find_mlp_speculator,
     load_mlp_speculator,

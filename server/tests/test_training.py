@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from specula_server.adapters.medusa import load_medusa
 from specula_server.models.config import ModelConfig
-from specula_server.speculation.mlp_speculator import load_mlp_speculator
+from specula_server.speculation.mlp_speculator_checkpoint import load_mlp_speculator
 from specula_server.training.cli import app
 from specula_server.training.data import HiddenStates, Sample, batches, generate_samples, read_prompts
 from specula_server.training.speculators import MedusaTrainee, MLPSpeculatorTrainee
