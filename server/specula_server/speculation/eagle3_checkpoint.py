@@ -188,7 +188,7 @@ def check_shapes(weights: Weights, spec: Eagle3Config, num_aux: int, name: str) 
             raise refuse(name, f"tensor {tensor} has shape {found}, expected {shape} (hidden size {h}, "
                                f"{num_aux} auxiliary layers of {th}, draft vocabulary {spec.draft_vocab_size})")
     if "d2t" in expected:
-        targets = torch.arange(spec.draft_vocab_size) + weights.get_tensor("d2t").long()
+        targets = torch.arange(spec.draft_vocab_size) + weights.get_tensor("d2t").long().cpu()
         if targets.min() < 0 or targets.max() >= cfg.vocab_size or math.prod(targets.unique().shape) != len(targets):
             raise refuse(name, f"d2t maps draft tokens outside the {cfg.vocab_size}-token vocabulary or two onto "
                                "one target token")
