@@ -787,5 +787,5 @@ def test_greedy_output_is_identical_on_cuda(llama_dir, checkpoints, width):
     """The draft layer, its KV and the verification of its chains (and trees) on the GPU."""
     plain = load_test_generator(llama_dir, device="cuda")
     drafted = with_eagle(llama_dir, checkpoints["echo"], device="cuda", draft_tree_width=width)
-    got = assert_same_greedy_output(plain, drafted, PROMPTS[:2], run, max_new_tokens=16)
-    assert sum(o.num_accepted for outputs in got for o in outputs) > 0
+    got = assert_same_greedy_output(plain, drafted, PROMPTS, run, max_new_tokens=24)
+    assert sum(o.num_accepted for outputs in got for o in outputs) > 0  # on CPU: 13 of 221 drafts at width 1
