@@ -24,9 +24,10 @@ identical to the answer of the baseline (`specula`, speculation off, float32).
     python benchmark/real_model.py --settings specula specula-ngram specula-suffix vllm vllm-ngram \\
         llamacpp-f32 llamacpp-f32-ngram --rounds 2 --json benchmark/results/real_model.json
 
-EAGLE-3 (`specula-eagle3`, `--eagle3 DIR`) needs a drafter trained for this model; `--write-training-prompts FILE`
-writes chat prompts of the same three kinds from other sources (other modules' functions and docstrings, other
-questions: none is a benchmark prompt), rendered with the model's chat template, for `specula-train eagle3`:
+EAGLE-3 (`specula-eagle3`, and vLLM serving the same drafter, `vllm-eagle3`; `--eagle3 DIR`) needs a drafter
+trained for this model; `--write-training-prompts FILE` writes chat prompts of the same three kinds from other
+sources (other modules' functions and docstrings, other questions: none is a benchmark prompt), rendered with the
+model's chat template, for `specula-train eagle3`:
 
     python benchmark/real_model.py --write-training-prompts work/eagle3-prompts.jsonl --training-prompts 160
     specula-train eagle3 --model-id ~/.cache/specula/real-model/SmolLM2-135M-Instruct.Q4_1.gguf \\
@@ -73,6 +74,8 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
     "vllm": ("vllm", []),
     "vllm-ngram": ("vllm", ["--speculative-config", json.dumps(
         {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_lookup_max": 4, "prompt_lookup_min": 1})]),
+    "vllm-eagle3": ("vllm", ["--speculative-config", json.dumps(
+        {"method": "eagle3", "model": "{eagle3}", "num_speculative_tokens": DRAFTS})]),
     "llamacpp-f32": ("llamacpp:f32", []),
     "llamacpp-f32-ngram": ("llamacpp:f32", ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
                                             "--spec-ngram-simple-size-m", str(DRAFTS)]),
@@ -267,10 +270,10 @@ class Context:
 
 def start(setting: str, ctx: Context, max_concurrency: int) -> Server:
     server, flags = SETTINGS[setting]
-    if "{eagle3}" in flags:
+    if any("{eagle3}" in f for f in flags):
         if ctx.args.eagle3 is None:
             raise SystemExit(f"{setting} needs --eagle3 DIR (a drafter trained for this model)")
-        flags = [str(ctx.args.eagle3) if f == "{eagle3}" else f for f in flags]
+        flags = [f.replace("{eagle3}", str(ctx.args.eagle3.resolve())) for f in flags]
     ctx.work.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f"{setting}-", dir=ctx.work))  # its own sockets and log, every turn
     if server == "specula":

@@ -558,6 +558,18 @@ def package_checkpoint(llama_dir, tmp_path_factory) -> Path:
     return out
 
 
+def test_the_written_layer_config_is_whole_as_the_package_writes_it():
+    """A verifier config written from a GGUF file's metadata lacks `hidden_act` and the other fields vLLM's EAGLE-3
+    layer reads; the checkpoint's layer config carries LlamaConfig's values for them."""
+    from specula_server.training.eagle3 import eagle3_config
+
+    layer = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "vocab_size": 512, "rope_theta": 1e4}
+    written = eagle3_config(layer, "LlamaForCausalLM", "verifier", 100, [0, 1, 2])["transformer_layer_config"]
+    assert written["hidden_act"] == "silu" and written["attention_bias"] is False and written["mlp_bias"] is False
+    assert {k: written[k] for k in layer} == layer and written["num_hidden_layers"] == 1
+
+
 @pytest.mark.slow
 @needs_speculators
 def test_the_test_writer_writes_what_speculators_writes(package_checkpoint, llama_dir, tmp_path):
@@ -569,7 +581,8 @@ def test_the_test_writer_writes_what_speculators_writes(package_checkpoint, llam
     assert {k: v for k, v in ours_config.items() if k not in ignored | {"transformer_layer_config"}} == \
         {k: v for k, v in theirs_config.items() if k not in ignored | {"transformer_layer_config"}}
     layer_keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                  "intermediate_size", "vocab_size", "rms_norm_eps", "rope_parameters", "model_type")
+                  "intermediate_size", "vocab_size", "rms_norm_eps", "rope_parameters", "model_type", "hidden_act",
+                  "attention_bias", "mlp_bias")
     assert {k: ours_config["transformer_layer_config"].get(k) for k in layer_keys} == \
         {k: theirs_config["transformer_layer_config"].get(k) for k in layer_keys}
     theirs, mine = load_file(package_checkpoint / "model.safetensors"), load_file(ours / "model.safetensors")

@@ -206,6 +206,13 @@ class Eagle3Trainee(nn.Module):
         (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+# Fields of a whole LlamaConfig that a minimal verifier config (one written from a GGUF file's metadata, say) may lack:
+# the `speculators` package writes the layer's whole config, and vLLM's EAGLE-3 layer reads them (`hidden_act`, ...).
+LLAMA_LAYER_DEFAULTS = {"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+                        "initializer_range": 0.02, "pretraining_tp": 1, "use_cache": True,
+                        "tie_word_embeddings": False}
+
+
 def eagle3_config(layer: dict, architecture: str, verifier_name: str, draft_vocab_size: int,
                   layer_ids: Sequence[int] | None, speculative_tokens: int = 3, num_layers: int = 1,
                   norm_before_residual: bool = False, norm_before_fc: bool = False, fc_norm: bool = False,
@@ -233,5 +240,5 @@ def eagle3_config(layer: dict, architecture: str, verifier_name: str, draft_voca
         "speculators_version": "0.9.0",
         "target_hidden_size": None,
         "tie_word_embeddings": False,
-        "transformer_layer_config": {**layer, "num_hidden_layers": num_layers},
+        "transformer_layer_config": {**LLAMA_LAYER_DEFAULTS, **layer, "num_hidden_layers": num_layers},
     }
