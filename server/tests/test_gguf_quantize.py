@@ -2,7 +2,7 @@
 
 The blocks each layer holds are the file's (their values are what the float path reads: the same reference
 dequantizers), so served output matches transformers reading the same file; two ranks serve as one; the native
-stack runs them with the layers' bits; the flag is refused for a file it cannot apply to.
+stack runs them with the layers' bits (test_native_stack.py); the flag is refused for a file it cannot apply to.
 """
 
 from __future__ import annotations
@@ -11,11 +11,9 @@ import pytest
 import torch
 import transformers
 from test_model_parity import PROMPTS, reference_greedy
-from test_native_stack import run_batch
 from test_tensor_parallel import run_two_ranks
 
 from specula_kernels import native
-from specula_kernels.decode_layers import NativeStack
 from specula_server.gguf_checkpoint import GGUFTensors
 from specula_server.layers.quantization import DenseLinear, GGUFLinear
 from specula_server.server import ServerConfig
@@ -63,21 +61,6 @@ def test_two_ranks_serve_the_blocks_as_one_does(gguf_files):
                                         make_spec(0, PROMPTS[0], BlockPool(256, 16), max_new_tokens=24)))
     results = run_two_ranks(file, {"quantize": "gguf"})
     assert results[0][0] == expected and results[1][0] == expected
-
-
-def test_the_native_stack_runs_the_blocks_with_the_layers_bits(gguf_files, monkeypatch):
-    generator = load_test_generator(gguf_files["Q4_1"], num_blocks=128, speculative_tokens=4,
-                                    speculation_mode="fixed", quantize="gguf")
-    stack = generator.model._native_stack()
-    assert stack is not None
-    calls = []
-    run = NativeStack.run
-    monkeypatch.setattr(NativeStack, "run", lambda self, *args: calls.append(args[0].shape[0]) or run(self, *args))
-    fused = run_batch(generator)
-    assert calls
-    generator.model._stack = None
-    layered = run_batch(generator)
-    assert fused == layered
 
 
 def test_types_without_native_blocks_and_mixed_fusions_are_served_as_float(gguf_files, llama_dir, tmp_path):

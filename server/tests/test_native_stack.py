@@ -1,6 +1,6 @@
 """A decode step's layers in one native call (`specula_kernels.decode_layers`) against the layer-by-layer path: the
-same tokens and log-probabilities, bit for bit, batched, with drafts verified, sampling seeded, in float32, int8
-and int4; models it cannot run keep the layer-by-layer path."""
+same tokens and log-probabilities, bit for bit, batched, with drafts verified, sampling seeded, in float32, int8,
+int4 and a GGUF file's own blocks; models it cannot run keep the layer-by-layer path."""
 
 from __future__ import annotations
 
@@ -18,12 +18,14 @@ REQUESTS = [  # (prompt, max_new_tokens, sampling): prompts that repeat give pro
     ([1, 7, 9], 12, SamplingParams()),
     ([1] + list(range(200, 240)), 16, SamplingParams(do_sample=True, temperature=0.9, top_k=50, seed=1234)),
 ]
-SETTINGS = {"float32": {}, "int8": {"quantize": "int8"}, "int4": {"quantize": "int4", "quantize_group_size": 32}}
+SETTINGS = {"float32": {}, "int8": {"quantize": "int8"}, "int4": {"quantize": "int4", "quantize_group_size": 32},
+            "gguf": {"quantize": "gguf"}}  # a Q4_1 file's own blocks
 
 
 @pytest.fixture(scope="module", params=sorted(SETTINGS))
-def generator(llama_dir, request):
-    return load_test_generator(llama_dir, num_blocks=128, speculative_tokens=4, speculation_mode="fixed",
+def generator(llama_dir, gguf_files, request):
+    model = gguf_files["Q4_1"] if request.param == "gguf" else llama_dir
+    return load_test_generator(model, num_blocks=128, speculative_tokens=4, speculation_mode="fixed",
                                **SETTINGS[request.param])
 
 
