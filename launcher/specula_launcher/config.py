@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specula_proto.choices import AdapterSource, NgramMatch, SpeculationMode, parse_choice
+
 DTYPES = ("float32", "bfloat16", "float16")
 # The worker's (specula_server.layers.quantization), checked before any start.
 QUANTIZE_METHODS = ("int8", "int4", "gguf")
@@ -19,7 +21,6 @@ QUANTIZE_METHODS = ("int8", "int4", "gguf")
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e4m3fn", "fp8_e5m2")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 DEVICES = ("cpu", "cuda")
-ADAPTER_SOURCES = ("hub", "local")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 # The token limits the router derives itself when the user sets none (see defaults.py).
@@ -50,14 +51,14 @@ class LauncherConfig:
     port: int = 3000
     hostname: str = "0.0.0.0"
     speculative_tokens: int = 0
-    speculation_mode: str = "adaptive"
+    speculation_mode: SpeculationMode = SpeculationMode.ADAPTIVE
     ngram_min: int = 1
     ngram_max: int = 3
-    ngram_match: str = "latest"
+    ngram_match: NgramMatch = NgramMatch.LATEST
     speculator: str | None = None
     suffix_cache_tokens: int = 100_000  # --speculator suffix: output tokens the global suffix trees keep
     draft_tree_width: int = 1
-    adapter_source: str = "hub"
+    adapter_source: AdapterSource = AdapterSource.HUB
     adapter_dir: tuple[str, ...] = ()  # directories whose subdirectories are the `local` adapters
     max_active_adapters: int = 8
     preloaded_adapter_ids: tuple[str, ...] = ()
@@ -105,6 +106,9 @@ class LauncherConfig:
     given_limits: tuple[str, ...] = TOKEN_LIMITS
 
     def __post_init__(self) -> None:
+        for name, choices in (("speculation_mode", SpeculationMode), ("ngram_match", NgramMatch),
+                              ("adapter_source", AdapterSource)):  # the members, from the flags' strings
+            object.__setattr__(self, name, parse_choice(choices, getattr(self, name), "--" + name.replace("_", "-")))
         _check_choices(self)
         _check_ranges(self)
         _check_token_relations(self)
@@ -147,16 +151,10 @@ def _check_choices(c: LauncherConfig) -> None:
         raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {c.kv_cache_dtype!r}")
     if c.cuda_graphs is not None and not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", c.cuda_graphs):
         raise ValueError(f"--cuda-graphs takes batch sizes separated by commas, or 0 for none; got {c.cuda_graphs!r}")
-    if c.adapter_source not in ADAPTER_SOURCES:
-        raise ValueError(f"--adapter-source must be one of {', '.join(ADAPTER_SOURCES)}; got {c.adapter_source!r}")
     if c.api_key is not None and not c.api_key.strip():
         raise ValueError("--api-key (env API_KEY) must not be empty or blank")
     if c.log_level not in LOG_LEVELS:
         raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {c.log_level!r}")
-    if c.speculation_mode not in ("adaptive", "fixed"):
-        raise ValueError(f"--speculation-mode must be adaptive or fixed; got {c.speculation_mode!r}")
-    if c.ngram_match not in ("latest", "earliest"):
-        raise ValueError(f"--ngram-match must be latest or earliest; got {c.ngram_match!r}")
     if not 1 <= c.ngram_min <= c.ngram_max:
         raise ValueError(f"need 1 <= --ngram-min ({c.ngram_min}) <= --ngram-max ({c.ngram_max})")
     if c.kv_cache_memory is not None and not _SIZE.match(c.kv_cache_memory):

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specula_launcher.config import LauncherConfig
+from specula_proto.choices import AdapterSource
 
 # The small Llama model shipped inside the package (see demo_model/README.md).
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
@@ -76,7 +77,7 @@ def build_config(
     if demo and not adapter_dirs and DEMO_ADAPTERS_DIR.is_dir():
         adapter_dirs = (str(DEMO_ADAPTERS_DIR),)
     if adapter_source is None:
-        adapter_source = "local" if demo else "hub"
+        adapter_source = AdapterSource.LOCAL if demo else AdapterSource.HUB
     if demo and speculator:
         speculator = demo_family_member(speculator)
     count = count_cuda_devices or _count_cuda_devices

@@ -1,1 +1,2 @@
-"""Generated gRPC stubs for proto/generate.proto (package specula.v1). Regenerate with `make proto`."""
+"""What Specula's processes share: the gRPC stubs generated from proto/generate.proto (package specula.v1;
+regenerate with `make proto`), and the named choices of settings and requests (choices.py)."""

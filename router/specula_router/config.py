@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specula_proto.choices import AdapterSource, parse_choice
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -22,7 +24,7 @@ class RouterConfig:
     port: int = 3000
     speculative_tokens: int = 0
     speculator: str | None = None
-    adapter_source: str = "hub"
+    adapter_source: AdapterSource = AdapterSource.HUB
     max_active_adapters: int = 8
     preloaded_adapter_ids: tuple[str, ...] = ()
     max_concurrent_requests: int = 128
@@ -56,11 +58,10 @@ class RouterConfig:
     api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        from specula_router.schemas import ADAPTER_SOURCES, MAX_ADAPTER_ID_LENGTH
+        from specula_router.schemas import MAX_ADAPTER_ID_LENGTH
 
-        if self.adapter_source not in ADAPTER_SOURCES:
-            raise ValueError(f"--adapter-source must be one of {', '.join(ADAPTER_SOURCES)}; "
-                             f"got {self.adapter_source!r}")
+        object.__setattr__(self, "adapter_source", parse_choice(AdapterSource, self.adapter_source,
+                                                                "--adapter-source"))
         if self.max_active_adapters < 1:
             raise ValueError(f"--max-active-adapters must be at least 1; got {self.max_active_adapters}")
         if len(set(self.preloaded_adapter_ids)) > self.max_active_adapters:

@@ -20,10 +20,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from specula_proto.choices import AdapterSource, values
 from specula_router.openapi import COUNT, POSITIVE_COUNT, POSITIVE_FLOAT32, declare_nulls, stop_schema
 from specula_router.wire import FLOAT32_BELOW_ONE, FLOAT32_MIN_NORMAL, UINT64_MAX
 
-ADAPTER_SOURCES = ("hub", "local")  # LoRAX also has s3 and pbase; refused with a 422 naming these
+ADAPTER_SOURCES = values(AdapterSource)  # hub, local; LoRAX also has s3 and pbase, refused with a 422 naming these
 MAX_ADAPTER_ID_LENGTH = 256
 # OpenAI's limits on `logit_bias`: at most 300 tokens, each biased by a value in [-100, 100].
 MAX_LOGIT_BIAS_TOKENS = 300

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import tokenizers
 
+from specula_proto.choices import AdapterSource, parse_choice
 from specula_router.grammar import Grammar, GrammarError, from_generate_parameters
 from specula_router.merges import (
     ADAPTER_ID_CONFLICT,
@@ -50,11 +51,9 @@ class Validator:
 
     def __init__(
         self, tokenizer: tokenizers.Tokenizer, limits: ValidationLimits, rng: random.Random | None = None,
-        default_adapter_source: str = "hub",
+        default_adapter_source: str = AdapterSource.HUB,
     ) -> None:
-        if default_adapter_source not in ADAPTER_SOURCES:
-            raise ValueError(f"--adapter-source must be one of {', '.join(ADAPTER_SOURCES)}; "
-                             f"got {default_adapter_source!r}")
+        parse_choice(AdapterSource, default_adapter_source, "--adapter-source")
         self.tokenizer = tokenizer
         self.limits = limits
         self.rng = rng if rng is not None else random.Random()

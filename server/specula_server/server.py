@@ -21,6 +21,7 @@ import grpc
 import torch
 
 from specula_proto import generate_pb2_grpc
+from specula_proto.choices import AdapterKind, AdapterSource, NgramMatch, SpeculationMode, parse_choice
 from specula_server.adapters.medusa import MedusaHeads, load_medusa
 from specula_server.adapters.registry import AdapterRegistry
 from specula_server.adapters.sources import AdapterError, detect_adapter_kind, resolve_adapter
@@ -67,10 +68,10 @@ class ServerConfig:
     master_addr: str = "localhost"
     master_port: int = 29500
     speculative_tokens: int = 0
-    speculation_mode: str = "adaptive"
+    speculation_mode: SpeculationMode = SpeculationMode.ADAPTIVE
     ngram_min: int = 1
     ngram_max: int = 3
-    ngram_match: str = "latest"
+    ngram_match: NgramMatch = NgramMatch.LATEST
     adapter_dirs: tuple[Path, ...] = ()  # where `local` adapters may be read from
     max_active_adapters: int = 8
     speculator: str | None = None  # Medusa heads or an MLP speculator for every request: a directory or Hub id
@@ -102,12 +103,11 @@ class ServerConfig:
             raise ValueError("block_size must be positive")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
-        if self.speculation_mode not in ("adaptive", "fixed"):
-            raise ValueError(f"speculation mode must be 'adaptive' or 'fixed', got {self.speculation_mode!r}")
+        object.__setattr__(self, "speculation_mode", parse_choice(SpeculationMode, self.speculation_mode,
+                                                                  "--speculation-mode"))
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min ({self.ngram_min}) <= ngram_max ({self.ngram_max})")
-        if self.ngram_match not in ("latest", "earliest"):
-            raise ValueError(f"ngram match must be 'latest' or 'earliest', got {self.ngram_match!r}")
+        object.__setattr__(self, "ngram_match", parse_choice(NgramMatch, self.ngram_match, "--ngram-match"))
         if self.draft_tree_width < 1:
             raise ValueError(f"draft tree width must be at least 1, got {self.draft_tree_width}")
         if self.suffix_cache_tokens < 0:
@@ -222,11 +222,11 @@ def load_speculator(config: ServerConfig, model_config: ModelConfig, dtype: torc
         if Path(config.speculator).is_dir():
             path = Path(config.speculator)
         else:
-            path = resolve_adapter(config.speculator, "hub", local_roots=(), cache_dir=config.hub_cache)
+            path = resolve_adapter(config.speculator, AdapterSource.HUB, local_roots=(), cache_dir=config.hub_cache)
         kind = detect_adapter_kind(path, config.speculator)
     except AdapterError as error:
         raise ValueError(f"--speculator {config.speculator}: {error}; {accepted}") from error
-    if kind != "medusa":
+    if kind != AdapterKind.MEDUSA:
         raise ValueError(f"--speculator {config.speculator}: a {kind} adapter; {accepted} "
                          "(LoRA adapters are chosen per request with adapter_id)")
     return load_medusa(path, model_config, dtype=dtype, device=device, adapter_id=config.speculator)

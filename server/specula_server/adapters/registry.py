@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specula_kernels.sgmv import SlotGroups, lora_delta_grouped, sgmv, slot_groups, triton_available
+from specula_proto.choices import AdapterKind
 from specula_server.adapters.lora import LoraWeights, load_lora, lora_weights, read_lora, shard_factors
 from specula_server.adapters.medusa import MedusaHeads, load_medusa
 from specula_server.adapters.merge import MergeSpec, merge_lora
@@ -51,7 +52,7 @@ class LoraStacks:
 @dataclass(frozen=True)
 class LoadedAdapter:
     adapter_id: str
-    kind: str
+    kind: AdapterKind
     slot: int
     rank: int
     projections: frozenset[str]
@@ -142,7 +143,7 @@ class AdapterRegistry:
             if merge is None:
                 kind, weights, medusa = self._read(adapter_id, source, api_token)
             else:
-                kind, weights, medusa = "lora", self._merged(adapter_id, merge, source, api_token), None
+                kind, weights, medusa = AdapterKind.LORA, self._merged(adapter_id, merge, source, api_token), None
             rank, projections = 0, frozenset()
             if weights is not None:
                 self._install(weights, free[0])
@@ -157,15 +158,15 @@ class AdapterRegistry:
             return loaded
 
     def _read(self, adapter_id: str, source: str,
-              api_token: str | None) -> tuple[str, LoraWeights | None, MedusaHeads | None]:
+              api_token: str | None) -> tuple[AdapterKind, LoraWeights | None, MedusaHeads | None]:
         """(kind, LoRA weights for this rank, Medusa heads) of one adapter."""
         path = resolve_adapter(adapter_id, source, local_roots=self.local_roots, api_token=api_token,
                                cache_dir=self.hub_cache)
         kind = detect_adapter_kind(path, adapter_id)
         medusa = weights = None
-        if "medusa" in kind:  # heads are small and replicated on every shard, so every shard drafts alike
+        if kind.has_medusa:  # heads are small and replicated on every shard, so every shard drafts alike
             medusa = load_medusa(path, self.config, dtype=self.dtype, device=self.device, adapter_id=adapter_id)
-        if "lora" in kind:
+        if kind.has_lora:
             weights = load_lora(path, self.config, rank=self.rank, world_size=self.world_size,
                                 dtype=self.dtype, device=self.device, adapter_id=adapter_id)
         return kind, weights, medusa
@@ -177,7 +178,7 @@ class AdapterRegistry:
         for adapter_id in merge.adapter_ids:
             path = resolve_adapter(adapter_id, source, local_roots=self.local_roots, api_token=api_token,
                                    cache_dir=self.hub_cache)
-            if "lora" not in detect_adapter_kind(path, adapter_id):
+            if not detect_adapter_kind(path, adapter_id).has_lora:
                 raise AdapterError(f"adapter `{adapter_id}`: only LoRA adapters can be merged "
                                    "(`merged_adapters`); this one has Medusa heads only", status=424)
             lora, factors, _ = read_lora(path, self.config, adapter_id=adapter_id)

@@ -32,17 +32,16 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
 
 import torch
 
+from specula_proto.choices import AdapterKind, AdapterSource, values
 from specula_server.hub import ModelNotFoundError, is_offline_from_env, snapshot
 from specula_server.weights import Weights
 
 logger = logging.getLogger("specula.adapters")
 
-AdapterKind = Literal["lora", "medusa", "lora+medusa"]
-SOURCES = ("hub", "local")
+SOURCES = values(AdapterSource)
 
 LORA_CONFIG = "adapter_config.json"
 LORA_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
@@ -93,9 +92,9 @@ def resolve_adapter(
         AdapterError: 400 for an unknown source or a refused id (traversal, outside the roots, not a Hub id);
             424 when it is missing, cannot be fetched (offline, unreachable, unauthorised) or is not an adapter.
     """
-    if source == "hub":
+    if source == AdapterSource.HUB:
         path = _resolve_hub(adapter_id, api_token or None, revision, cache_dir)
-    elif source == "local":
+    elif source == AdapterSource.LOCAL:
         path = _resolve_local(adapter_id, [Path(r) for r in local_roots])
     else:
         raise adapter_error(adapter_id, f"unknown adapter source {source!r} (expected one of {SOURCES})", 400)
@@ -117,11 +116,11 @@ def detect_adapter_kind(path: Path, adapter_id: str | None = None) -> AdapterKin
     is_lora = (path / LORA_CONFIG).is_file()
     is_medusa = is_medusa_dir(path, name)
     if is_lora and is_medusa:
-        return "lora+medusa"
+        return AdapterKind.LORA_MEDUSA
     if is_lora:
-        return "lora"
+        return AdapterKind.LORA
     if is_medusa:
-        return "medusa"
+        return AdapterKind.MEDUSA
     raise adapter_error(name, f"not an adapter: the directory has neither {LORA_CONFIG} (LoRA) nor a "
                               f"{MEDUSA_CONFIG} with `medusa_num_heads` and {MEDUSA_WEIGHT_FILES[0]} (Medusa)")
 

@@ -37,6 +37,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from specula_proto.choices import SpeculationMode
+
 ACCEPTANCE_DECAY = 0.8  # per drafting step, the weight of earlier trials in the acceptance estimate
 OVERHEAD_DECAY = 0.98  # per declined step, the fraction of the verification cost estimate kept
 VERIFY_DECAY = 0.9  # per verifying step, the weight of earlier steps in the verification cost fit
@@ -358,12 +360,12 @@ def proposal_backoff(declined_in_a_row: int, ask_cost: float = 0.0) -> int:
 
 
 def choose_draft_lengths(
-    available: Sequence[int], acceptance: Sequence[float], cost: StepCostModel, mode: str,
+    available: Sequence[int], acceptance: Sequence[float], cost: StepCostModel, mode: SpeculationMode,
     realism: Sequence[float] | None = None,
 ) -> list[int]:
     """Draft tokens each request verifies; `available[i]` is how many its drafter proposed (already capped).
     `realism[i]` (1 when not given) scales request i's expected accepted tokens (`RealizedAcceptance`)."""
-    if mode == "fixed":
+    if mode == SpeculationMode.FIXED:
         return list(available)
     realism = realism or [1.0] * len(available)
     v0, per_draft = cost.verification_cost()

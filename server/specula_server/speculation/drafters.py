@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from specula_proto.choices import NgramMatch, parse_choice
 from specula_server.request import RequestState
 
 
@@ -145,12 +146,10 @@ class PromptLookupDrafter:
 
     name = "ngram"
 
-    def __init__(self, min_n: int = 1, max_n: int = 3, match: str = "latest") -> None:
+    def __init__(self, min_n: int = 1, max_n: int = 3, match: str = NgramMatch.LATEST) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= ngram min ({min_n}) <= ngram max ({max_n})")
-        if match not in ("latest", "earliest"):
-            raise ValueError(f"ngram match must be 'latest' or 'earliest', got {match!r}")
-        self.min_n, self.max_n, self.match = min_n, max_n, match
+        self.min_n, self.max_n, self.match = min_n, max_n, parse_choice(NgramMatch, match, "ngram match")
 
     def propose(self, requests: Sequence[RequestState], max_tokens: Sequence[int]) -> list[Draft]:
         return [Draft(self.lookup(r.history, k)) for r, k in zip(requests, max_tokens)]
@@ -177,7 +176,7 @@ class PromptLookupDrafter:
             if first < 0:
                 continue
             start = first + n
-            if self.match == "latest":  # the latest match with max_tokens tokens after it, if any
+            if self.match == NgramMatch.LATEST:  # the latest match with max_tokens tokens after it, if any
                 full = _find(data, suffix, (length - max_tokens) * width, width, last=True)
                 if full >= 0:
                     start = full + n

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specula_proto.choices import SpeculationMode, parse_choice
 from specula_server.kv_cache import KVCache
 from specula_server.request import RequestState
 from specula_server.sampling import Sampler
@@ -55,13 +56,14 @@ class SpeculationConfig:
 
     drafter: Drafter
     max_tokens: int
-    mode: str = "adaptive"  # "adaptive" (draft lengths follow acceptance and load) or "fixed"
+    mode: SpeculationMode = SpeculationMode.ADAPTIVE  # draft lengths follow acceptance and load, or are fixed
     draft_model: DraftModelDrafter | Eagle3Drafter | None = None
     grammar_drafts: bool = True
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 0 or self.mode not in ("adaptive", "fixed"):
-            raise ValueError(f"invalid speculation settings: {self.max_tokens} tokens, mode {self.mode!r}")
+        if self.max_tokens < 0:
+            raise ValueError(f"invalid speculation settings: {self.max_tokens} tokens")
+        object.__setattr__(self, "mode", parse_choice(SpeculationMode, self.mode, "speculation mode"))
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,7 @@ class Speculator:
 
     @property
     def adaptive(self) -> bool:
-        return self.config.mode == "adaptive"
+        return self.config.mode == SpeculationMode.ADAPTIVE
 
     def release(self, r: RequestState) -> None:
         """`r` left the worker (finished, failed, cancelled or preempted): drafters that keep state per request
