@@ -2,25 +2,27 @@
 
 Shards (one per rank, identical arguments, the rank in the environment as torch.distributed expects):
 
-    python -m specula_server.cli serve MODEL --uds-path $XDG_RUNTIME_DIR/specula-XXXXXXXX/shard --dtype float32
-        --device cpu --block-size 16 --max-active-adapters 8 [--revision R] [--huggingface-hub-cache DIR]
-        [--kv-cache-memory SIZE] [--kv-cache-dtype D] [--cuda-graphs SIZES] [--adapter-dir DIR ...] --instance-id ID
+    python -m specula_server.cli serve MODEL --uds-path $XDG_RUNTIME_DIR/specula-XXXXXXXX/shard
+        ... every setting the launcher shares with the worker, under the same flag: --dtype float32 --device cpu
+        --block-size 16 --max-active-adapters 8 [--revision R] [--adapter-dir DIR ...] [--kv-cache-memory SIZE] ...
         [--quantize Q --quantize-group-size G]
         [--speculative-tokens N --speculation-mode M --ngram-min A --ngram-max B --ngram-match W
          --draft-tree-width K [--speculator S] [--suffix-cache-tokens T]]
+        --instance-id ID
     env: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOG_LEVEL (+ the launcher's own environment,
     less API_KEY); on a node other than node 0 also GRPC_HOST, the address node 0's router reaches it at
 
 Router (connects to shard 0, which lists the others through ServiceDiscovery):
 
     python -m specula_router.cli --model-id MODEL --master-shard-uds-path $XDG_RUNTIME_DIR/specula-XXXXXXXX/shard-0
-        --hostname 0.0.0.0 --port 3000 --instance-id ID ... every router flag under its launcher name
-        (see `router_command`)
+        --instance-id ID ... every setting the launcher shares with the router, under the same flag
+        (--hostname 0.0.0.0 --port 3000 ...; see `router_command`)
     env: API_KEY when --api-key is set (+ the launcher's own environment)
 
 The socket path, MASTER_PORT and the instance id are the ones `endpoints.claim_endpoints` chose for this run;
 the router refuses any shard whose Info reports another instance id.
 
+Which settings each child shares with the launcher is the settings table's word (specula_proto/settings.py).
 Flags whose value is None are left out so the child applies its own default; boolean flags are bare.
 `--max-active-adapters` goes to both: the router never asks for more adapters than the workers have slots.
 """
@@ -34,45 +36,43 @@ from pathlib import Path
 
 from specula_launcher.config import TOKEN_LIMITS, LauncherConfig
 from specula_launcher.processes import ChildSpec
+from specula_proto.setting import Process
+from specula_proto.settings import shared_with
 
 # The router's (and TGI's) variable for --api-key.
 API_KEY_ENV = "API_KEY"
 
-# Router flags passed through under the same name, in this order, after the four fixed ones.
-ROUTER_FLAGS = (
-    "revision", "huggingface_hub_cache", "speculative_tokens", "speculator", "adapter_source",
-    "max_active_adapters", "preloaded_adapter_ids", "max_concurrent_requests", "max_best_of", "max_stop_sequences",
-    "max_top_n_tokens", "max_input_tokens",
-    "max_total_tokens", "waiting_served_ratio", "max_batch_prefill_tokens", "max_batch_total_tokens",
-    "max_waiting_tokens", "max_batch_size", "payload_limit", "cors_allow_origin", "json_output", "num_shard",
-    "shutdown_timeout", "step_timeout", "log_level", "validation_workers", "max_adapter_labels", "chat_template",
-    "metrics_prefix", "adapter_dir",  # also the router's: GET /v1/models lists the local adapters
-    "max_grammar_bytes", "grammar_compile_timeout",  # None (not given): the router's defaults
-)
+# The settings handed to a child in its environment instead (by shard_env and router_env below).
+SHARD_ENV_SETTINGS = frozenset({"master_addr", "master_port", "log_level"})
+ROUTER_ENV_SETTINGS = frozenset({"api_key"})
+# Shard settings that only matter with another one: int4's group size, and what drafts when speculation is on.
+SPECULATION_SETTINGS = frozenset({"speculative_tokens", "speculation_mode", "ngram_min", "ngram_max", "ngram_match",
+                                  "speculator", "draft_tree_width", "suffix_cache_tokens"})
 
 
 def shard_command(config: LauncherConfig) -> list[str]:
-    """The worker command line; the same for every rank."""
+    """The worker command line; the same for every rank: every setting the launcher shares with the worker
+    (specula_proto/settings.py) that has a value and matters, under the same flag."""
     assert config.shard_uds_path is not None, "the socket path is chosen at launch (endpoints.claim_endpoints)"
-    argv = [
-        sys.executable, "-m", "specula_server.cli", "serve", config.model_id,
-        "--uds-path", config.shard_uds_path, "--dtype", config.dtype, "--device", config.device,
-        "--block-size", str(config.block_size), "--max-active-adapters", str(config.max_active_adapters),
-    ]
-    for name in ("revision", "huggingface_hub_cache", "kv_cache_memory", "kv_cache_dtype", "cuda_graphs",
-                 "adapter_dir", "instance_id"):
-        argv += _flag(name, getattr(config, name))
+    argv = [sys.executable, "-m", "specula_server.cli", "serve", config.model_id, "--uds-path", config.shard_uds_path]
+    for setting in shared_with(Process.WORKER):
+        if _shard_needs(config, setting.name):
+            argv += _flag(setting.name, getattr(config, setting.name))
+    argv += _flag("instance_id", config.instance_id)
     if not config.runs_router:  # node 0's router reaches these shards over TCP
         argv += _flag("grpc_host", config.node_host)
-    if config.quantize is not None:
-        argv += [*_flag("quantize", config.quantize), *_flag("quantize_group_size", config.quantize_group_size)]
-    if config.speculative_tokens > 0:
-        for name in ("speculative_tokens", "speculation_mode", "ngram_min", "ngram_max", "ngram_match",
-                     "speculator", "draft_tree_width"):
-            argv += _flag(name, getattr(config, name))
-        if config.speculator == "suffix":
-            argv += _flag("suffix_cache_tokens", config.suffix_cache_tokens)
     return argv
+
+
+def _shard_needs(config: LauncherConfig, name: str) -> bool:
+    """Whether the shards' command line carries the setting `name` (when it has a value)."""
+    if name == "model_id" or name in SHARD_ENV_SETTINGS:
+        return False  # the positional argument; the environment
+    if name == "quantize_group_size":
+        return config.quantize is not None
+    if name == "suffix_cache_tokens":
+        return config.speculative_tokens > 0 and config.speculator == "suffix"
+    return name not in SPECULATION_SETTINGS or config.speculative_tokens > 0
 
 
 def shard_env(config: LauncherConfig, rank: int, base_env: Mapping[str, str]) -> dict[str, str]:
@@ -90,18 +90,17 @@ def shard_env(config: LauncherConfig, rank: int, base_env: Mapping[str, str]) ->
 
 
 def router_command(config: LauncherConfig) -> list[str]:
-    """The router command line: the fixed connection flags, then every router flag that has a value."""
-    argv = [
-        sys.executable, "-m", "specula_router.cli", "--model-id", config.model_id,
-        "--master-shard-uds-path", str(config.shard_socket(0)),
-        "--hostname", config.hostname, "--port", str(config.port), *_flag("instance_id", config.instance_id),
-    ]
-    for name in ROUTER_FLAGS:
+    """The router command line: the fixed connection flags, then every setting the launcher shares with the
+    router (specula_proto/settings.py) that has a value, under the same flag."""
+    argv = [sys.executable, "-m", "specula_router.cli", "--model-id", config.model_id,
+            "--master-shard-uds-path", str(config.shard_socket(0)), *_flag("instance_id", config.instance_id)]
+    for setting in shared_with(Process.ROUTER):
+        name = setting.name
+        if name == "model_id" or name in ROUTER_ENV_SETTINGS:
+            continue
         if name in TOKEN_LIMITS and name not in config.given_limits:
             continue  # a default: the router derives it again, and fits it to the KV cache
         argv += _flag(name, getattr(config, name))
-    if not config.prefix_caching:  # on by default: only its negation is ever passed
-        argv.append("--no-prefix-caching")
     return argv
 
 

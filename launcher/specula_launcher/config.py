@@ -120,6 +120,11 @@ class LauncherConfig:
         return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
     @property
+    def no_prefix_caching(self) -> bool:
+        """--no-prefix-caching, the flag the children take (prefix caching is on unless it is given)."""
+        return not self.prefix_caching
+
+    @property
     def runs_router(self) -> bool:
         return self.node_rank == 0
 

@@ -57,6 +57,17 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
+def flags(argv: list[str]) -> dict[str, tuple[str, ...]]:
+    """A command line's flags and their values, in no order (a child's CLI reads them in any):
+    ["--a", "1", "--b", "--a", "2"] -> {"--a": ("1", "2"), "--b": ()}."""
+    found: dict[str, tuple[str, ...]] = {}
+    for i, arg in enumerate(argv):
+        if arg.startswith("--"):
+            value = argv[i + 1:i + 2] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else []
+            found[arg] = found.get(arg, ()) + tuple(value)
+    return found
+
+
 def make_model_dir(root: Path, max_positions: int = 8192) -> Path:
     model = root / "model"
     model.mkdir()
@@ -100,7 +111,7 @@ def test_the_demo_family_is_served_with_the_demo_model(tmp_path: Path) -> None:
         assert {"adapter_config.json", "adapter_model.safetensors"} <= files
     c = build_config(model_id=str(DEMO_MODEL_DIR), **NO_GPU)  # the demo model named explicitly
     assert (c.adapter_dir, c.adapter_source) == ((str(DEMO_ADAPTERS_DIR),), "local")
-    assert shard_command(claimed(c))[-2:] == ["--adapter-dir", str(DEMO_ADAPTERS_DIR)]
+    assert flags(shard_command(claimed(c)))["--adapter-dir"] == (str(DEMO_ADAPTERS_DIR),)
     argv = router_command(claimed(c))
     assert argv[argv.index("--adapter-source") + 1] == "local"
     c = build_config(adapter_dir=[str(tmp_path)], adapter_source="hub", **NO_GPU)
@@ -256,25 +267,33 @@ def test_shard_command_and_environment(tmp_path: Path) -> None:
     model = str(make_model_dir(tmp_path))
     c = build_config(model_id=model, num_shard=2, master_port=29600, log_level="debug", shard_uds_path="/run/x",
                      instance_id="abc", **NO_GPU)
-    assert shard_command(c) == [sys.executable, "-m", "specula_server.cli", "serve", model,
-                                "--uds-path", "/run/x", "--dtype", "float32", "--device", "cpu",
-                                "--block-size", "16", "--max-active-adapters", "8", "--instance-id", "abc"]
+    argv = shard_command(c)
+    assert argv[:5] == [sys.executable, "-m", "specula_server.cli", "serve", model]
+    assert flags(argv) == {"--uds-path": ("/run/x",), "--dtype": ("float32",), "--device": ("cpu",),
+                           "--block-size": ("16",), "--max-active-adapters": ("8",), "--instance-id": ("abc",)}
     c = build_config(model_id="org/model", revision="v1", huggingface_hub_cache="/data", kv_cache_memory="4GiB",
                      dtype="bfloat16", block_size=32, shard_uds_path="/run/s", **NO_GPU)
-    assert shard_command(c) == [sys.executable, "-m", "specula_server.cli", "serve", "org/model",
-                                "--uds-path", "/run/s", "--dtype", "bfloat16", "--device", "cpu", "--block-size", "32",
-                                "--max-active-adapters", "8", "--revision", "v1", "--huggingface-hub-cache", "/data",
-                                "--kv-cache-memory", "4GiB"]
+    argv = shard_command(c)
+    assert argv[:5] == [sys.executable, "-m", "specula_server.cli", "serve", "org/model"]
+    assert flags(argv) == {"--uds-path": ("/run/s",), "--dtype": ("bfloat16",), "--device": ("cpu",),
+                           "--block-size": ("32",), "--max-active-adapters": ("8",), "--revision": ("v1",),
+                           "--huggingface-hub-cache": ("/data",), "--kv-cache-memory": ("4GiB",)}
     c = build_config(model_id=model, speculative_tokens=4, speculation_mode="fixed", ngram_max=4, **NO_GPU)
-    assert shard_command(claimed(c))[-12:] == [
-        "--speculative-tokens", "4", "--speculation-mode", "fixed", "--ngram-min", "1", "--ngram-max", "4",
-        "--ngram-match", "latest", "--draft-tree-width", "1"]
+    speculation = {"--speculative-tokens": ("4",), "--speculation-mode": ("fixed",), "--ngram-min": ("1",),
+                   "--ngram-max": ("4",), "--ngram-match": ("latest",), "--draft-tree-width": ("1",)}
+    assert flags(shard_command(claimed(c))).items() >= speculation.items()
+    assert "--speculator" not in shard_command(claimed(c)) and "--suffix-cache-tokens" not in shard_command(claimed(c))
     c = build_config(model_id=model, speculative_tokens=4, speculator="/m/heads", draft_tree_width=3, **NO_GPU)
-    assert shard_command(claimed(c))[-4:] == ["--speculator", "/m/heads", "--draft-tree-width", "3"]
+    assert flags(shard_command(claimed(c))).items() >= {"--speculator": ("/m/heads",),
+                                                        "--draft-tree-width": ("3",)}.items()
+    c = build_config(model_id=model, speculative_tokens=4, speculator="suffix", suffix_cache_tokens=500, **NO_GPU)
+    assert flags(shard_command(claimed(c)))["--suffix-cache-tokens"] == ("500",)
+    c = build_config(model_id=model, ngram_max=4, speculator="/m/heads", **NO_GPU)  # speculation off
+    assert not set(flags(shard_command(claimed(c)))) & {*speculation, "--speculator"}
     with pytest.raises(ValueError, match="--speculation-mode"):
         build_config(model_id=model, speculation_mode="sometimes", **NO_GPU)
     c = build_config(model_id=model, cuda_graphs="1,2,8", **NO_GPU)  # TGI's --cuda-graphs, passed to every shard
-    assert shard_command(claimed(c))[-2:] == ["--cuda-graphs", "1,2,8"]
+    assert flags(shard_command(claimed(c)))["--cuda-graphs"] == ("1,2,8",)
     import typer  # as in test_command_lines_parse_with_the_children_clis: the worker CLI reads what is written
 
     from specula_server import cli as server_cli
@@ -315,19 +334,18 @@ def test_each_node_of_a_multi_node_group_runs_its_share_of_the_ranks(tmp_path):
 def test_router_command_with_defaults(tmp_path: Path) -> None:
     c = claim_endpoints(build_config(**NO_GPU), parent=tmp_path).config  # a socket directory of its own
     assert Path(c.shard_uds_path).parent.parent == tmp_path and len(c.instance_id) == 32
-    assert router_command(c) == [
-        sys.executable, "-m", "specula_router.cli", "--model-id", str(DEMO_MODEL_DIR),
-        "--master-shard-uds-path", f"{c.shard_uds_path}-0", "--hostname", "0.0.0.0", "--port", "3000",
-        "--instance-id", c.instance_id,
-        "--speculative-tokens", "0", "--adapter-source", "local", "--max-active-adapters", "8",
-        "--max-concurrent-requests", "128",
-        "--max-best-of", "2", "--max-stop-sequences", "4", "--max-top-n-tokens", "5",
-        "--waiting-served-ratio", "1.2",
-        "--max-waiting-tokens", "20", "--payload-limit", "2000000", "--num-shard", "1", "--shutdown-timeout", "30",
-        "--step-timeout", "600.0", "--log-level", "INFO",
-        "--validation-workers", "2", "--max-adapter-labels", "32", "--metrics-prefix", "specula",
-        "--adapter-dir", str(DEMO_ADAPTERS_DIR),
-    ]
+    argv = router_command(c)
+    assert argv[:3] == [sys.executable, "-m", "specula_router.cli"]
+    assert flags(argv) == {
+        "--model-id": (str(DEMO_MODEL_DIR),), "--master-shard-uds-path": (f"{c.shard_uds_path}-0",),
+        "--hostname": ("0.0.0.0",), "--port": ("3000",), "--instance-id": (c.instance_id,),
+        "--speculative-tokens": ("0",), "--adapter-source": ("local",), "--max-active-adapters": ("8",),
+        "--max-concurrent-requests": ("128",), "--max-best-of": ("2",), "--max-stop-sequences": ("4",),
+        "--max-top-n-tokens": ("5",), "--waiting-served-ratio": ("1.2",), "--max-waiting-tokens": ("20",),
+        "--payload-limit": ("2000000",), "--num-shard": ("1",), "--shutdown-timeout": ("30",),
+        "--step-timeout": ("600.0",), "--log-level": ("INFO",), "--validation-workers": ("2",),
+        "--max-adapter-labels": ("32",), "--metrics-prefix": ("specula",), "--adapter-dir": (str(DEMO_ADAPTERS_DIR),),
+    }
     assert router_spec(c, {"HF_TOKEN": "t"}).env == {"HF_TOKEN": "t", "PYTHONUNBUFFERED": "1"}
 
 
@@ -343,21 +361,22 @@ def test_router_command_passes_every_flag() -> None:
         shard_uds_path="/run/s", validation_workers=3, max_adapter_labels=7, chat_template="/t/chat.jinja",
         metrics_prefix="tgi", adapter_dir=["/", "/tmp"], **NO_GPU,
     )
-    assert router_command(c)[1:] == [
-        "-m", "specula_router.cli", "--model-id", "org/model", "--master-shard-uds-path", "/run/s-0",
-        "--hostname", "127.0.0.1", "--port", "8080", "--revision", "main", "--huggingface-hub-cache", "/data",
-        "--speculative-tokens", "3", "--speculator", "org/medusa", "--adapter-source", "local",
-        "--max-active-adapters", "4", "--preloaded-adapter-ids", "org/a", "--preloaded-adapter-ids", "org/b",
-        "--preloaded-adapter-ids", "org/c", "--max-concurrent-requests", "64", "--max-best-of", "1",
-        "--max-stop-sequences", "2",
-        "--max-top-n-tokens", "0", "--max-input-tokens", "1000", "--max-total-tokens", "2000",
-        "--waiting-served-ratio", "0.5", "--max-batch-prefill-tokens", "4000", "--max-batch-total-tokens", "16000",
-        "--max-waiting-tokens", "5", "--max-batch-size", "8", "--payload-limit", "100",
-        "--cors-allow-origin", "https://a", "--cors-allow-origin", "https://b", "--json-output", "--num-shard", "2",
-        "--shutdown-timeout", "9", "--step-timeout", "45", "--log-level", "WARNING",
-        "--validation-workers", "3", "--max-adapter-labels", "7", "--chat-template", "/t/chat.jinja",
-        "--metrics-prefix", "tgi", "--adapter-dir", "/", "--adapter-dir", "/tmp",
-    ]
+    argv = router_command(c)
+    assert argv[1:3] == ["-m", "specula_router.cli"]
+    assert flags(argv) == {
+        "--model-id": ("org/model",), "--master-shard-uds-path": ("/run/s-0",), "--hostname": ("127.0.0.1",),
+        "--port": ("8080",), "--revision": ("main",), "--huggingface-hub-cache": ("/data",),
+        "--speculative-tokens": ("3",), "--speculator": ("org/medusa",), "--adapter-source": ("local",),
+        "--max-active-adapters": ("4",), "--preloaded-adapter-ids": ("org/a", "org/b", "org/c"),
+        "--max-concurrent-requests": ("64",), "--max-best-of": ("1",), "--max-stop-sequences": ("2",),
+        "--max-top-n-tokens": ("0",), "--max-input-tokens": ("1000",), "--max-total-tokens": ("2000",),
+        "--waiting-served-ratio": ("0.5",), "--max-batch-prefill-tokens": ("4000",),
+        "--max-batch-total-tokens": ("16000",), "--max-waiting-tokens": ("5",), "--max-batch-size": ("8",),
+        "--payload-limit": ("100",), "--cors-allow-origin": ("https://a", "https://b"), "--json-output": (),
+        "--num-shard": ("2",), "--shutdown-timeout": ("9",), "--step-timeout": ("45",), "--log-level": ("WARNING",),
+        "--validation-workers": ("3",), "--max-adapter-labels": ("7",), "--chat-template": ("/t/chat.jinja",),
+        "--metrics-prefix": ("tgi",), "--adapter-dir": ("/", "/tmp"),
+    }
 
 
 def test_adapter_flags_reach_the_router_and_every_shard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -377,12 +396,12 @@ def test_adapter_flags_reach_the_router_and_every_shard(tmp_path: Path, monkeypa
                                           "org/x", "--preloaded-adapter-ids", "org/y,org/x"])
     assert result.exit_code == 0, result.output
     assert (seen[1].adapter_dir, seen[1].preloaded_adapter_ids) == ((str(dirs[1]),), ("org/x", "org/y"))
-    assert shard_command(claimed(c))[11:] == ["--block-size", "16", "--max-active-adapters", "3",
-                                              "--adapter-dir", str(dirs[0]), "--adapter-dir", str(dirs[1])]
-    argv = router_command(claimed(c))
-    assert argv[argv.index("--max-active-adapters"):argv.index("--max-concurrent-requests")] == [
-        "--max-active-adapters", "3", "--preloaded-adapter-ids", "org/a", "--preloaded-adapter-ids", "org/b",
-        "--preloaded-adapter-ids", "org/c"]
+    shard = flags(shard_command(claimed(c)))
+    assert (shard["--max-active-adapters"], shard["--adapter-dir"]) == (("3",), (str(dirs[0]), str(dirs[1])))
+    assert "--preloaded-adapter-ids" not in shard
+    router = flags(router_command(claimed(c)))
+    assert router["--max-active-adapters"] == ("3",)
+    assert router["--preloaded-adapter-ids"] == ("org/a", "org/b", "org/c")
     result = CliRunner().invoke(cli.app, ["--device", "cpu", "--max-active-adapters", "1"],
                                 env={"PRELOADED_ADAPTER_IDS": "a,b"})
     assert result.exit_code == 2 and len(seen) == 2
@@ -687,7 +706,7 @@ def test_prefix_caching_is_on_unless_turned_off_by_flag_or_environment(monkeypat
         assert result.exit_code == 0, result.output
     assert [c.prefix_caching for c in seen] == [True, False, False]
     assert "--no-prefix-caching" not in router_command(claimed(seen[0]))
-    assert router_command(claimed(seen[1]))[-1] == "--no-prefix-caching"
+    assert flags(router_command(claimed(seen[1])))["--no-prefix-caching"] == ()
 
 
 def test_a_prefill_budget_below_the_longest_prompt_is_allowed_long_prompts_are_chunked() -> None:

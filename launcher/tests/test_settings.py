@@ -1,0 +1,92 @@
+"""The settings table (specula_proto/settings.py) and the three command lines built from it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import typer
+
+from specula_launcher import cli as launcher_cli
+from specula_launcher.config import LauncherConfig
+from specula_proto.choices import AdapterKind, AdapterSource, NgramMatch, SpeculationMode, parse_choice, values
+from specula_proto.setting import Decl, Process, Setting
+from specula_proto.settings import SETTINGS, settings_of, shared_with
+
+
+def commands() -> dict[Process, object]:
+    router_cli = pytest.importorskip("specula_router.cli")
+    from specula_server import cli as server_cli
+
+    return {Process.LAUNCHER: typer.main.get_command(launcher_cli.app),
+            Process.ROUTER: typer.main.get_command(router_cli.app),
+            Process.WORKER: typer.main.get_command(server_cli.app).commands["serve"]}  # type: ignore[attr-defined]
+
+
+def test_each_command_takes_exactly_its_settings_each_with_help_and_variable() -> None:
+    for process, command in commands().items():
+        params = {p.name: p for p in command.params}  # type: ignore[attr-defined]
+        assert list(params) == [s.name for s in settings_of(process)]
+        for name, param in params.items():
+            assert param.help and param.envvar, f"{process.name} {name}: no help or environment variable"
+
+
+def test_the_table_names_each_setting_once_and_flags_lead_with_its_own() -> None:
+    names = [s.name for s in SETTINGS]
+    assert len(names) == len(set(names))
+    for setting in SETTINGS:
+        assert not setting.flags or setting.flags[0] == setting.flag
+        env = (setting.env,) if isinstance(setting.env, str) else setting.env or (setting.name.upper(),)
+        assert len(env) in (1, len(setting.flags)), f"{setting.flag}: one variable per name"
+
+
+def test_launcher_settings_are_its_config_fields() -> None:
+    fields = {f.name for f in dataclasses.fields(LauncherConfig)} | {"no_prefix_caching"}
+    assert {s.name for s in settings_of(Process.LAUNCHER)} <= fields
+    for child in (Process.ROUTER, Process.WORKER):
+        assert all((Process.LAUNCHER | child) in s.processes for s in shared_with(child))
+
+
+def test_a_child_declaration_changes_only_what_it_names() -> None:
+    setting = Setting("depth", int, 2, Process.LAUNCHER | Process.ROUTER, "Steps queued.", flags=("--depth", "-d"),
+                      router=Decl(default=3, flags=(), min=1))
+    router = setting.declared(Process.ROUTER)
+    assert (router.default, router.flags, router.min, router.help) == (3, (), 1, "Steps queued.")
+    assert setting.declared(Process.LAUNCHER) is setting
+    with pytest.raises(ValueError, match="--depth is not a worker setting"):
+        setting.declared(Process.WORKER)
+
+
+def test_choices_are_strings_and_errors_name_the_flag() -> None:
+    assert SpeculationMode.FIXED == "fixed" and str(NgramMatch.EARLIEST) == "earliest"
+    assert values(AdapterSource) == ("hub", "local")
+    assert parse_choice(AdapterSource, "local", "--adapter-source") is AdapterSource.LOCAL
+    with pytest.raises(ValueError, match=r"--ngram-match must be one of latest, earliest; got 'first'"):
+        parse_choice(NgramMatch, "first", "--ngram-match")
+    assert AdapterKind.LORA_MEDUSA.has_lora and AdapterKind.LORA_MEDUSA.has_medusa
+    assert not AdapterKind.MEDUSA.has_lora
+
+
+def defaults_of(config_class: type) -> dict[str, object]:
+    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            for f in dataclasses.fields(config_class)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+
+
+@pytest.mark.parametrize("process", [Process.LAUNCHER, Process.ROUTER])
+def test_the_configs_default_to_what_the_command_lines_do(process: Process) -> None:
+    """A setting left out of a command line and one left out of the config built by hand are the same value
+    (the launcher's None are filled in by build_config; list flags are tuples in the configs)."""
+    if process is Process.ROUTER:
+        config = pytest.importorskip("specula_router.config").RouterConfig
+    else:
+        config = LauncherConfig
+    fields = defaults_of(config)
+    for setting in settings_of(process):
+        default = setting.declared(process).default
+        name = "prefix_caching" if setting.name == "no_prefix_caching" else setting.name
+        if name not in fields or default is None or default is ...:
+            continue
+        expected = tuple(default) if isinstance(default, list) else default
+        expected = not expected if name != setting.name else expected
+        assert fields[name] == expected, f"{process.name} {setting.flag}: {fields[name]!r} != {expected!r}"
