@@ -1,5 +1,5 @@
 """GGUF's Q8_0, Q4_0 and Q4_1 weights served as the file holds them (`--quantize gguf`): parsed, packed for the
-native kernels (`csrc/weight_only.cpp`), multiplied, and dequantized exactly as the `gguf` package's reference
+native kernels (`csrc/gguf_linear.cpp`), multiplied, and dequantized exactly as the `gguf` package's reference
 dequantizers do (for devices without the native kernels, and for the tests).
 
 Block layouts (llama.cpp's `ggml-common.h`), 32 weights per block, a row of `in / 32` blocks:
@@ -8,10 +8,10 @@ Block layouts (llama.cpp's `ggml-common.h`), 32 weights per block, a row of `in 
     Q4_0  18 bytes: d (float16), 16 bytes of codes     w = (c - 8) * d
     Q4_1  20 bytes: d, m (float16), 16 bytes of codes  w = c * d + m
 
-Code byte j holds input j in its low half and input j + 16 in its high half: the native int4 layout's own order,
-so packing regroups rows in fours (`quantized_linear.interleave_rows`) and widens the float16 scales to float32,
-nothing more. The kernels compute each weight as the reference does (an exact product, or one rounding of
-`c * d + m`), so the values multiplied are the file's own; only the order of the float32 sums is the kernels'.
+The native kernels (`csrc/gguf_linear.cpp`) take the blocks in panels of output rows, input by input, as the
+float32 kernels do: `pack_native` moves codes and scales there (widening the float16 scales to float32) and nothing
+more. The kernels compute each weight as the reference does (an exact product, or one rounding of `c * d + m`), so
+the values multiplied are the file's own; only the order of the float32 sums is the kernels'.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-from specula_kernels.quantized_linear import NATIVE_ROWS, interleave_rows
 
 NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
 BLOCK = 32  # weights per block
@@ -94,41 +92,53 @@ class GGUFBlocks:
             values = (codes - 8) * d[..., None] if m is None else codes * d[..., None] + m[..., None]
         return values.reshape(self.out_features, self.in_features)
 
-    def pack_native(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weight, scales) in the native kernels' layout: Q8_0 `[ceil(out / 4), in / 32, 4, 32]` int8 and
-        `[ceil(out / 4), in / 32, 4]` float32; Q4 `[ceil(out / 4), in / 32, 4, 16]` uint8 and
-        `[ceil(out / 4), in / 32, 4, 2]` float32 (scale, offset)."""
+    def pack_native(self, lanes: int) -> torch.Tensor:
+        """The weight as the native kernels read it (`csrc/gguf_linear.cpp`) in a build of `lanes`-float vectors:
+        uint8 `[tiles, in / 32, block bytes]`, a tile being two panels of P = 2 * lanes output rows. Each block of
+        32 inputs holds its panels' scales (float32 d, and m for Q4: `[2 panels][P]` each) and then, input by
+        input, each panel's codes: Q4 `lanes` bytes (row r's code in the low half, row lanes + r's in the high),
+        Q8_0 `P` int8."""
         d, m, payload = self.fields()
+        panel = 2 * lanes
+        pad = -self.out_features % (2 * panel)
+
+        def tiles(t: torch.Tensor) -> torch.Tensor:  # [out, blocks, n...] -> [tiles, blocks, 2 panels, n..., P]
+            t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]).unflatten(0, (-1, 2, panel))
+            return t.movedim(2, -1).movedim(1, 2)
+
+        def as_bytes(t: torch.Tensor) -> torch.Tensor:  # [tiles, blocks, ...] -> [tiles, blocks, bytes]
+            return t.contiguous().view(torch.uint8).flatten(2)
+
         if self.type_name == "Q8_0":
-            q = interleave_rows(payload.reshape(self.out_features, self.in_features), BLOCK, 0)
-            return q, interleave_rows(d, 1, 0).squeeze(-1).contiguous()
-        codes = interleave_rows(payload.reshape(self.out_features, self.in_features // 2), 16, 0)
-        pairs = torch.stack([d, torch.zeros_like(d) if m is None else m], dim=-1).flatten(1)  # [out, blocks * 2]
-        return codes, interleave_rows(pairs, 2, 0)
+            scales = tiles(d)  # [tiles, blocks, 2, P]
+            codes = tiles(payload).movedim(2, 3)  # [tiles, blocks, 32 inputs, 2 panels, P]
+        else:
+            scales = tiles(torch.stack([d, torch.zeros_like(d) if m is None else m], dim=-1))  # [.., 2, 2 (d, m), P]
+            codes = tiles(torch.cat([payload & 15, payload >> 4], dim=-1)).movedim(2, 3)  # [.., 32, 2, P]
+            codes = codes[..., :lanes] | (codes[..., lanes:] << 4)
+        return torch.cat([as_bytes(scales), as_bytes(codes)], dim=-1).contiguous()
 
 
-def code_bias(type_name: str) -> float:
+def code_bias(type_name: str) -> int:
     """What the Q4 kernels subtract from a code before scaling it: 8 for Q4_0, 0 for Q4_1."""
-    return 8.0 if type_name == "Q4_0" else 0.0
+    return 8 if type_name == "Q4_0" else 0
 
 
-def gguf_linear_native(lib, x: torch.Tensor, type_name: str, weight: torch.Tensor, scales: torch.Tensor,
-                       out_features: int) -> torch.Tensor:
+def gguf_linear_native(lib, x: torch.Tensor, type_name: str, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
     """`x [m, in] @ w^T` -> `[m, out]` in `x`'s dtype, for a weight from `GGUFBlocks.pack_native`."""
-    assert x.dim() == 2 and weight.dim() == 4 and weight.is_contiguous() and scales.is_contiguous()
+    assert x.dim() == 2 and tiles.dtype == torch.uint8 and tiles.dim() == 3 and tiles.is_contiguous()
     m, k = x.shape
-    blocks, lines, rows, width = weight.shape
-    assert k == lines * BLOCK and rows == NATIVE_ROWS and blocks == -(-out_features // NATIVE_ROWS)
-    assert scales.dtype == torch.float32
+    lanes = lib.specula_vector_lanes()
+    scale_bytes = (2 if type_name == "Q8_0" else 4) * 2 * lanes * 4
+    code_bytes = BLOCK * 2 * lanes * (2 if type_name == "Q8_0" else 1)
+    assert tiles.shape == (-(-out_features // (4 * lanes)), k // BLOCK, scale_bytes + code_bytes) and k % BLOCK == 0
     x32 = x.float().contiguous()
     out = x32.new_empty(m, out_features)
     if m:
         if type_name == "Q8_0":
-            assert weight.dtype == torch.int8 and width == BLOCK and scales.shape == (blocks, lines, rows)
-            lib.specula_q8_0_linear(x32.data_ptr(), m, k, weight.data_ptr(), scales.data_ptr(), out_features,
-                                    out.data_ptr(), torch.get_num_threads())
+            lib.specula_q8_0_linear(x32.data_ptr(), m, k, tiles.data_ptr(), out_features, out.data_ptr(),
+                                    torch.get_num_threads())
         else:
-            assert weight.dtype == torch.uint8 and width == 16 and scales.shape == (blocks, lines, rows, 2)
-            lib.specula_q4_linear(x32.data_ptr(), m, k, weight.data_ptr(), scales.data_ptr(), code_bias(type_name),
-                                  out_features, out.data_ptr(), torch.get_num_threads())
+            lib.specula_q4_linear(x32.data_ptr(), m, k, tiles.data_ptr(), code_bias(type_name), out_features,
+                                  out.data_ptr(), torch.get_num_threads())
     return out.to(x.dtype)

@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name
                  for name in ("weight_only.cpp", "paged_attention.cpp", "fused.cpp", "float_linear.cpp",
-                              "decode_layers.cpp"))
+                              "decode_layers.cpp", "gguf_linear.cpp"))
 _HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd.h", "team.h"))
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _BUILD_TIMEOUT_S = 300  # a second or two is usual
@@ -120,8 +120,8 @@ def _load() -> ctypes.CDLL:
     signatures = {
         "specula_int8_linear": [ptr, i64, i64, ptr, ptr, i64, ptr, c_int],
         "specula_int4_linear": [ptr, i64, i64, ptr, ptr, i64, i64, ptr, c_int],
-        "specula_q4_linear": [ptr, i64, i64, ptr, ptr, f32, i64, ptr, c_int],
-        "specula_q8_0_linear": [ptr, i64, i64, ptr, ptr, i64, ptr, c_int],
+        "specula_q4_linear": [ptr, i64, i64, ptr, ctypes.c_int32, i64, ptr, c_int],
+        "specula_q8_0_linear": [ptr, i64, i64, ptr, i64, ptr, c_int],
         "specula_paged_attention": [ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, f32, ptr,
                                     i64, c_int],
         "specula_rms_norm": [ptr, i64, ptr, i64, ptr, i64, i64, f32, ptr, i64, c_int],

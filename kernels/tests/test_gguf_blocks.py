@@ -53,22 +53,22 @@ def test_malformed_blocks_are_refused_by_what_is_wrong():
 
 @needs_native
 @pytest.mark.parametrize("type_name", NATIVE_TYPES)
-@pytest.mark.parametrize("out_features,in_features", [(13, 64), (64, 576), (6, 1536)])
+@pytest.mark.parametrize("out_features,in_features", [(13, 64), (40, 64), (64, 576), (6, 1536)])
 def test_products_use_the_files_values_and_a_row_is_the_same_bits_in_any_batch(type_name, out_features,
                                                                                in_features):
     lib = native.library()
     weight, reference = blocks(type_name, out_features, in_features)
-    packed, scales = weight.pack_native()
-    x = torch.randn(70, in_features, generator=torch.Generator().manual_seed(3))
-    alone = torch.cat([gguf_linear_native(lib, x[i:i + 1], type_name, packed, scales, out_features)
+    tiles = weight.pack_native(lib.specula_vector_lanes())
+    x = torch.randn(200, in_features, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([gguf_linear_native(lib, x[i:i + 1], type_name, tiles, out_features)
                        for i in range(len(x))])
     expected = x.double() @ torch.from_numpy(reference).double().T
     # float32 sums of `in_features` products in the kernel's order, against a float64 sum
     bound = 4 * in_features * torch.finfo(torch.float32).eps * (x.abs().double() @ expected.new_tensor(
         np.abs(reference)).T)
     assert ((alone.double() - expected).abs() <= bound + 1e-30).all()
-    for rows in (2, 3, 5, 70):  # register blocks of every size, and (AVX2) the buffered path for many rows
-        assert torch.equal(gguf_linear_native(lib, x[:rows], type_name, packed, scales, out_features),
+    for rows in (2, 3, 4, 5, 70, 200):  # register blocks of every size, and the buffered passes for many rows
+        assert torch.equal(gguf_linear_native(lib, x[:rows], type_name, tiles, out_features),
                            alone[:rows])
-    assert gguf_linear_native(lib, x[:0], type_name, packed, scales, out_features).shape == (0, out_features)
-    assert gguf_linear_native(lib, x[:2].bfloat16(), type_name, packed, scales, out_features).dtype == torch.bfloat16
+    assert gguf_linear_native(lib, x[:0], type_name, tiles, out_features).shape == (0, out_features)
+    assert gguf_linear_native(lib, x[:2].bfloat16(), type_name, tiles, out_features).dtype == torch.bfloat16

@@ -23,12 +23,12 @@ enum Kind : int32_t { kPanels = 0, kInt8 = 1, kInt4 = 2, kQ4_0 = 3, kQ4_1 = 4, k
 extern "C" {
 
 // A product's weight as the layer holds it (`linear.pack_panels`, `quantized_linear.pack_int8_native`,
-// `pack_int4_native`, or GGUF blocks from `gguf_blocks.pack_native`).
+// `pack_int4_native`, or GGUF tiles from `gguf_blocks.GGUFBlocks.pack_native`).
 struct SpeculaProduct {
   int32_t kind;
   int64_t out_features, in_features, group_size;
   const void* weight;  // panels (float32), int8 blocks, int4 blocks or GGUF blocks
-  const void* extra;   // int8: scales (float32); int4: scales and zeros (bfloat16); GGUF: scales (and offsets) float32
+  const void* extra;   // int8: scales (float32); int4: scales and zeros (bfloat16); GGUF: none (in the tiles)
 };
 
 struct SpeculaLayer {
@@ -78,15 +78,14 @@ static void product_team(const SpeculaProduct& p, const float* x, int64_t rows, 
       return int8_linear_team(x, rows, p.in_features, static_cast<const int8_t*>(p.weight),
                               static_cast<const float*>(p.extra), p.out_features, y);
     case kInt4:
-      return int4_linear_team(x, rows, p.in_features, static_cast<const uint8_t*>(p.weight), p.extra, false, 8.0f,
-                              p.group_size, p.out_features, y);
+      return int4_linear_team(x, rows, p.in_features, static_cast<const uint8_t*>(p.weight),
+                              static_cast<const uint16_t*>(p.extra), p.group_size, p.out_features, y);
     case kQ4_0:
     case kQ4_1:
-      return int4_linear_team(x, rows, p.in_features, static_cast<const uint8_t*>(p.weight), p.extra, true,
-                              p.kind == kQ4_0 ? 8.0f : 0.0f, 32, p.out_features, y);
+      return q4_linear_team(x, rows, p.in_features, static_cast<const uint8_t*>(p.weight), p.kind == kQ4_0 ? 8 : 0,
+                            p.out_features, y);
     default:
-      return q8_0_linear_team(x, rows, p.in_features, static_cast<const int8_t*>(p.weight),
-                              static_cast<const float*>(p.extra), p.out_features, y);
+      return q8_0_linear_team(x, rows, p.in_features, static_cast<const uint8_t*>(p.weight), p.out_features, y);
   }
 }
 

@@ -61,6 +61,13 @@ void rows(int64_t mb, const float* x, int64_t K, const float* panel, const float
 
 }  // namespace
 
+// Rows x [M, K] against one panel [K][kPanel]: `cols` outputs of each row, at y + row * N.
+void float_panel_rows(const float* x, int64_t M, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
+                      int64_t cols) {
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) rows(M - m0 < kRows ? M - m0 : kRows, x + m0 * K, K, panel, bias,
+                                                  y + m0 * N, N, cols);
+}
+
 // x [M, K]; panels [ceil(N / kPanel)][K][kPanel]; bias [N] or null -> y [M, N]; float32, rows contiguous.
 void float_linear_team(const float* x, int64_t M, int64_t K, const float* panels, const float* bias, int64_t N,
                        float* y) {
@@ -72,10 +79,7 @@ void float_linear_team(const float* x, int64_t M, int64_t K, const float* panels
       const int64_t n0 = p * kPanel, cols = N - n0 < kPanel ? N - n0 : kPanel;
       const float* panel = panels + p * K * kPanel;
       const float* b = bias ? bias + n0 : nullptr;
-      for (int64_t m0 = chunk; m0 < end; m0 += kRows) {
-        const int64_t mb = end - m0 < kRows ? end - m0 : kRows;
-        rows(mb, x + m0 * K, K, panel, b, y + m0 * N + n0, N, cols);
-      }
+      float_panel_rows(x + chunk * K, end - chunk, K, panel, b, y + chunk * N + n0, N, cols);
     }
   }
 }

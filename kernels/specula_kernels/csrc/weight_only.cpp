@@ -17,14 +17,10 @@
 // after another, the same loops streamed well below the memory's bandwidth; interleaved, at it):
 //   int8: q [N / 4][K / 16][4 rows][16 inputs] int8, scale [N] float32: w[n, k] = q * scale[n].
 //   int4: q4 [N / 4][K / 32][4 rows][16 bytes], byte j of a row holding input j in its low half and input j + 16
-//         in its high half; sz [N / 4][K / group][4 rows][2] (scale, offset), bfloat16 for Specula's own int4
-//         and float32 for GGUF's Q4_0 / Q4_1: w[n, k] = (q - bias) * scale + offset for k's group, with
-//         bias 8 (Specula's int4, where the offset is the zero; Q4_0, offset 0) or 0 (Q4_1, offset the minimum).
-//   q8_0 (GGUF's Q8_0): q [N / 4][K / 32][4 rows][32] int8, d [N / 4][K / 32][4 rows] float32:
-//         w[n, k] = q * d for k's block of 32.
-// N is padded to a multiple of 4 with zero rows, whose outputs are not written. For the GGUF types each weight
-// is computed as the `gguf` package's reference dequantizer computes it (one rounding of q * d + m, or an exact
-// product), so the values multiplied are the file's own.
+//         in its high half; sz [N / 4][K / group][4 rows][2] bfloat16 (scale, zero): w[n, k] = (q - 8) * scale +
+//         zero for k's group.
+// N is padded to a multiple of 4 with zero rows, whose outputs are not written. (GGUF's own blocks have their
+// kernels in gguf_linear.cpp.)
 //
 // Two builds of the blocks, one driver: with AVX-512, 16-wide vectors, int8 widened by one instruction and int4
 // looked up in a 16-entry table by one permute; with AVX2 (`simd.h`'s 8-wide vectors), a 16-input line is two
@@ -49,27 +45,17 @@ static inline float bf16_to_f32(uint16_t h) {
   return f;
 }
 
-// The (scale, offset) pairs of a product's 4-bit groups, and the bias of its codes: code c of a group stands for
-// (c - bias) * scale + offset.
+// The bfloat16 (scale, zero) pairs of a product's 4-bit groups: code c of a group stands for
+// (c - bias) * scale + zero.
 struct Int4Groups {
-  const void* pairs;  // bfloat16 or float32 pairs
-  bool f32;
-  float bias;
+  const uint16_t* pairs;
+  static constexpr float bias = 8.0f;
 
   void get(int64_t i, float& scale, float& offset) const {
-    if (f32) {
-      scale = static_cast<const float*>(pairs)[2 * i];
-      offset = static_cast<const float*>(pairs)[2 * i + 1];
-    } else {
-      scale = bf16_to_f32(static_cast<const uint16_t*>(pairs)[2 * i]);
-      offset = bf16_to_f32(static_cast<const uint16_t*>(pairs)[2 * i + 1]);
-    }
+    scale = bf16_to_f32(pairs[2 * i]);
+    offset = bf16_to_f32(pairs[2 * i + 1]);
   }
-  Int4Groups at(int64_t i) const {  // the pairs from pair i on
-    return {f32 ? static_cast<const void*>(static_cast<const float*>(pairs) + 2 * i)
-                : static_cast<const void*>(static_cast<const uint16_t*>(pairs) + 2 * i),
-            f32, bias};
-  }
+  Int4Groups at(int64_t i) const { return {pairs + 2 * i}; }  // the pairs from pair i on
 };
 
 #if defined(__AVX512F__)
@@ -315,44 +301,7 @@ void int8_linear_team(const float* x, int64_t M, int64_t K, const int8_t* q, con
   });
 }
 
-// GGUF's Q8_0: one block of 4 weight rows against MB activation rows. `q`: the block's [K / 32][4][32] int8; `d`:
-// its [K / 32][4] scales. Each weight is q * d, exact in float32 (d is a float16's value), and the multiply-adds
-// run in int4_block's order (per 32 inputs, lanes [half, half + lanes) and [16 + half, ...)), so the buffered path
-// gives the same bits.
-template <int MB>
-static void q8_0_block(const float* x, int64_t K, const int8_t* q, const float* d, float* y, int64_t N, int nb) {
-  vfloat acc[MB][kCols];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < kCols; ++j) acc[i][j] = vfloat{};
-  for (int64_t k = 0; k < K; k += 32) {
-    const int8_t* line = q + k * kCols;  // 128 bytes: 32 inputs of 4 rows
-    const float* scales = d + k / 32 * kCols;
-    __builtin_prefetch(line + kAhead);
-    __builtin_prefetch(line + kAhead + 64);
-    for (int half = 0; half < 16; half += kLanes) {
-      for (int j = 0; j < kCols; ++j) {
-        const vfloat scale = vsplat(scales[j]);
-        const vfloat lo = widen_i8(line + 32 * j + half) * scale, hi = widen_i8(line + 32 * j + 16 + half) * scale;
-        for (int i = 0; i < MB; ++i) {
-          acc[i][j] = vfma(vload(x + i * K + k + half), lo, acc[i][j]);
-          acc[i][j] = vfma(vload(x + i * K + k + 16 + half), hi, acc[i][j]);
-        }
-      }
-    }
-  }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < nb; ++j) y[i * N + j] = vsum(acc[i][j]);
-}
-
 #if !defined(__AVX512F__)
-static void dequantize_q8_0_block(const int8_t* q, const float* d, int64_t K, float* w) {
-  for (int64_t k = 0; k < K; k += 32)
-    for (int j = 0; j < kCols; ++j) {
-      const vfloat scale = vsplat(d[k / 32 * kCols + j]);
-      for (int h = 0; h < 32; h += kLanes) vstore(w + j * K + k + h, widen_i8(q + k * kCols + 32 * j + h) * scale);
-    }
-}
-
 // Passes of many rows on AVX2: `dequantize(b, w)` writes weight block b's kCols rows as floats into `w` [kCols][K],
 // which every row of the pass then reads (dequantized_block).
 template <typename Dequantize>
@@ -372,12 +321,11 @@ static void buffered_passes(const float* x, int64_t M, int64_t K, int64_t N, flo
 #endif
 
 // x [M, K] float32; q4 [ceil(N / 4), K / 32, 4, 16] uint8; sz [ceil(N / 4), K / group, 4, 2] (scale, offset),
-// float32 if `f32_pairs` else bfloat16 bits; codes stand for (q - bias) * scale + offset -> y [M, N].
-// group % 32 == 0.
-void int4_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* q4, const void* sz, bool f32_pairs,
-                      float bias, int64_t group, int64_t N, float* y) {
+// bfloat16; codes stand for (q - 8) * scale + zero -> y [M, N]. group % 32 == 0.
+void int4_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* q4, const uint16_t* sz, int64_t group,
+                      int64_t N, float* y) {
   const int64_t groups = K / group;
-  const Int4Groups pairs{sz, f32_pairs, bias};
+  const Int4Groups pairs{sz};
 #if !defined(__AVX512F__)
   if (M > kDequantizeRows)
     return buffered_passes(x, M, K, N, y, [&](int64_t b, float* w) {
@@ -398,28 +346,6 @@ void int4_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* q4, c
   });
 }
 
-// x [M, K] float32; q [ceil(N / 4), K / 32, 4, 32] int8; d [ceil(N / 4), K / 32, 4] float32 -> y [M, N].
-void q8_0_linear_team(const float* x, int64_t M, int64_t K, const int8_t* q, const float* d, int64_t N, float* y) {
-#if !defined(__AVX512F__)
-  if (M > kDequantizeRows)
-    return buffered_passes(x, M, K, N, y, [&](int64_t b, float* w) {
-      dequantize_q8_0_block(q + b * kCols * K, d + b * kCols * (K / 32), K, w);
-    });
-#endif
-  for_each_block(M, N, [=](int64_t m0, int mb, int64_t b, int nb) {
-    const float* xm = x + m0 * K;
-    float* ym = y + m0 * N + b * kCols;
-    const int8_t* qb = q + b * kCols * K;
-    const float* db = d + b * kCols * (K / 32);
-    if (mb == 1) return q8_0_block<1>(xm, K, qb, db, ym, N, nb);
-    if constexpr (kRows > 3) {
-      if (mb == 2) return q8_0_block<2>(xm, K, qb, db, ym, N, nb);
-      if (mb == 3) return q8_0_block<3>(xm, K, qb, db, ym, N, nb);
-    }
-    return q8_0_block<kRows>(xm, K, qb, db, ym, N, nb);
-  });
-}
-
 extern "C" {
 
 void specula_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t N,
@@ -432,20 +358,7 @@ void specula_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* q, 
 void specula_int4_linear(const float* x, int64_t M, int64_t K, const uint8_t* q4, const uint16_t* sz, int64_t group,
                          int64_t N, float* y, int threads) {
 #pragma omp parallel num_threads(threads)
-  int4_linear_team(x, M, K, q4, sz, false, 8.0f, group, N, y);
-}
-
-// GGUF's Q4_0 (bias 8) and Q4_1 (bias 0): float32 (scale, offset) pairs per block of 32 (`gguf_blocks.py`).
-void specula_q4_linear(const float* x, int64_t M, int64_t K, const uint8_t* q4, const float* sz, float bias,
-                       int64_t N, float* y, int threads) {
-#pragma omp parallel num_threads(threads)
-  int4_linear_team(x, M, K, q4, sz, true, bias, 32, N, y);
-}
-
-void specula_q8_0_linear(const float* x, int64_t M, int64_t K, const int8_t* q, const float* d, int64_t N, float* y,
-                         int threads) {
-#pragma omp parallel num_threads(threads)
-  q8_0_linear_team(x, M, K, q, d, N, y);
+  int4_linear_team(x, M, K, q4, sz, group, N, y);
 }
 
 }  // extern "C"

@@ -171,12 +171,11 @@ class GGUFLinear(nn.Module):
         if not self.native:
             raise ValueError(f"GGUF {blocks.type_name} blocks need the native kernels, which do not serve "
                              f"{blocks.data.device} here")
-        weight, scales = blocks.pack_native()
-        self.register_buffer("weight", weight)  # the file's payloads, rows regrouped in fours
-        self.register_buffer("scales", scales)  # float32: each block's scale (and Q4_1's minimum)
+        # the file's scales and codes, in tiles of output rows
+        self.register_buffer("weight", blocks.pack_native(self.native.specula_vector_lanes()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return gguf_linear_native(self.native, x, self.type_name, self.weight, self.scales, self.out_features)
+        return gguf_linear_native(self.native, x, self.type_name, self.weight, self.out_features)
 
 
 def gguf_blocks_served(device: torch.device) -> bool:

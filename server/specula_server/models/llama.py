@@ -246,6 +246,5 @@ def _product_weights(linear: torch.nn.Module) -> ProductWeights:
         return ProductWeights(INT4, linear.out_features, linear.packed.shape[1] * 32, linear.packed,
                               linear.scales_and_zeros, linear.group_size)
     if isinstance(linear, GGUFLinear):
-        return ProductWeights(GGUF_KINDS[linear.type_name], linear.out_features, linear.in_features, linear.weight,
-                              linear.scales, 32)
+        return ProductWeights(GGUF_KINDS[linear.type_name], linear.out_features, linear.in_features, linear.weight)
     raise _DoesNotFit
