@@ -3,8 +3,9 @@ directory, a GGUF file or a Hub id), the device, the dtype and the token limits,
 (config.py) that checks them.
 
 Token limits follow TGI 3, except that speculation's lookahead is reserved inside the model's positions (a
-request may hold `max_total_tokens + speculative_tokens` positions while drafts are verified; LoRAX #474). For
-a local model with `max_position_embeddings = 2048`, `--speculative-tokens 3` and no limit given:
+request may hold `max_total_tokens + speculative_tokens` positions while drafts are verified; LoRAX #474): the
+formulas are specula_proto/limits.py's, which the router uses too. For a local model with
+`max_position_embeddings = 2048`, `--speculative-tokens 3` and no limit given:
 
     max_total_tokens         = 2048 - 3                          = 2045
     max_input_tokens         = max_total_tokens - 1              = 2044
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from specula_launcher.config import LauncherConfig
 from specula_proto.choices import AdapterSource
+from specula_proto.limits import DEFAULT_PREFILL_CAP, default_input_tokens, default_prefill_tokens, default_total_tokens
 
 # The small Llama model shipped inside the package (see demo_model/README.md).
 DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
@@ -32,10 +34,6 @@ DEMO_MODEL_DIR = Path(__file__).resolve().parent / "demo_model"
 # is the default --adapter-dir, local the default --adapter-source, and --speculator may name a member.
 DEMO_ADAPTERS_DIR = Path(__file__).resolve().parent / "demo_adapters"
 
-# TGI's default prefill budget: one full prompt plus a little room for a second, short one; at most 4096 tokens
-# a step (a longer prompt is prefilled in chunks).
-PREFILL_TOKENS_HEADROOM = 50
-DEFAULT_PREFILL_CAP = 4096
 # config.json keys that hold the position limit, in order of preference (Llama-family first).
 POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
 
@@ -197,21 +195,21 @@ def derive_token_limits(
             raise ValueError(f"--speculative-tokens ({speculative_tokens}) leaves no room for a request in the "
                              f"model's {max_positions} positions")
         if max_total_tokens is None:
-            max_total_tokens = max_positions - speculative_tokens
+            max_total_tokens = default_total_tokens(max_positions, speculative_tokens)
             if max_batch_total_tokens is not None:  # the batch's KV budget, which the router fits to
-                max_total_tokens = min(max_total_tokens, max_batch_total_tokens - speculative_tokens)
+                max_total_tokens = min(max_total_tokens, default_total_tokens(max_batch_total_tokens,
+                                                                              speculative_tokens))
             if max_input_tokens is not None:
                 max_total_tokens = max(max_total_tokens, max_input_tokens + 1)
         if max_input_tokens is None:
-            max_input_tokens = max_total_tokens - 1
+            max_input_tokens = default_input_tokens(max_total_tokens)
         if max_total_tokens + speculative_tokens > max_positions:
             raise ValueError(f"--max-total-tokens ({max_total_tokens}) + --speculative-tokens ({speculative_tokens}) "
                              f"exceeds the model's max_position_embeddings ({max_positions}); lower "
                              f"--max-total-tokens or --max-input-tokens")
     if max_batch_prefill_tokens is None and max_input_tokens is not None:
-        max_batch_prefill_tokens = min(max_input_tokens + PREFILL_TOKENS_HEADROOM, DEFAULT_PREFILL_CAP)
-        if max_batch_total_tokens is not None:
-            max_batch_prefill_tokens = min(max_batch_prefill_tokens, max_batch_total_tokens)
+        budget = DEFAULT_PREFILL_CAP if max_batch_total_tokens is None else max_batch_total_tokens
+        max_batch_prefill_tokens = default_prefill_tokens(max_input_tokens, min(DEFAULT_PREFILL_CAP, budget))
     return max_input_tokens, max_total_tokens, max_batch_prefill_tokens
 
 

@@ -10,6 +10,7 @@ import typer
 from specula_launcher import cli as launcher_cli
 from specula_launcher.config import LauncherConfig
 from specula_proto.choices import AdapterKind, AdapterSource, NgramMatch, SpeculationMode, parse_choice, values
+from specula_proto.limits import default_input_tokens, default_prefill_tokens, default_total_tokens
 from specula_proto.setting import Decl, Process, Setting
 from specula_proto.settings import SETTINGS, settings_of, shared_with
 
@@ -90,3 +91,10 @@ def test_the_configs_default_to_what_the_command_lines_do(process: Process) -> N
         expected = tuple(default) if isinstance(default, list) else default
         expected = not expected if name != setting.name else expected
         assert fields[name] == expected, f"{process.name} {setting.flag}: {fields[name]!r} != {expected!r}"
+
+
+def test_the_token_limit_defaults_are_the_documented_ones() -> None:
+    """limits.py's example, which the launcher shows and the router derives again: 2048 positions, lookahead 3."""
+    assert (default_total_tokens(2048, 3), default_input_tokens(2045), default_prefill_tokens(2044)) == (2045, 2044,
+                                                                                                        2094)
+    assert (default_prefill_tokens(8000), default_prefill_tokens(100, cap=64)) == (4096, 64)

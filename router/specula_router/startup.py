@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from specula_proto.limits import default_input_tokens, default_prefill_tokens, default_total_tokens
 from specula_router.config import RouterConfig
 
 logger = logging.getLogger("specula.router")
@@ -24,17 +25,14 @@ class Limits:
     max_batch_prefill_tokens: int
 
 
-DEFAULT_PREFILL_CAP = 4096  # the default prompt tokens per step: a longer prompt is prefilled in chunks
-
-
 def derive_limits(config: RouterConfig, max_position_embeddings: int, lookahead: int) -> Limits:
     """The limits the flags give, and defaults from the model's positions for the others (TGI 3's: a request
     may use every position but the lookahead's; `fit_to_kv` then lowers what the KV cache cannot hold), then
     the checks that keep every request servable. `lookahead`: the draft tokens a step may verify (the workers'
     `max_speculative_tokens`)."""
-    max_total = config.max_total_tokens or max_position_embeddings - lookahead
-    max_input = config.max_input_tokens or max_total - 1
-    prefill = config.max_batch_prefill_tokens or min(max_input + 50, DEFAULT_PREFILL_CAP)
+    max_total = config.max_total_tokens or default_total_tokens(max_position_embeddings, lookahead)
+    max_input = config.max_input_tokens or default_input_tokens(max_total)
+    prefill = config.max_batch_prefill_tokens or default_prefill_tokens(max_input)
     if max_input >= max_total:
         raise ValueError(f"--max-input-tokens ({max_input}) must be < --max-total-tokens ({max_total})")
     if max_total + lookahead > max_position_embeddings:
@@ -55,7 +53,7 @@ def fit_to_kv(limits: Limits, config: RouterConfig, kv_tokens: int, lookahead: i
         raise ValueError(f"the KV cache holds {kv_tokens} tokens, fewer than one request's "
                          f"{limits.max_total_tokens + lookahead} (--max-total-tokens + speculative lookahead); lower "
                          f"--max-total-tokens or give the cache more memory (--kv-cache-memory)")
-    max_total = kv_tokens - lookahead
+    max_total = default_total_tokens(kv_tokens, lookahead)
     if config.max_input_tokens and config.max_input_tokens >= max_total:
         raise ValueError(f"the KV cache holds {kv_tokens} tokens: one request may have {max_total} with the "
                          f"speculative lookahead, not more than --max-input-tokens ({config.max_input_tokens}); lower "
@@ -63,8 +61,8 @@ def fit_to_kv(limits: Limits, config: RouterConfig, kv_tokens: int, lookahead: i
     if max_total < 2:
         raise ValueError(f"the KV cache holds {kv_tokens} tokens, too few for any request; give it more memory "
                          f"(--kv-cache-memory)")
-    max_input = config.max_input_tokens or max_total - 1
-    prefill = config.max_batch_prefill_tokens or min(limits.max_batch_prefill_tokens, max_input + 50)
+    max_input = config.max_input_tokens or default_input_tokens(max_total)
+    prefill = config.max_batch_prefill_tokens or default_prefill_tokens(max_input, limits.max_batch_prefill_tokens)
     logger.info("the KV cache holds %d tokens: max_total_tokens %d -> %d, max_input_tokens %d", kv_tokens,
                 limits.max_total_tokens, max_total, max_input)
     return Limits(max_input, max_total, prefill)
