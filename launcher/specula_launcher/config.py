@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specula_proto.choices import AdapterSource, NgramMatch, SpeculationMode, parse_choice
+from specula_proto.setting import Process
+from specula_proto.settings import settings_of
 
 DTYPES = ("float32", "bfloat16", "float16")
 # The worker's (specula_server.layers.quantization), checked before any start.
@@ -177,22 +179,10 @@ def _check_choices(c: LauncherConfig) -> None:
 
 
 def _check_ranges(c: LauncherConfig) -> None:
-    at_least = {
-        "--num-shard": (c.num_shard, 1), "--speculative-tokens": (c.speculative_tokens, 0),
-        "--max-active-adapters": (c.max_active_adapters, 1), "--draft-tree-width": (c.draft_tree_width, 1),
-        "--max-concurrent-requests": (c.max_concurrent_requests, 1), "--max-best-of": (c.max_best_of, 1),
-        "--max-stop-sequences": (c.max_stop_sequences, 0), "--max-top-n-tokens": (c.max_top_n_tokens, 0),
-        "--max-input-tokens": (c.max_input_tokens, 1), "--max-total-tokens": (c.max_total_tokens, 2),
-        "--max-batch-prefill-tokens": (c.max_batch_prefill_tokens, 1),
-        "--max-batch-total-tokens": (c.max_batch_total_tokens, 2), "--max-waiting-tokens": (c.max_waiting_tokens, 0),
-        "--max-batch-size": (c.max_batch_size, 1), "--payload-limit": (c.payload_limit, 1),
-        "--validation-workers": (c.validation_workers, 1), "--max-adapter-labels": (c.max_adapter_labels, 0),
-        "--block-size": (c.block_size, 1), "--shutdown-timeout": (c.shutdown_timeout, 0),
-        "--suffix-cache-tokens": (c.suffix_cache_tokens, 0), "--max-grammar-bytes": (c.max_grammar_bytes, 1),
-    }
-    for flag, (value, low) in at_least.items():
-        if value is not None and value < low:
-            raise ValueError(f"{flag} must be at least {low}; got {value}")
+    for setting in settings_of(Process.LAUNCHER):  # the bounds of the settings table
+        value = getattr(c, setting.name, None)
+        if setting.at_least is not None and value is not None and value < setting.at_least:
+            raise ValueError(f"{setting.flag} must be at least {setting.at_least}; got {value}")
     if c.step_timeout < 0:
         raise ValueError(f"--step-timeout must not be negative; got {c.step_timeout}")
     if c.grammar_compile_timeout is not None and not c.grammar_compile_timeout > 0:

@@ -98,3 +98,12 @@ def test_the_token_limit_defaults_are_the_documented_ones() -> None:
     assert (default_total_tokens(2048, 3), default_input_tokens(2045), default_prefill_tokens(2044)) == (2045, 2044,
                                                                                                         2094)
     assert (default_prefill_tokens(8000), default_prefill_tokens(100, cap=64)) == (4096, 64)
+
+
+@pytest.mark.parametrize("setting", [s for s in settings_of(Process.LAUNCHER) if s.at_least is not None],
+                         ids=lambda s: s.name)
+def test_the_launcher_refuses_a_value_below_a_settings_bound_naming_the_flag(setting: Setting) -> None:
+    assert setting.at_least is not None
+    LauncherConfig(model_id="m", dtype="float32", device="cpu", **{setting.name: setting.at_least})
+    with pytest.raises(ValueError, match=f"^{setting.flag} must be at least {setting.at_least}; got "):
+        LauncherConfig(model_id="m", dtype="float32", device="cpu", **{setting.name: setting.at_least - 1})

@@ -32,6 +32,7 @@ SETTINGS: tuple[Setting, ...] = (
             router=Decl(help="Hub revision.")),
     Setting("num_shard", int, 1, LAUNCHER | ROUTER,
             "Tensor-parallel shards (one process, one GPU each).",
+            at_least=1,
             router=Decl(help="Number of shards (informational).")),
     Setting("dtype", str | None, None, LAUNCHER | WORKER,
             "float32, bfloat16 or float16. Default: bfloat16 on cuda, float32 on cpu.",
@@ -58,6 +59,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Draft tokens verified per request per step (0: off). --speculate is TGI's name.",
             env=("SPECULATIVE_TOKENS", "SPECULATE"),
             flags=("--speculative-tokens", "--speculate"),
+            at_least=0,
             router=Decl(env="SPECULATIVE_TOKENS", flags=(), help="Max draft tokens per step."),
             worker=Decl(env="SPECULATIVE_TOKENS", flags=(), min=0,
                         help="Most draft tokens verified per request per step (0: off).")),
@@ -89,6 +91,7 @@ SETTINGS: tuple[Setting, ...] = (
             "With --speculator suffix: tokens of finished requests each shard keeps in its global suffix trees (their "
             "outputs, each after the last 24 tokens of its prompt; all adapters together; the oldest request's leave "
             "first).",
+            at_least=0,
             worker=Decl(min=0,
                         help="With --speculator suffix: output tokens of finished requests the global suffix trees "
                              "keep for drafting (per shard, all adapters together; the oldest request's leave "
@@ -96,6 +99,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("draft_tree_width", int, 1, LAUNCHER | WORKER,
             "Candidates per Medusa head, MLP speculator stage or EAGLE-3 depth: 1 verifies the top-1 chain, more "
             "verify a tree of the best nodes.",
+            at_least=1,
             worker=Decl(min=1)),
     Setting("adapter_source", str | None, None, LAUNCHER | ROUTER,
             "Source of a request's adapter_id when it names none: hub or local. Default: hub; local when serving the "
@@ -116,6 +120,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_active_adapters", int, 8, LAUNCHER | ROUTER | WORKER,
             "Adapters loaded at once; past it the least recently used adapter with no queued or running request is "
             "offloaded.",
+            at_least=1,
             router=Decl(min=1,
                         help="Adapters loaded at once (the workers' adapter slots); past it the least recently used "
                              "adapter with no queued or running request is offloaded."),
@@ -130,24 +135,30 @@ SETTINGS: tuple[Setting, ...] = (
                              "stops startup.")),
     Setting("max_concurrent_requests", int, 128, LAUNCHER | ROUTER,
             "Requests in flight before new ones get 429.",
+            at_least=1,
             router=Decl(help="Requests in flight before 429.")),
     Setting("max_best_of", int, 2, LAUNCHER | ROUTER,
             "Largest best_of a request may ask for.",
+            at_least=1,
             router=Decl(help="Largest best_of.")),
     Setting("max_stop_sequences", int, 4, LAUNCHER | ROUTER,
             "Stop sequences per request.",
+            at_least=0,
             router=Decl(help="Most stop sequences.")),
     Setting("max_top_n_tokens", int, 5, LAUNCHER | ROUTER,
             "Largest top_n_tokens per request.",
+            at_least=0,
             router=Decl(help="Largest top_n_tokens.")),
     Setting("max_input_tokens", int | None, None, LAUNCHER | ROUTER,
             "Longest prompt in tokens. Default: --max-total-tokens - 1.",
             env=("MAX_INPUT_TOKENS", "MAX_INPUT_LENGTH"),
             flags=("--max-input-tokens", "--max-input-length"),
+            at_least=1,
             router=Decl(env="MAX_INPUT_TOKENS", help="Longest prompt in tokens.")),
     Setting("max_total_tokens", int | None, None, LAUNCHER | ROUTER,
             "Longest prompt + generation. Default: the model's max_position_embeddings (less the speculative "
             "lookahead), lowered to what the KV cache holds.",
+            at_least=2,
             router=Decl(help="Longest prompt + generation in tokens.")),
     Setting("waiting_served_ratio", float, 1.2, LAUNCHER | ROUTER,
             "Waiting/running ratio above which new requests join early.",
@@ -155,15 +166,19 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_batch_prefill_tokens", int | None, None, LAUNCHER | ROUTER,
             "Prompt tokens per step. Default: --max-input-tokens + 50, at most 4096; a longer prompt is prefilled in "
             "chunks.",
+            at_least=1,
             router=Decl(help="Most prompt tokens in one prefill.")),
     Setting("max_batch_total_tokens", int | None, None, LAUNCHER | ROUTER,
             "KV tokens across the batch. Default: measured at warmup.",
+            at_least=2,
             router=Decl(help="Cap on KV cache tokens (default: what warmup finds).")),
     Setting("max_waiting_tokens", int, 20, LAUNCHER | ROUTER,
             "Steps before waiting requests are forced into the batch.",
+            at_least=0,
             router=Decl(help="Steps a waiting request may be delayed.")),
     Setting("max_batch_size", int | None, None, LAUNCHER | ROUTER,
             "Largest running batch.",
+            at_least=1,
             router=Decl(help="Most requests in a batch.")),
     Setting("shard_uds_path", str | None, None, LAUNCHER,
             "Shard socket prefix; shard r listens on PATH-r. Refused when a live process serves one of them. Default: "
@@ -193,13 +208,16 @@ SETTINGS: tuple[Setting, ...] = (
             flags=("--json-output",),
             router=Decl(flags=(), help="Log as JSON lines.")),
     Setting("payload_limit", int, 2000000, LAUNCHER | ROUTER,
-            "Largest request body in bytes."),
+            "Largest request body in bytes.",
+            at_least=1),
     Setting("validation_workers", int, 2, LAUNCHER | ROUTER,
             "Router threads that validate and tokenise requests off its event loop.",
+            at_least=1,
             router=Decl(min=1,
                         help="Threads that validate and tokenise requests (/generate, /tokenize) off the event loop.")),
     Setting("max_adapter_labels", int, 32, LAUNCHER | ROUTER,
             "Adapters that get their own `adapter` metrics label (the first to load); the others count as `other`.",
+            at_least=0,
             router=Decl(min=0,
                         help="Adapters that get their own `adapter` metrics label, the first to load successfully; "
                              "every other adapter is counted as `other`.")),
@@ -217,6 +235,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_grammar_bytes", int | None, None, LAUNCHER | ROUTER,
             "Largest structured-output grammar of a request (JSON schema, regex or tool-call grammar), in bytes as "
             "received. Default: the router's, 65536.",
+            at_least=1,
             router=Decl(type=int, default=65536, min=1,
                         help="Largest structured-output grammar of a request, in bytes as received: the JSON schema, "
                              "regex or tool-call grammar (past it: 422, or 400 on /v1/*).")),
@@ -247,12 +266,14 @@ SETTINGS: tuple[Setting, ...] = (
             "Batch sizes whose decode and verification steps are captured as CUDA graphs, separated by commas (0: "
             "none). Default: 1, 2, 4, then multiples of 8 up to 128. CUDA only, one shard, with triton."),
     Setting("block_size", int, 16, LAUNCHER | WORKER,
-            "Tokens per KV cache block."),
+            "Tokens per KV cache block.",
+            at_least=1),
     Setting("shutdown_timeout", int, 30, LAUNCHER | ROUTER,
             "Seconds the router may spend draining requests on shutdown. --graceful-termination-timeout is TGI's "
             "name.",
             env=("SHUTDOWN_TIMEOUT", "GRACEFUL_TERMINATION_TIMEOUT"),
             flags=("--shutdown-timeout", "--graceful-termination-timeout"),
+            at_least=0,
             router=Decl(type=float, default=30.0, env="SHUTDOWN_TIMEOUT", flags=(),
                         help="Seconds to drain in-flight requests on SIGTERM.")),
     Setting("no_prefix_caching", bool, False, LAUNCHER | ROUTER,
