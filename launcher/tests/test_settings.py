@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import typer
@@ -107,3 +108,19 @@ def test_the_launcher_refuses_a_value_below_a_settings_bound_naming_the_flag(set
     LauncherConfig(model_id="m", dtype="float32", device="cpu", **{setting.name: setting.at_least})
     with pytest.raises(ValueError, match=f"^{setting.flag} must be at least {setting.at_least}; got "):
         LauncherConfig(model_id="m", dtype="float32", device="cpu", **{setting.name: setting.at_least - 1})
+
+
+def test_the_configuration_document_lists_each_launcher_flag_with_its_variables() -> None:
+    """docs/configuration.md's flag table: one row per launcher setting, naming its flags and variables as the
+    table declares them (`--speculative-tokens / --speculate` | `SPECULATIVE_TOKENS / SPECULATE`)."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    table = doc[doc.index("| flag | environment |"):doc.index("\n\n", doc.index("| flag | environment |"))]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        names, env = (cell.strip().replace("`", "") for cell in line.split("|")[1:3])
+        rows[tuple(name.strip() for name in names.replace(", ", " / ").split(" / "))] = tuple(env.split(" / "))
+    expected = {}
+    for setting in settings_of(Process.LAUNCHER):
+        env = setting.env if setting.env is not None else setting.name.upper()
+        expected[setting.flags or (setting.flag,)] = env if isinstance(env, tuple) else (env,)
+    assert rows == expected
