@@ -14,7 +14,7 @@ from pathlib import Path
 
 from specula_proto.choices import AdapterSource, NgramMatch, SpeculationMode, parse_choice
 from specula_proto.setting import Process
-from specula_proto.settings import settings_of
+from specula_proto.settings import check_bounds
 
 DTYPES = ("float32", "bfloat16", "float16")
 # The worker's (specula_server.layers.quantization), checked before any start.
@@ -179,10 +179,7 @@ def _check_choices(c: LauncherConfig) -> None:
 
 
 def _check_ranges(c: LauncherConfig) -> None:
-    for setting in settings_of(Process.LAUNCHER):  # the bounds of the settings table
-        value = getattr(c, setting.name, None)
-        if setting.at_least is not None and value is not None and value < setting.at_least:
-            raise ValueError(f"{setting.flag} must be at least {setting.at_least}; got {value}")
+    check_bounds(c, Process.LAUNCHER)  # the settings table's
     if c.step_timeout < 0:
         raise ValueError(f"--step-timeout must not be negative; got {c.step_timeout}")
     if c.grammar_compile_timeout is not None and not c.grammar_compile_timeout > 0:

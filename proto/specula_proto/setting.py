@@ -3,9 +3,9 @@
 A `Setting` says its name, type, default, environment variable, help and the processes whose command lines take
 it (`Process` flags: the launcher, the router, the worker). Where a child process declares it otherwise (its own
 default, because the launcher fills in derived ones before passing a value; a shorter help; a bound that click
-checks), a `Decl` for that process says only what differs; `at_least` is the lower bound the launcher's config
-checks. `Setting.parameter` turns the declaration of one process into the typer parameter of that process's
-command; settings.py holds the table and builds the commands.
+checks), a `Decl` for that process says only what differs; `at_least` is the lower bound the launcher's and the
+router's configs check. `Setting.parameter` turns the declaration of one process into the typer parameter of
+that process's command; settings.py holds the table and builds the commands.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class Setting:
     flags: tuple[str, ...] = ()
     min: float | None = None  # bounds click checks (for the launcher, config.py checks every value instead)
     max: float | None = None
-    # The least value the launcher's config accepts ("--flag must be at least N; got V"); None: no such bound.
+    # The least value the launcher's and the router's configs accept (settings.check_bounds); None: no bound.
     at_least: int | None = None
     show_default: bool = True
     argument: bool = False

@@ -336,6 +336,16 @@ def shared_with(child: Process) -> tuple[Setting, ...]:
     return tuple(setting for setting in SETTINGS if (LAUNCHER | child) in setting.processes)
 
 
+def check_bounds(config: object, process: Process) -> None:
+    """A ValueError naming the flag for the first setting of `process` whose value in `config` (an attribute of
+    the setting's name; None: not set) is below the setting's `at_least`: "--max-batch-size must be at least 1;
+    got 0"."""
+    for setting in settings_of(process):
+        value = getattr(config, setting.name, None)
+        if setting.at_least is not None and value is not None and value < setting.at_least:
+            raise ValueError(f"{setting.flag} must be at least {setting.at_least}; got {value}")
+
+
 def with_settings(process: Process) -> Callable[[Command], Command]:
     """Declares the options of `process`'s typer command from the table. The command is written as
     `def main(ctx: typer.Context, **settings)`: its own parameters stay first, then one keyword parameter per

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specula_proto.choices import AdapterSource, parse_choice
+from specula_proto.setting import Process
+from specula_proto.settings import check_bounds
 
 
 @dataclass(frozen=True)
@@ -62,22 +64,15 @@ class RouterConfig:
 
         object.__setattr__(self, "adapter_source", parse_choice(AdapterSource, self.adapter_source,
                                                                 "--adapter-source"))
-        if self.max_active_adapters < 1:
-            raise ValueError(f"--max-active-adapters must be at least 1; got {self.max_active_adapters}")
+        check_bounds(self, Process.ROUTER)  # the settings table's
         if len(set(self.preloaded_adapter_ids)) > self.max_active_adapters:
             raise ValueError(f"--preloaded-adapter-ids names {len(set(self.preloaded_adapter_ids))} adapters, more "
                              f"than --max-active-adapters ({self.max_active_adapters})")
-        if self.validation_workers < 1:
-            raise ValueError(f"--validation-workers must be at least 1; got {self.validation_workers}")
-        if self.max_adapter_labels < 0:
-            raise ValueError(f"--max-adapter-labels must not be negative; got {self.max_adapter_labels}")
         if not re.fullmatch(r"[a-zA-Z_][a-zA-Z0-9_]*", self.metrics_prefix):
             raise ValueError(f"--metrics-prefix must be letters, digits and _ (not first a digit); "
                              f"got {self.metrics_prefix!r}")
         if self.step_timeout < 0:
             raise ValueError(f"--step-timeout must not be negative; got {self.step_timeout}")
-        if self.max_grammar_bytes < 1:
-            raise ValueError(f"--max-grammar-bytes must be at least 1; got {self.max_grammar_bytes}")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"--grammar-compile-timeout must be positive; got {self.grammar_compile_timeout}")
         if self.api_key is not None and not self.api_key.strip():

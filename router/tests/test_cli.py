@@ -47,7 +47,7 @@ def test_adapter_flags_and_environment(monkeypatch):
      r"--preloaded-adapter-ids names 2 adapters, more than --max-active-adapters \(1\)"),
     (dict(preloaded_adapter_ids=("x" * 300,)), "is not an adapter id"),
     (dict(validation_workers=0), "--validation-workers must be at least 1; got 0"),
-    (dict(max_adapter_labels=-1), "--max-adapter-labels must not be negative; got -1"),
+    (dict(max_adapter_labels=-1), "--max-adapter-labels must be at least 0; got -1"),
     (dict(metrics_prefix="tgi-x"), "--metrics-prefix must be letters, digits and _ .*; got 'tgi-x'"),
     (dict(metrics_prefix="1tgi"), "--metrics-prefix must be letters"),
 ])
