@@ -87,7 +87,7 @@ SETTINGS: tuple[Setting, ...] = (
                              "layout, for this model) or a draft model (a small causal LM with the model's "
                              "tokenizer): directory or Hub id, drafting for every request that has no Medusa heads of "
                              "its own.")),
-    Setting("suffix_cache_tokens", int, 100000, LAUNCHER | WORKER,
+    Setting("suffix_cache_tokens", int, 100_000, LAUNCHER | WORKER,
             "With --speculator suffix: tokens of finished requests each shard keeps in its global suffix trees (their "
             "outputs, each after the last 24 tokens of its prompt; all adapters together; the oldest request's leave "
             "first).",
@@ -207,7 +207,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Log JSON lines {\"process\", \"line\"}.",
             flags=("--json-output",),
             router=Decl(flags=(), help="Log as JSON lines.")),
-    Setting("payload_limit", int, 2000000, LAUNCHER | ROUTER,
+    Setting("payload_limit", int, 2_000_000, LAUNCHER | ROUTER,
             "Largest request body in bytes.",
             at_least=1),
     Setting("validation_workers", int, 2, LAUNCHER | ROUTER,
@@ -321,7 +321,6 @@ SETTINGS: tuple[Setting, ...] = (
             "Also serve gRPC over TCP on this address (a free port), and give that address to the router: for shards "
             "on a node without the router (multi-node tensor parallelism)."),
 )
-BY_NAME = {setting.name: setting for setting in SETTINGS}
 
 Command = TypeVar("Command", bound=Callable[..., object])
 
