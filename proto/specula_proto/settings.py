@@ -5,9 +5,10 @@
 names, environment variables, defaults and help all come from here), and the launcher passes a child the value
 of every setting both declare (`shared_with`), under the same flag (launcher/specula_launcher/commands.py).
 
-Rows are in the launcher's order (its --help), then the settings of the children alone: how a child finds its
-shards and its place among them. A child's `Decl` is where it declares a setting otherwise: most often a default
-the launcher derives before it passes a value (--dtype, --adapter-source), or a help written for that process.
+Rows are in the order of the commands' --help: the model, the settings of the children alone (how a child
+finds its shards, its place among them and its launcher run), then the launcher's in its order. A child's `Decl`
+is where it declares a setting otherwise: most often a default the launcher derives before it passes a value
+(--dtype, --adapter-source), or a help written for that process.
 """
 
 from __future__ import annotations
@@ -27,6 +28,32 @@ SETTINGS: tuple[Setting, ...] = (
             "bundled demo model.",
             router=Decl(type=str, default=..., help="Model id, directory or GGUF file (for the tokenizer and /info)."),
             worker=Decl(type=str, default=..., argument=True, help="Hub model id, local directory or GGUF file.")),
+    # The children's own: how a child finds its shards, its place among them and its launcher run.
+    Setting("master_shard_uds_path", str, "/tmp/specula-server-0", ROUTER,
+            "Unix socket of shard 0."),
+    Setting("uds_path", str, "/tmp/specula-server", WORKER,
+            "Unix socket path prefix; shard r listens on PATH-r."),
+    Setting("instance_id", str, "", ROUTER | WORKER,
+            "Id of the launcher run whose shards this router serves: a shard reporting another id in Info is refused "
+            "at startup. Empty: any shard, as long as all report the same id.",
+            env="SPECULA_INSTANCE_ID",
+            worker=Decl(help="Id of the launcher run this shard belongs to, reported in Info; a router given another "
+                             "id refuses the shard. Empty when started alone.")),
+    Setting("pipeline_depth", int, 2, ROUTER,
+            "Steps queued in the workers at once (1: no pipelining).",
+            min=1, max=4),
+    Setting("rank", int, 0, WORKER,
+            "This shard's rank."),
+    Setting("world_size", int, 1, WORKER,
+            "Number of shards."),
+    Setting("local_rank", int | None, None, WORKER,
+            "This shard's rank on its node, the index of its GPU (default: --rank; set per node when the group spans "
+            "several nodes).",
+            min=0),
+    Setting("grpc_host", str | None, None, WORKER,
+            "Also serve gRPC over TCP on this address (a free port), and give that address to the router: for shards "
+            "on a node without the router (multi-node tensor parallelism)."),
+    # The launcher's, in its order; most are also a child's, which the launcher passes on.
     Setting("revision", str | None, None, LAUNCHER | ROUTER | WORKER,
             "Hub revision (branch, tag or commit).",
             router=Decl(help="Hub revision.")),
@@ -296,30 +323,6 @@ SETTINGS: tuple[Setting, ...] = (
             show_default=False,
             router=Decl(help="Require `Authorization: Bearer <key>` on every route but /health, /ping and /metrics. "
                              "Prefer the environment variable: a flag's value shows in the process list.")),
-    Setting("master_shard_uds_path", str, "/tmp/specula-server-0", ROUTER,
-            "Unix socket of shard 0."),
-    Setting("instance_id", str, "", ROUTER | WORKER,
-            "Id of the launcher run whose shards this router serves: a shard reporting another id in Info is refused "
-            "at startup. Empty: any shard, as long as all report the same id.",
-            env="SPECULA_INSTANCE_ID",
-            worker=Decl(help="Id of the launcher run this shard belongs to, reported in Info; a router given another "
-                             "id refuses the shard. Empty when started alone.")),
-    Setting("pipeline_depth", int, 2, ROUTER,
-            "Steps queued in the workers at once (1: no pipelining).",
-            min=1, max=4),
-    Setting("uds_path", str, "/tmp/specula-server", WORKER,
-            "Unix socket path prefix; shard r listens on PATH-r."),
-    Setting("rank", int, 0, WORKER,
-            "This shard's rank."),
-    Setting("world_size", int, 1, WORKER,
-            "Number of shards."),
-    Setting("local_rank", int | None, None, WORKER,
-            "This shard's rank on its node, the index of its GPU (default: --rank; set per node when the group spans "
-            "several nodes).",
-            min=0),
-    Setting("grpc_host", str | None, None, WORKER,
-            "Also serve gRPC over TCP on this address (a free port), and give that address to the router: for shards "
-            "on a node without the router (multi-node tensor parallelism)."),
 )
 
 Command = TypeVar("Command", bound=Callable[..., object])
