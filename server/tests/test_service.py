@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -16,6 +17,8 @@ import pytest
 
 from specula_proto import generate_pb2 as pb
 from specula_proto import generate_pb2_grpc
+from specula_proto.setting import Process
+from specula_proto.settings import settings_of
 from specula_server.distributed import ShardGroup
 from specula_server.server import ServerConfig, load_generator
 from specula_server.service import ExceptionInterceptor, TextGenerationService, WorkerInfo, fault_policy
@@ -201,6 +204,20 @@ def test_cli_help_lists_every_option():
                          capture_output=True, text=True, check=True).stdout
     for flag in ("--uds-path", "--revision", "--dtype", "--device", "--kv-cache-memory", "--block-size"):
         assert flag in out
+
+
+def test_the_worker_config_defaults_to_what_its_command_line_does():
+    """A ServerConfig built by hand and one `specula-server serve MODEL` builds agree on every setting left out
+    (the config's names for two: hub_cache, adapter_dirs; list flags are tuples)."""
+    fields = {f.name: f.default for f in dataclasses.fields(ServerConfig) if f.default is not dataclasses.MISSING}
+    renamed = {"huggingface_hub_cache": "hub_cache", "adapter_dir": "adapter_dirs"}
+    compared = 0
+    for setting in settings_of(Process.WORKER):
+        name, default = renamed.get(setting.name, setting.name), setting.declared(Process.WORKER).default
+        if name in fields:
+            assert fields[name] == (tuple(default) if isinstance(default, list) else default), setting.flag
+            compared += 1
+    assert compared >= 25
 
 
 def broken_once(generator):
