@@ -12,6 +12,8 @@ prompt, then decodes one stream step by step. Two passes over the same steps:
   (`step outside the model`: batch building, sampling, outputs). The timers cost a little (reported: the timed
   pass's step against the untimed one).
 
+Between the two, the step that prefills the prompt (`--prompt-tokens`) is timed three times (median).
+
 Each product is reported with the bytes it reads and the bandwidth it reaches; the floor is the step's weight
 bytes at the bandwidth of a large sum (`worker_decode.measure_bandwidth`).
 
@@ -138,6 +140,19 @@ def decode_steps(generator, prompt: list[int], steps: int, timers: Timers | None
     return times
 
 
+def prefill_seconds(generator, prompt: list[int], rounds: int = 3) -> list[float]:
+    """Seconds of the step that prefills `prompt` (and samples its first token), `rounds` times."""
+    times = []
+    for _ in range(rounds):
+        spec = make_spec(0, prompt, BlockPool(generator.kv_cache.num_blocks, generator.block_size), max_new_tokens=1)
+        start = time.perf_counter()
+        generator.step(StepPlan(new=[spec]))
+        times.append(time.perf_counter() - start)
+        while generator.requests:
+            generator.step(StepPlan())
+    return times
+
+
 def profile(model_path: Path, quantize: str | None, args) -> dict:
     settings = {"quantize": quantize} if quantize else {}
     if quantize:
@@ -148,6 +163,7 @@ def profile(model_path: Path, quantize: str | None, args) -> dict:
     prompt = [1] + [(7 * i) % 4000 + 3 for i in range(args.prompt_tokens - 1)]
     decode_steps(generator, prompt, 8)  # warm up
     untimed = decode_steps(generator, prompt, args.steps)
+    prefill = prefill_seconds(generator, prompt)
 
     timers = Timers()
     bytes_read = instrument(model, timers)
@@ -159,8 +175,9 @@ def profile(model_path: Path, quantize: str | None, args) -> dict:
     model._stack = stack
 
     per_step = {name: seconds / args.steps for name, seconds in timers.total.items()}
-    return {"untimed": untimed, "timed": timed, "per_step": per_step, "calls": dict(timers.calls),
-            "bytes": dict(bytes_read), "total_bytes": weight_bytes(model) - weight_bytes(model.embed_tokens)}
+    return {"untimed": untimed, "prefill": prefill, "timed": timed, "per_step": per_step, "calls": dict(timers.calls),
+            "bytes": dict(bytes_read), "prompt_tokens": len(prompt),
+            "total_bytes": weight_bytes(model) - weight_bytes(model.embed_tokens)}
 
 
 def report(label: str, result: dict, bandwidth: float, steps: int) -> None:
@@ -170,7 +187,8 @@ def report(label: str, result: dict, bandwidth: float, steps: int) -> None:
     floor_ms = result["total_bytes"] / bandwidth * 1e3
     print(f"\n### {label}: {step_ms:.2f} ms/step ({1e3 / step_ms:.1f} tokens/s); floor {floor_ms:.2f} ms "
           f"({result['total_bytes'] / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s), {floor_ms / step_ms:.0%} of it; "
-          f"timed pass {timed_ms:.2f} ms/step")
+          f"timed pass {timed_ms:.2f} ms/step; prefill of the {result['prompt_tokens']}-token prompt "
+          f"{statistics.median(result['prefill']) * 1e3:.0f} ms")
     print("| operator | ms/step | share | calls/step | MB read | GB/s |\n|---|---|---|---|---|---|")
     rows = [(name, per.get(name, 0.0)) for name in PRODUCTS]
     rows += [(name, per.get(name, 0.0)) for name in ("paged_attention", "rotary_and_cache", "rms_norm",
