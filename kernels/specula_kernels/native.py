@@ -2,13 +2,13 @@
 
 Why by hand: the products of a decode step must stream weights at the memory's pace, where PyTorch's float kernels
 (oneDNN, MKL) take one row at 7-15 GB/s of a memory that gives 21 and its packed int8/int4 kernels are compute-bound
-(`csrc/float_linear.cpp`, `csrc/weight_only.cpp`; docs/benchmarks.md#weight-only-quantization); decode attention
-must read the paged KV cache where it lies, where PyTorch's path gathers a dense copy first
-(`csrc/paged_attention.cpp`); and a layer's small operators (norms, rotary, SiLU) cost their dispatch more than
-their arithmetic at a few rows (`csrc/fused.cpp`). The sources are plain C++ with vector
-extensions and OpenMP, built with `-O3 -march=native` by the system's C++ compiler into one library in a cache
-(`$SPECULA_KERNEL_CACHE`, else `~/.cache/specula/kernels`, else a temporary directory), keyed by the sources, the
-compiler and the CPU's feature flags, so a worker compiles it once per machine (a few seconds).
+(`csrc/float_linear.cpp`, `csrc/weight_only.cpp`, `csrc/gguf_linear.cpp` for a GGUF file's own blocks;
+docs/benchmarks.md#weight-only-quantization); decode attention must read the paged KV cache where it lies, where
+PyTorch's path gathers a dense copy first (`csrc/paged_attention.cpp`); and a layer's small operators (norms,
+rotary, SiLU) cost their dispatch more than their arithmetic at a few rows (`csrc/fused.cpp`). The sources are
+plain C++ with vector extensions and OpenMP, built with `-O3 -march=native` by the system's C++ compiler into one
+library in a cache (`$SPECULA_KERNEL_CACHE`, else `~/.cache/specula/kernels`, else a temporary directory), keyed by
+the sources, the compiler and the CPU's feature flags, so a worker compiles it once per machine (a few seconds).
 
 Instruction sets: the kernels are written over one vector type (`csrc/simd.h`) that is 16 floats wide with AVX-512
 and 8 with AVX2 (the int8/int4 blocks have a variant of each). `SPECULA_NATIVE_ARCH` replaces `native` in
