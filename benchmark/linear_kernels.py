@@ -82,7 +82,8 @@ def quantized_variants() -> dict[str, tuple[torch.dtype, callable, callable]]:
     out = {}
     lib = native.library()
     if lib is not None:
-        out["int8 native"] = (torch.float32, lambda w: pack_int8_native(*quantize_int8(w)),
+        lanes = lib.specula_vector_lanes()
+        out["int8 native"] = (torch.float32, lambda w: (pack_int8_native(*quantize_int8(w), lanes), w.shape[0]),
                               lambda x, p: int8_linear_native(lib, x, *p))
         out["int4 native"] = (torch.float32, lambda w: (pack_int4_native(*quantize_int4(w, GROUP)), w.shape[0]),
                               lambda x, p: int4_linear_native(lib, x, *p[0], GROUP, p[1]))

@@ -1,5 +1,5 @@
 """GGUF's Q8_0, Q4_0 and Q4_1 weights served as the file holds them (`--quantize gguf`): parsed, packed for the
-native kernels (`csrc/gguf_linear.cpp`), multiplied, and dequantized exactly as the `gguf` package's reference
+native kernels (`csrc/tiled_linear.cpp`), multiplied, and dequantized exactly as the `gguf` package's reference
 dequantizers do (for devices without the native kernels, and for the tests).
 
 Block layouts (llama.cpp's `ggml-common.h`), 32 weights per block, a row of `in / 32` blocks:
@@ -8,7 +8,7 @@ Block layouts (llama.cpp's `ggml-common.h`), 32 weights per block, a row of `in 
     Q4_0  18 bytes: d (float16), 16 bytes of codes     w = (c - 8) * d
     Q4_1  20 bytes: d, m (float16), 16 bytes of codes  w = c * d + m
 
-The native kernels (`csrc/gguf_linear.cpp`) take the blocks in panels of output rows, input by input, as the
+The native kernels (`csrc/tiled_linear.cpp`) take the blocks in panels of output rows, input by input, as the
 float32 kernels do: `pack_native` moves codes and scales there (widening the float16 scales to float32) and nothing
 more. The kernels compute each weight as the reference does (an exact product, or one rounding of `c * d + m`), so
 the values multiplied are the file's own; only the order of the float32 sums is the kernels'.
@@ -93,7 +93,7 @@ class GGUFBlocks:
         return values.reshape(self.out_features, self.in_features)
 
     def pack_native(self, lanes: int) -> torch.Tensor:
-        """The weight as the native kernels read it (`csrc/gguf_linear.cpp`) in a build of `lanes`-float vectors:
+        """The weight as the native kernels read it (`csrc/tiled_linear.cpp`) in a build of `lanes`-float vectors:
         uint8 `[tiles, in / 32, block bytes]`, a tile being two panels of P = 2 * lanes output rows. Each block of
         32 inputs holds its panels' scales (float32 d, and m for Q4: `[2 panels][P]` each) and then, input by
         input, each panel's codes: Q4 `lanes` bytes (row r's code in the low half, row lanes + r's in the high),

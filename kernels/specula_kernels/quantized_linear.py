@@ -135,9 +135,9 @@ def int4_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return F.linear(x.float(), dequantize_int4(q, scale, zero)).to(x.dtype)
 
 
-# Native kernels (`native.py`, `csrc/weight_only.cpp`): float32 activations, weights dequantized in registers,
-# stored in blocks of `NATIVE_ROWS` rows interleaved so that each 64-byte line holds the same inputs of a block's
-# rows (output rows padded to a multiple of it with zeros).
+# Native kernels (`native.py`): float32 activations, weights dequantized in registers. int8 in tiles of output rows
+# (`csrc/tiled_linear.cpp`); int4 (`csrc/weight_only.cpp`) in blocks of `NATIVE_ROWS` rows interleaved so that each
+# 64-byte line holds the same inputs of a block's rows (output rows padded to a multiple of it with zeros).
 
 NATIVE_ROWS = 4
 
@@ -151,10 +151,16 @@ def interleave_rows(t: torch.Tensor, width: int, fill: int) -> torch.Tensor:
     return t.reshape(-1, NATIVE_ROWS, n // width, width).transpose(1, 2).contiguous()
 
 
-def pack_int8_native(q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output of `quantize_int8` in the native kernel's layout: (`[ceil(out / 4), in / 16, 4, 16]` int8, the
-    scales as float32 `[out]`)."""
-    return interleave_rows(q, 16, 0), scale.float().contiguous()
+def pack_int8_native(q: torch.Tensor, scale: torch.Tensor, lanes: int) -> torch.Tensor:
+    """The output of `quantize_int8` as the native kernel reads it (`csrc/tiled_linear.cpp`) in a build of
+    `lanes`-float vectors: uint8 `[tiles, bytes]`, a tile being two panels of P = 2 * lanes output rows, its bytes
+    the panels' scales (float32 `[2][P]`) and then, input by input, their codes (int8 `[in][2][P]`)."""
+    out_features, in_features = q.shape
+    panel = 2 * lanes
+    pad = -out_features % (2 * panel)
+    scales = torch.cat([scale.float(), scale.new_zeros(pad, dtype=torch.float32)]).reshape(-1, 2 * panel)
+    codes = torch.cat([q, q.new_zeros(pad, in_features)]).reshape(-1, 2, panel, in_features).permute(0, 3, 1, 2)
+    return torch.cat([scales.contiguous().view(torch.uint8), codes.contiguous().view(torch.uint8).flatten(1)], dim=1)
 
 
 def pack_int4_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,18 +175,16 @@ def pack_int4_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -
     return interleave_rows(pairs, 16, 0x88), sz
 
 
-def int8_linear_native(lib, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int8_linear_native(lib, x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
     """`x [m, in] @ (q * scale)^T` on the native kernel, for a weight from `pack_int8_native`."""
-    assert x.dim() == 2 and packed.dim() == 4, (x.shape, packed.shape)
-    (m, k), n = x.shape, scale.shape[0]
-    blocks, lines, rows, width = packed.shape
-    assert k == lines * width and (rows, width) == (NATIVE_ROWS, 16) and blocks == -(-n // NATIVE_ROWS)
-    assert packed.dtype == torch.int8 and packed.is_contiguous()
-    assert scale.dtype == torch.float32 and scale.is_contiguous()
+    assert x.dim() == 2 and tiles.dim() == 2 and tiles.dtype == torch.uint8 and tiles.is_contiguous()
+    m, k = x.shape
+    panel = 2 * lib.specula_vector_lanes()
+    assert k % INT8_IN_MULTIPLE == 0 and tiles.shape == (-(-out_features // (2 * panel)), 2 * panel * (4 + k))
     x32 = x.float().contiguous()
-    out = x32.new_empty(m, n)
+    out = x32.new_empty(m, out_features)
     if m:
-        lib.specula_int8_linear(x32.data_ptr(), m, k, packed.data_ptr(), scale.data_ptr(), n, out.data_ptr(),
+        lib.specula_int8_linear(x32.data_ptr(), m, k, tiles.data_ptr(), out_features, out.data_ptr(),
                                 torch.get_num_threads())
     return out.to(x.dtype)
 

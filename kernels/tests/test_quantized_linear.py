@@ -159,14 +159,14 @@ def _native_library():
     return lib
 
 
-# rows: one, a partial register block, several blocks, past one pass (64 rows); outputs not a multiple of 4
-@pytest.mark.parametrize("rows", [0, 1, 3, 4, 9, 70])
+# rows: one, a few, past the register-decoded rows, past one pass (96 rows); outputs not a multiple of a tile
+@pytest.mark.parametrize("rows", [0, 1, 3, 4, 9, 70, 200])
 @pytest.mark.parametrize("out_features", [52, 61])
 def test_native_int8_kernel_matches_reference(rows, out_features):
     lib = _native_library()
     q, scale = quantize_int8(_weight(out_features, 96))
     x = _inputs(rows, 96)
-    got = int8_linear_native(lib, x, *pack_int8_native(q, scale))
+    got = int8_linear_native(lib, x, pack_int8_native(q, scale, lib.specula_vector_lanes()), out_features)
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
     torch.testing.assert_close(got, int8_linear_reference(x, q, scale), rtol=1e-5, atol=1e-5)
 
@@ -186,7 +186,7 @@ def test_native_kernels_keep_the_callers_dtype():
     lib = _native_library()
     q, scale = quantize_int8(_weight(16, 64))
     x = _inputs(3, 64).to(torch.bfloat16)
-    got = int8_linear_native(lib, x, *pack_int8_native(q, scale))
+    got = int8_linear_native(lib, x, pack_int8_native(q, scale, lib.specula_vector_lanes()), 16)
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got, int8_linear_reference(x.float(), q, scale).to(torch.bfloat16))
 
@@ -194,13 +194,13 @@ def test_native_kernels_keep_the_callers_dtype():
 def test_a_rows_native_result_is_the_same_bits_in_any_batch():
     """Every output is one fixed-order sum, so a verified draft row equals the decode row it stands for."""
     lib = _native_library()
-    q8, scale = pack_int8_native(*quantize_int8(_weight(70, 256)))
+    tiles = pack_int8_native(*quantize_int8(_weight(70, 256)), lib.specula_vector_lanes())
     packed, scales_and_zeros = pack_int4_native(*quantize_int4(_weight(70, 256), 64))
     x = _inputs(75, 256)
-    for product in (lambda t: int8_linear_native(lib, t, q8, scale),
+    for product in (lambda t: int8_linear_native(lib, t, tiles, 70),
                     lambda t: int4_linear_native(lib, t, packed, scales_and_zeros, 64, 70)):
         whole = product(x)
-        for start, stop in [(0, 1), (5, 6), (3, 10), (60, 75), (0, 64)]:
+        for start, stop in [(0, 1), (5, 6), (3, 10), (60, 75), (0, 64), (2, 5)]:
             assert torch.equal(product(x[start:stop]), whole[start:stop]), (start, stop)
 
 

@@ -153,7 +153,10 @@ def test_every_linear_holds_quantized_weights(model_dir, method, layer_type, wei
     assert all(isinstance(m.linear, layer_type) for m in layers)
     float_names = {n for n, p in model.named_parameters() if p.is_floating_point()}
     assert all("norm" in n or "embed_tokens" in n or n.endswith(".bias") for n in float_names), float_names
-    weights = {n: b for n, b in model.named_buffers() if n.endswith((".linear.qweight", ".linear.packed"))}
+    weights = {n: b for n, b in model.named_buffers() if n.endswith((".linear.qweight", ".linear.packed",
+                                                                      ".linear.tiles"))}
+    if method == "int8" and native.library():  # native int8: bytes of tiles, each with its rows' scales
+        weight_dtype = torch.uint8
     assert len(weights) == len(layers) and all(b.dtype == weight_dtype for b in weights.values())
     scales = [b for n, b in model.named_buffers() if ".linear." in n and n not in weights]
     nbytes = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731

@@ -27,8 +27,8 @@ extern "C" {
 struct SpeculaProduct {
   int32_t kind;
   int64_t out_features, in_features, group_size;
-  const void* weight;  // panels (float32), int8 blocks, int4 blocks or GGUF blocks
-  const void* extra;   // int8: scales (float32); int4: scales and zeros (bfloat16); GGUF: none (in the tiles)
+  const void* weight;  // panels (float32), int8 tiles, int4 blocks or GGUF tiles
+  const void* extra;   // int4: scales and zeros (bfloat16); int8 and GGUF: none (in the tiles)
 };
 
 struct SpeculaLayer {
@@ -75,8 +75,7 @@ static void product_team(const SpeculaProduct& p, const float* x, int64_t rows, 
       return float_linear_team(x, rows, p.in_features, static_cast<const float*>(p.weight), nullptr, p.out_features,
                                y);
     case kInt8:
-      return int8_linear_team(x, rows, p.in_features, static_cast<const int8_t*>(p.weight),
-                              static_cast<const float*>(p.extra), p.out_features, y);
+      return int8_linear_team(x, rows, p.in_features, static_cast<const uint8_t*>(p.weight), p.out_features, y);
     case kInt4:
       return int4_linear_team(x, rows, p.in_features, static_cast<const uint8_t*>(p.weight),
                               static_cast<const uint16_t*>(p.extra), p.group_size, p.out_features, y);

@@ -1,31 +1,27 @@
-// Weight-only int8 and int4 products for CPU decoding: y[m, n] = sum_k x[m, k] * w[n, k], with `w` stored in 8
-// or 4 bits and dequantized in registers (or, for int4 passes of many rows on AVX2, once per block into a buffer
-// that stays in L1).
+// Specula's own int4 products for CPU decoding: y[m, n] = sum_k x[m, k] * w[n, k], with `w` stored in 4 bits and
+// dequantized in registers (or, for passes of many rows on AVX2, once per block into a buffer that stays in L1).
+// (int8 and a GGUF file's own blocks have their kernels in tiled_linear.cpp.)
 //
 // Decoding multiplies a few activation rows by every weight once per step, so the product is bound by the speed
-// at which the weights stream from memory. PyTorch's packed int8/int4 CPU kernels are compute-bound, reading
-// weights well below the memory's bandwidth (docs/benchmarks.md#weight-only-quantization); these loops convert
-// a vector of weights per instruction and keep several outputs' accumulators in registers, so a thread's share of
-// the weights is read once, in order, at the memory's pace.
+// at which the weights stream from memory. PyTorch's packed int4 CPU kernel is compute-bound, reading weights well
+// below the memory's bandwidth (docs/benchmarks.md#weight-only-quantization); these loops convert a vector of
+// weights per instruction and keep several outputs' accumulators in registers, so a thread's share of the weights
+// is read once, in order, at the memory's pace.
 //
 // Exactness: every output element is one thread's fixed-order sum (the build's lanes over k, then the lanes folded),
 // whatever the number of rows, the blocking or the threads. A row's result never depends on what other rows
 // share its step, so a verified draft row equals the plain decode row it stands for.
 //
-// Formats (made by `quantized_linear.py`): weight rows in blocks of 4, interleaved so that a thread reads one
-// sequential stream of whole cache lines, each holding the same inputs of the block's 4 rows (with rows read one
-// after another, the same loops streamed well below the memory's bandwidth; interleaved, at it):
-//   int8: q [N / 4][K / 16][4 rows][16 inputs] int8, scale [N] float32: w[n, k] = q * scale[n].
-//   int4: q4 [N / 4][K / 32][4 rows][16 bytes], byte j of a row holding input j in its low half and input j + 16
-//         in its high half; sz [N / 4][K / group][4 rows][2] bfloat16 (scale, zero): w[n, k] = (q - 8) * scale +
-//         zero for k's group.
-// N is padded to a multiple of 4 with zero rows, whose outputs are not written. (GGUF's own blocks have their
-// kernels in gguf_linear.cpp.)
+// Format (made by `quantized_linear.pack_int4_native`): weight rows in blocks of 4, interleaved so that a thread
+// reads one sequential stream of whole cache lines, each holding the same inputs of the block's 4 rows:
+// q4 [N / 4][K / 32][4 rows][16 bytes], byte j of a row holding input j in its low half and input j + 16 in its
+// high half; sz [N / 4][K / group][4 rows][2] bfloat16 (scale, zero): w[n, k] = (q - 8) * scale + zero for k's
+// group. N is padded to a multiple of 4 with zero rows, whose outputs are not written.
 //
-// Two builds of the blocks, one driver: with AVX-512, 16-wide vectors, int8 widened by one instruction and int4
-// looked up in a 16-entry table by one permute; with AVX2 (`simd.h`'s 8-wide vectors), a 16-input line is two
-// vectors and an int4 code is converted and scaled by a multiply-add, (q - 8) * scale + zero, which is the very
-// value the AVX-512 table holds for it. Sums fold their lanes in each build's fixed order.
+// Two builds of the blocks, one driver: with AVX-512, 16-wide vectors and int4 looked up in a 16-entry table by
+// one permute; with AVX2 (`simd.h`'s 8-wide vectors), a 16-input line is two vectors and an int4 code is converted
+// and scaled by a multiply-add, (q - 8) * scale + zero, which is the very value the AVX-512 table holds for it.
+// Sums fold their lanes in each build's fixed order.
 
 #include <cstdint>
 #include <cstring>
@@ -34,7 +30,7 @@
 #include "simd.h"
 #include "team.h"
 
-static constexpr int kCols = 4;  // weight rows per block: one 64-byte line holds 16 inputs of each (int8)
+static constexpr int kCols = 4;  // weight rows per block: one 64-byte line holds 32 inputs of each
 static constexpr int kAhead = 512;  // bytes prefetched ahead of the line being read
 static constexpr int64_t kChunk = 64;  // activation rows per pass over the weights: a pass's rows stay in L2
 
@@ -69,10 +65,6 @@ static inline f32x16 load_f32(const float* p) {
   return v;
 }
 
-static inline f32x16 widen_i8(const int8_t* p) {
-  return (f32x16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
-}
-
 // 16 bytes of int4 pairs, dequantized through `table` (the 16 values a group's codes stand for): the low halves
 // give inputs 0-15, the high halves inputs 16-31. vpermps reads only an index's low 4 bits, so the low halves
 // need no mask, and one permute replaces a conversion and a multiply-add.
@@ -92,27 +84,6 @@ static inline float lane_sum(f32x16 v) {
 
 static const __m512 kCodes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 
-// One block of 4 weight rows against MB activation rows. `q`: the block's [K / 16][4][16] int8 lines.
-template <int MB>
-static void int8_block(const float* x, int64_t K, const int8_t* q, const float* scale, float* y, int64_t N, int nb) {
-  f32x16 acc[MB][kCols];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < kCols; ++j) acc[i][j] = f32x16{};
-  for (int64_t k = 0; k < K; k += 16) {
-    const int8_t* line = q + k * kCols;
-    __builtin_prefetch(line + kAhead);
-    f32x16 w[kCols];
-    for (int j = 0; j < kCols; ++j) w[j] = widen_i8(line + 16 * j);
-    for (int i = 0; i < MB; ++i) {
-      const f32x16 xv = load_f32(x + i * K + k);
-      for (int j = 0; j < kCols; ++j) acc[i][j] += xv * w[j];
-    }
-  }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < nb; ++j) y[i * N + j] = lane_sum(acc[i][j]) * scale[j];
-}
-
-// The same for int4. `q4`: the block's [K / 32][4][16] bytes; `sz`: its [K / group][4] (scale, offset) pairs.
 template <int MB>
 static void int4_block(const float* x, int64_t K, const uint8_t* q4, Int4Groups sz, int64_t group, float* y,
                        int64_t N, int nb) {
@@ -147,10 +118,6 @@ static void int4_block(const float* x, int64_t K, const uint8_t* q4, Int4Groups 
 
 static constexpr int kRows = 2;  // activation rows per register block (of 16 vector registers)
 
-// Intrinsics, not `__builtin_convertvector`: GCC converts 8 bytes to 8 floats one byte at a time.
-static inline vfloat widen_i8(const int8_t* p) {
-  return (vfloat)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
-}
 
 // 8 bytes of int4 pairs, dequantized: (q - bias) * scale + offset for their low halves' codes and their high
 // halves'.
@@ -158,27 +125,6 @@ static inline void dequantize_u4(const uint8_t* p, float bias, vfloat scale, vfl
   const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
   lo = vfma((vfloat)_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(15))) - bias, scale, offset);
   hi = vfma((vfloat)_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4)) - bias, scale, offset);
-}
-
-template <int MB>
-static void int8_block(const float* x, int64_t K, const int8_t* q, const float* scale, float* y, int64_t N, int nb) {
-  vfloat acc[MB][kCols];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < kCols; ++j) acc[i][j] = vfloat{};
-  for (int64_t k = 0; k < K; k += 16) {
-    const int8_t* line = q + k * kCols;
-    __builtin_prefetch(line + kAhead);
-    for (int half = 0; half < 16; half += kLanes) {
-      vfloat w[kCols];
-      for (int j = 0; j < kCols; ++j) w[j] = widen_i8(line + 16 * j + half);
-      for (int i = 0; i < MB; ++i) {
-        const vfloat xv = vload(x + i * K + k + half);
-        for (int j = 0; j < kCols; ++j) acc[i][j] = vfma(xv, w[j], acc[i][j]);
-      }
-    }
-  }
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < nb; ++j) y[i * N + j] = vsum(acc[i][j]) * scale[j];
 }
 
 template <int MB>
@@ -285,22 +231,6 @@ static void for_each_block(int64_t M, int64_t N, const Block& block) {
   });
 }
 
-// x [M, K] float32; q [ceil(N / 4), K / 16, 4, 16] int8 (rows past N zero); scale [N] float32 -> y [M, N].
-void int8_linear_team(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t N, float* y) {
-  for_each_block(M, N, [=](int64_t m0, int mb, int64_t b, int nb) {
-    const float* xm = x + m0 * K;
-    float* ym = y + m0 * N + b * kCols;
-    const int8_t* qb = q + b * kCols * K;
-    const float* sb = scale + b * kCols;
-    if (mb == 1) return int8_block<1>(xm, K, qb, sb, ym, N, nb);
-    if constexpr (kRows > 3) {
-      if (mb == 2) return int8_block<2>(xm, K, qb, sb, ym, N, nb);
-      if (mb == 3) return int8_block<3>(xm, K, qb, sb, ym, N, nb);
-    }
-    return int8_block<kRows>(xm, K, qb, sb, ym, N, nb);
-  });
-}
-
 #if !defined(__AVX512F__)
 // Passes of many rows on AVX2: `dequantize(b, w)` writes weight block b's kCols rows as floats into `w` [kCols][K],
 // which every row of the pass then reads (dequantized_block).
@@ -347,12 +277,6 @@ void int4_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* q4, c
 }
 
 extern "C" {
-
-void specula_int8_linear(const float* x, int64_t M, int64_t K, const int8_t* q, const float* scale, int64_t N,
-                         float* y, int threads) {
-#pragma omp parallel num_threads(threads)
-  int8_linear_team(x, M, K, q, scale, N, y);
-}
 
 // `sz`: bfloat16 (scale, zero) pairs; codes stand for (q - 8) * scale + zero (`quantized_linear.pack_int4_native`).
 void specula_int4_linear(const float* x, int64_t M, int64_t K, const uint8_t* q4, const uint16_t* sz, int64_t group,

@@ -128,15 +128,17 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         q, scale = quantize_int8(weight)
+        self.out_features, self.in_features = weight.shape
         self.native = _native_kernels(weight.device)
-        if self.native:  # rows interleaved in blocks of 4; scales in float32 (they are bfloat16-exact)
-            q, scale = pack_int8_native(q, scale)
-        self.register_buffer("qweight", q)  # int8, [out, in] or the native blocks
-        self.register_buffer("scale", scale if self.native else scale.to(KERNEL_DTYPE))  # [out]
+        if self.native:  # in tiles of output rows, each with its rows' scales (float32: they are bfloat16-exact)
+            self.register_buffer("tiles", pack_int8_native(q, scale, self.native.specula_vector_lanes()))
+        else:
+            self.register_buffer("qweight", q)  # int8 [out, in]
+            self.register_buffer("scale", scale.to(KERNEL_DTYPE))  # [out]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return int8_linear_native(self.native, x, self.qweight, self.scale)
+            return int8_linear_native(self.native, x, self.tiles, self.out_features)
         return int8_linear(x, self.qweight, self.scale)
 
 

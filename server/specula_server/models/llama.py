@@ -240,8 +240,7 @@ def _product_weights(linear: torch.nn.Module) -> ProductWeights:
         panels = linear.packed
         return ProductWeights(PANELS, linear.out_features, panels.shape[1], panels)
     if isinstance(linear, Int8Linear) and linear.native:
-        return ProductWeights(INT8, linear.scale.shape[0], linear.qweight.shape[1] * linear.qweight.shape[3],
-                              linear.qweight, linear.scale)
+        return ProductWeights(INT8, linear.out_features, linear.in_features, linear.tiles)
     if isinstance(linear, Int4Linear) and linear.native:
         return ProductWeights(INT4, linear.out_features, linear.packed.shape[1] * 32, linear.packed,
                               linear.scales_and_zeros, linear.group_size)

@@ -1,13 +1,17 @@
-// GGUF's Q4_0, Q4_1 and Q8_0 blocks multiplied as the file holds them: y[m, n] = sum_k x[m, k] * w[n, k], each
-// weight computed as the `gguf` package's reference dequantizer computes it (an exact product q * d or (c - 8) * d,
-// or one rounding of c * d + m), so the values multiplied are the file's own.
+// Weight-only products over tiles of codes: y[m, n] = sum_k x[m, k] * w[n, k] for GGUF's Q4_0, Q4_1 and Q8_0 blocks
+// as the file holds them, and for Specula's own int8 (`--quantize int8`). Each weight is computed exactly as its
+// reference dequantizer computes it (the `gguf` package's: an exact product q * d or (c - 8) * d, or one rounding of
+// c * d + m; `quantized_linear.dequantize_int8`: the exact product q * scale), so the values multiplied are the
+// format's own.
 //
-// Layout ("GGUF tiles", made by `gguf_blocks.GGUFBlocks.pack_native`): output rows in tiles of two panels, a panel
-// being `float_linear.cpp`'s (kPanel = two vectors of rows, stored input by input). A tile is one sequential
-// stream of its blocks of 32 inputs, each block its two panels' scales and then its codes input by input:
-//   Q4:   d[kPanel], m[kPanel] float32 per panel (m = 0 for Q4_0, whose codes are biased by 8), then per input
-//         kLanes code bytes per panel, byte r holding row r's code in its low half and row kLanes + r's in its high.
-//   Q8_0: d[kPanel] float32 per panel, then per input kPanel int8 codes per panel.
+// Layout (`gguf_blocks.GGUFBlocks.pack_native`, `quantized_linear.pack_int8_native`): output rows in tiles of two
+// panels, a panel being `float_linear.cpp`'s (kPanel = two vectors of rows, stored input by input). A tile is one
+// sequential stream:
+//   Q4:   per block of 32 inputs, d[kPanel] and m[kPanel] float32 per panel (m = 0 for Q4_0, whose codes are biased
+//         by 8), then per input kLanes code bytes per panel, byte r holding row r's code in its low half and row
+//         kLanes + r's in its high half.
+//   Q8_0: per block of 32 inputs, d[kPanel] float32 per panel, then per input kPanel int8 codes per panel.
+//   int8: scale[kPanel] float32 per panel, then per input kPanel int8 codes per panel.
 // N is padded to a multiple of two panels with zero rows, whose outputs are not written.
 //
 // A few rows (decode, verification of drafts): each input's weights are decoded in registers and multiplied into
@@ -58,6 +62,7 @@ inline vfloat to_float(vint v) { return __builtin_convertvector(v, vfloat); }
 // Panel q of a Q4 tile: input k's two weight vectors are (c - bias) * d + m for k's block (bias 8 for Q4_0, 0 for
 // Q4_1).
 struct Q4Panel {
+  static constexpr int kInputs = kBlock;  // inputs per block of scales
   static constexpr int64_t kScaleBytes = 2 * (2 * kPanel * 4);  // both panels' d and m
   static constexpr int64_t kBlockBytes = kScaleBytes + kBlock * 2 * kLanes;
 
@@ -84,6 +89,7 @@ struct Q4Panel {
 
 // Panel q of a Q8_0 tile: input k's weights are c * d for k's block.
 struct Q8Panel {
+  static constexpr int kInputs = kBlock;
   static constexpr int64_t kScaleBytes = 2 * (kPanel * 4);  // both panels' d
   static constexpr int64_t kBlockBytes = kScaleBytes + kBlock * 2 * kPanel;
 
@@ -105,6 +111,29 @@ struct Q8Panel {
   }
 };
 
+// Panel q of a Specula int8 tile: input k's weights are q * scale for the panel's rows.
+struct Int8Panel {
+  static constexpr int kInputs = 16;  // one scale per row; the inputs taken 16 at a time
+  static constexpr int64_t kScaleBytes = 2 * (kPanel * 4);  // both panels' row scales
+
+  const uint8_t* tile;
+  int q;
+
+  struct Scales {
+    vfloat s0, s1;
+  };
+  Scales scales(int64_t) const {
+    const float* g = reinterpret_cast<const float*>(tile) + q * kPanel;
+    return {vload(g), vload(g + kLanes)};
+  }
+  void weights(const Scales& s, int64_t b, int i, vfloat& w0, vfloat& w1) const {
+    const int8_t* p = reinterpret_cast<const int8_t*>(tile + kScaleBytes) + ((b * kInputs + i) * 2 + q) * kPanel;
+    __builtin_prefetch(p + kAhead);
+    w0 = to_float(codes_i8(p)) * s.s0;
+    w1 = to_float(codes_i8(p + kLanes)) * s.s1;
+  }
+};
+
 // MB rows of x against NP panels, decoding each input's weights once in registers; `cols[q]` of panel q's outputs
 // are stored at y + q * kPanel.
 template <int MB, int NP, typename Panel>
@@ -112,14 +141,15 @@ void direct_block(const float* x, int64_t K, const Panel* panels, float* y, int6
   vfloat lo[MB][NP], hi[MB][NP];
   for (int r = 0; r < MB; ++r)
     for (int q = 0; q < NP; ++q) lo[r][q] = hi[r][q] = vfloat{};
-  for (int64_t b = 0; b < K / kBlock; ++b) {
+  constexpr int kInputs = Panel::kInputs;
+  for (int64_t b = 0; b < K / kInputs; ++b) {
     typename Panel::Scales s[NP];
     for (int q = 0; q < NP; ++q) s[q] = panels[q].scales(b);
-    for (int i = 0; i < kBlock; ++i) {
+    for (int i = 0; i < kInputs; ++i) {
       vfloat w0[NP], w1[NP];
       for (int q = 0; q < NP; ++q) panels[q].weights(s[q], b, i, w0[q], w1[q]);
       for (int r = 0; r < MB; ++r) {
-        const vfloat xv = vsplat(x[r * K + b * kBlock + i]);
+        const vfloat xv = vsplat(x[r * K + b * kInputs + i]);
         for (int q = 0; q < NP; ++q) {
           lo[r][q] = vfma(xv, w0[q], lo[r][q]);
           hi[r][q] = vfma(xv, w1[q], hi[r][q]);
@@ -146,13 +176,14 @@ void direct_rows(int64_t mb, const float* x, int64_t K, const Panel& panel, floa
 // A panel's weights as float32, [K][kPanel]: float_linear.cpp's panel layout.
 template <typename Panel>
 void decode_panel(const Panel& panel, int64_t K, float* w) {
-  for (int64_t b = 0; b < K / kBlock; ++b) {
+  constexpr int kInputs = Panel::kInputs;
+  for (int64_t b = 0; b < K / kInputs; ++b) {
     const typename Panel::Scales s = panel.scales(b);
-    for (int i = 0; i < kBlock; ++i) {
+    for (int i = 0; i < kInputs; ++i) {
       vfloat w0, w1;
       panel.weights(s, b, i, w0, w1);
-      vstore(w + (b * kBlock + i) * kPanel, w0);
-      vstore(w + (b * kBlock + i) * kPanel + kLanes, w1);
+      vstore(w + (b * kInputs + i) * kPanel, w0);
+      vstore(w + (b * kInputs + i) * kPanel + kLanes, w1);
     }
   }
 }
@@ -160,7 +191,7 @@ void decode_panel(const Panel& panel, int64_t K, float* w) {
 // y [M, N] = x [M, K] w^T over the tiles at `tiles` (each K / 32 blocks of Panel::kBlockBytes), shared among the
 // team; `panel(tile, q)` makes panel q of a tile.
 template <typename Panel, typename MakePanel>
-void gguf_team(const float* x, int64_t M, int64_t K, int64_t N, float* y, const MakePanel& panel) {
+void tiles_team(const float* x, int64_t M, int64_t K, int64_t N, float* y, const MakePanel& panel) {
   const int64_t num_tiles = (N + 2 * kPanel - 1) / (2 * kPanel);
   auto cols = [&](int64_t p) {  // of panel p's rows, those below N
     const int64_t left = N - p * kPanel;
@@ -202,18 +233,31 @@ void gguf_team(const float* x, int64_t M, int64_t K, int64_t N, float* y, const 
 
 // x [M, K] float32 -> y [M, N] for Q4 tiles (bias 8: Q4_0, 0: Q4_1) or Q8_0 tiles as above. K % 32 == 0.
 void q4_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int32_t bias, int64_t N, float* y) {
-  gguf_team<Q4Panel>(x, M, K, N, y, [=](int64_t t, int q) {
+  tiles_team<Q4Panel>(x, M, K, N, y, [=](int64_t t, int q) {
     return Q4Panel{tiles + t * (K / kBlock) * Q4Panel::kBlockBytes, q, bias};
   });
 }
 
 void q8_0_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int64_t N, float* y) {
-  gguf_team<Q8Panel>(x, M, K, N, y, [=](int64_t t, int q) {
+  tiles_team<Q8Panel>(x, M, K, N, y, [=](int64_t t, int q) {
     return Q8Panel{tiles + t * (K / kBlock) * Q8Panel::kBlockBytes, q};
   });
 }
 
+// Specula's int8 (K % 16 == 0).
+void int8_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int64_t N, float* y) {
+  tiles_team<Int8Panel>(x, M, K, N, y, [=](int64_t t, int q) {
+    return Int8Panel{tiles + t * (Int8Panel::kScaleBytes + K * 2 * kPanel), q};
+  });
+}
+
 extern "C" {
+
+void specula_int8_linear(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int64_t N, float* y,
+                         int threads) {
+#pragma omp parallel num_threads(threads)
+  int8_linear_team(x, M, K, tiles, N, y);
+}
 
 void specula_q4_linear(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int32_t bias, int64_t N, float* y,
                        int threads) {
