@@ -85,8 +85,8 @@ def quantized_variants() -> dict[str, tuple[torch.dtype, callable, callable]]:
         lanes = lib.specula_vector_lanes()
         out["int8 native"] = (torch.float32, lambda w: (pack_int8_native(*quantize_int8(w), lanes), w.shape[0]),
                               lambda x, p: int8_linear_native(lib, x, *p))
-        out["int4 native"] = (torch.float32, lambda w: (pack_int4_native(*quantize_int4(w, GROUP)), w.shape[0]),
-                              lambda x, p: int4_linear_native(lib, x, *p[0], GROUP, p[1]))
+        out["int4 native"] = (torch.float32, lambda w: (pack_int4_native(*quantize_int4(w, GROUP), lanes), w.shape[0]),
+                              lambda x, p: int4_linear_native(lib, x, p[0], GROUP, p[1]))
     else:
         print(f"native kernels unavailable: {native.unavailable_reason()}")
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specula_kernels.quantized_linear import int4_linear_native, pack_q4_tiles, tile_bytes, to_tiles
+
 NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
 BLOCK = 32  # weights per block
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
@@ -96,27 +98,15 @@ class GGUFBlocks:
         """The weight as the native kernels read it (`csrc/tiled_linear.cpp`) in a build of `lanes`-float vectors:
         uint8 `[tiles, in / 32, block bytes]`, a tile being two panels of P = 2 * lanes output rows. Each block of
         32 inputs holds its panels' scales (float32 d, and m for Q4: `[2 panels][P]` each) and then, input by
-        input, each panel's codes: Q4 `lanes` bytes (row r's code in the low half, row lanes + r's in the high),
-        Q8_0 `P` int8."""
+        input, each panel's codes: Q4 `lanes` bytes (`quantized_linear.pack_q4_tiles`), Q8_0 `P` int8."""
         d, m, payload = self.fields()
+        if self.type_name != "Q8_0":
+            codes = torch.cat([payload & 15, payload >> 4], dim=-1).reshape(self.out_features, self.in_features)
+            return pack_q4_tiles(codes, d, torch.zeros_like(d) if m is None else m, BLOCK, lanes)
         panel = 2 * lanes
-        pad = -self.out_features % (2 * panel)
-
-        def tiles(t: torch.Tensor) -> torch.Tensor:  # [out, blocks, n...] -> [tiles, blocks, 2 panels, n..., P]
-            t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]).unflatten(0, (-1, 2, panel))
-            return t.movedim(2, -1).movedim(1, 2)
-
-        def as_bytes(t: torch.Tensor) -> torch.Tensor:  # [tiles, blocks, ...] -> [tiles, blocks, bytes]
-            return t.contiguous().view(torch.uint8).flatten(2)
-
-        if self.type_name == "Q8_0":
-            scales = tiles(d)  # [tiles, blocks, 2, P]
-            codes = tiles(payload).movedim(2, 3)  # [tiles, blocks, 32 inputs, 2 panels, P]
-        else:
-            scales = tiles(torch.stack([d, torch.zeros_like(d) if m is None else m], dim=-1))  # [.., 2, 2 (d, m), P]
-            codes = tiles(torch.cat([payload & 15, payload >> 4], dim=-1)).movedim(2, 3)  # [.., 32, 2, P]
-            codes = codes[..., :lanes] | (codes[..., lanes:] << 4)
-        return torch.cat([as_bytes(scales), as_bytes(codes)], dim=-1).contiguous()
+        scales = to_tiles(d, panel)  # [tiles, blocks, 2, P]
+        codes = to_tiles(payload, panel).movedim(2, 3)  # [tiles, blocks, 32 inputs, 2 panels, P]
+        return torch.cat([tile_bytes(scales), tile_bytes(codes)], dim=-1).contiguous()
 
 
 def code_bias(type_name: str) -> int:
@@ -128,17 +118,14 @@ def gguf_linear_native(lib, x: torch.Tensor, type_name: str, tiles: torch.Tensor
     """`x [m, in] @ w^T` -> `[m, out]` in `x`'s dtype, for a weight from `GGUFBlocks.pack_native`."""
     assert x.dim() == 2 and tiles.dtype == torch.uint8 and tiles.dim() == 3 and tiles.is_contiguous()
     m, k = x.shape
+    if type_name != "Q8_0":
+        return int4_linear_native(lib, x, tiles, BLOCK, out_features, code_bias(type_name))
     lanes = lib.specula_vector_lanes()
-    scale_bytes = (2 if type_name == "Q8_0" else 4) * 2 * lanes * 4
-    code_bytes = BLOCK * 2 * lanes * (2 if type_name == "Q8_0" else 1)
-    assert tiles.shape == (-(-out_features // (4 * lanes)), k // BLOCK, scale_bytes + code_bytes) and k % BLOCK == 0
+    assert tiles.shape == (-(-out_features // (4 * lanes)), k // BLOCK, 16 * lanes + BLOCK * 4 * lanes)
+    assert k % BLOCK == 0
     x32 = x.float().contiguous()
     out = x32.new_empty(m, out_features)
     if m:
-        if type_name == "Q8_0":
-            lib.specula_q8_0_linear(x32.data_ptr(), m, k, tiles.data_ptr(), out_features, out.data_ptr(),
-                                    torch.get_num_threads())
-        else:
-            lib.specula_q4_linear(x32.data_ptr(), m, k, tiles.data_ptr(), code_bias(type_name), out_features,
-                                  out.data_ptr(), torch.get_num_threads())
+        lib.specula_q8_0_linear(x32.data_ptr(), m, k, tiles.data_ptr(), out_features, out.data_ptr(),
+                                torch.get_num_threads())
     return out.to(x.dtype)

@@ -2,7 +2,7 @@
 
 Why by hand: the products of a decode step must stream weights at the memory's pace, where PyTorch's float kernels
 (oneDNN, MKL) take one row at 7-15 GB/s of a memory that gives 21 and its packed int8/int4 kernels are compute-bound
-(`csrc/float_linear.cpp`, `csrc/tiled_linear.cpp` for int8 and a GGUF file's own blocks, `csrc/weight_only.cpp`;
+(`csrc/float_linear.cpp`, `csrc/tiled_linear.cpp` for int8, int4 and a GGUF file's own blocks;
 docs/benchmarks.md#weight-only-quantization); decode attention must read the paged KV cache where it lies, where
 PyTorch's path gathers a dense copy first (`csrc/paged_attention.cpp`); and a layer's small operators (norms,
 rotary, SiLU) cost their dispatch more than their arithmetic at a few rows (`csrc/fused.cpp`). The sources are
@@ -37,8 +37,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name
-                 for name in ("weight_only.cpp", "paged_attention.cpp", "fused.cpp", "float_linear.cpp",
-                              "decode_layers.cpp", "tiled_linear.cpp"))
+                 for name in ("tiled_linear.cpp", "paged_attention.cpp", "fused.cpp", "float_linear.cpp",
+                              "decode_layers.cpp"))
 _HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd.h", "team.h"))
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _BUILD_TIMEOUT_S = 300  # a second or two is usual
@@ -119,8 +119,7 @@ def _load() -> ctypes.CDLL:
     i64, ptr, c_int, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     signatures = {
         "specula_int8_linear": [ptr, i64, i64, ptr, i64, ptr, c_int],
-        "specula_int4_linear": [ptr, i64, i64, ptr, ptr, i64, i64, ptr, c_int],
-        "specula_q4_linear": [ptr, i64, i64, ptr, ctypes.c_int32, i64, ptr, c_int],
+        "specula_q4_linear": [ptr, i64, i64, ptr, ctypes.c_int32, i64, i64, ptr, c_int],
         "specula_q8_0_linear": [ptr, i64, i64, ptr, i64, ptr, c_int],
         "specula_paged_attention": [ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, f32, ptr,
                                     i64, c_int],

@@ -135,20 +135,34 @@ def int4_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return F.linear(x.float(), dequantize_int4(q, scale, zero)).to(x.dtype)
 
 
-# Native kernels (`native.py`): float32 activations, weights dequantized in registers. int8 in tiles of output rows
-# (`csrc/tiled_linear.cpp`); int4 (`csrc/weight_only.cpp`) in blocks of `NATIVE_ROWS` rows interleaved so that each
-# 64-byte line holds the same inputs of a block's rows (output rows padded to a multiple of it with zeros).
-
-NATIVE_ROWS = 4
+# Native kernels (`native.py`, `csrc/tiled_linear.cpp`): float32 activations, weights decoded in registers, stored in
+# tiles of two panels of P = 2 * lanes output rows (lanes: the build's floats per vector), each tile one stream.
 
 
-def interleave_rows(t: torch.Tensor, width: int, fill: int) -> torch.Tensor:
-    """`[out, n]` -> `[ceil(out / 4), n / width, 4, width]`, contiguous, rows past `out` filled with `fill`."""
-    out_features, n = t.shape
-    pad = -out_features % NATIVE_ROWS
-    if pad:
-        t = torch.cat([t, t.new_full((pad, n), fill)])
-    return t.reshape(-1, NATIVE_ROWS, n // width, width).transpose(1, 2).contiguous()
+def to_tiles(t: torch.Tensor, panel: int) -> torch.Tensor:
+    """`[out, n, ...]` -> `[tiles, n, 2 panels, ..., P]`, rows past `out` zero."""
+    pad = -t.shape[0] % (2 * panel)
+    t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])]).unflatten(0, (-1, 2, panel))
+    return t.movedim(2, -1).movedim(1, 2)
+
+
+def tile_bytes(t: torch.Tensor) -> torch.Tensor:
+    """`[tiles, n, ...]` -> uint8 `[tiles, n, bytes]`."""
+    return t.contiguous().view(torch.uint8).flatten(2)
+
+
+def pack_q4_tiles(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, group_size: int,
+                  lanes: int) -> torch.Tensor:
+    """4-bit codes (uint8 `[out, in]` in [0, 15]) with a float32 scale and offset per row and group (`[out, in /
+    group_size]`) as the native kernel reads them: uint8 `[tiles, groups, bytes]`, each group of a tile its panels'
+    scales and offsets (float32 `[2][2][P]`) and then, input by input, their codes (`lanes` bytes per panel: row
+    r's code in the low half, row lanes + r's in the high half)."""
+    out_features, in_features = codes.shape
+    panel = 2 * lanes
+    pairs = to_tiles(torch.stack([scale.float(), offset.float()], dim=-1), panel)  # [tiles, groups, 2, 2, P]
+    grouped = to_tiles(codes.reshape(out_features, in_features // group_size, group_size), panel).movedim(2, 3)
+    packed = grouped[..., :lanes] | (grouped[..., lanes:] << 4)  # [tiles, groups, group_size, 2, lanes]
+    return torch.cat([tile_bytes(pairs), tile_bytes(packed)], dim=-1).contiguous()
 
 
 def pack_int8_native(q: torch.Tensor, scale: torch.Tensor, lanes: int) -> torch.Tensor:
@@ -163,16 +177,11 @@ def pack_int8_native(q: torch.Tensor, scale: torch.Tensor, lanes: int) -> torch.
     return torch.cat([scales.contiguous().view(torch.uint8), codes.contiguous().view(torch.uint8).flatten(1)], dim=1)
 
 
-def pack_int4_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output of `quantize_int4` in the native kernel's layout: (`[ceil(out / 4), in / 32, 4, 16]` uint8, where
-    a row's 16 bytes hold 32 inputs, the first 16 in the low halves and the next 16 in the high halves;
-    `[ceil(out / 4), groups, 4, 2]` (scale, zero) in bfloat16)."""
-    out_features, in_features = q.shape
-    blocks = q.to(torch.uint8).reshape(out_features, in_features // 32, 2, 16)
-    pairs = (blocks[:, :, 0] | blocks[:, :, 1] << 4).reshape(out_features, in_features // 2)
-    scales_and_zeros = torch.stack([scale, zero], dim=-1).to(KERNEL_DTYPE).flatten(1)  # [out, groups * 2]
-    sz = interleave_rows(scales_and_zeros.view(torch.int16), 2, 0).view(KERNEL_DTYPE)
-    return interleave_rows(pairs, 16, 0x88), sz
+def pack_int4_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, lanes: int) -> torch.Tensor:
+    """The output of `quantize_int4` as the native kernel reads it: `pack_q4_tiles` with the scales and zeros
+    rounded to bfloat16, the values PyTorch's int4 kernels take (codes stand for (q - 8) * scale + zero)."""
+    group_size = q.shape[1] // scale.shape[1]
+    return pack_q4_tiles(q, scale.to(KERNEL_DTYPE).float(), zero.to(KERNEL_DTYPE).float(), group_size, lanes)
 
 
 def int8_linear_native(lib, x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -189,19 +198,18 @@ def int8_linear_native(lib, x: torch.Tensor, tiles: torch.Tensor, out_features: 
     return out.to(x.dtype)
 
 
-def int4_linear_native(lib, x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int,
-                       out_features: int) -> torch.Tensor:
-    """`x [m, in] @ dequantized^T` on the native kernel, for a weight from `pack_int4_native`."""
-    assert x.dim() == 2 and packed.dim() == 4, (x.shape, packed.shape)
+def int4_linear_native(lib, x: torch.Tensor, tiles: torch.Tensor, group_size: int, out_features: int,
+                       bias: int = 8) -> torch.Tensor:
+    """`x [m, in] @ dequantized^T` on the native kernel, for a weight from `pack_q4_tiles`: codes stand for
+    (q - bias) * scale + offset (bias 8 for Specula's int4 and GGUF's Q4_0, 0 for Q4_1)."""
+    assert x.dim() == 2 and tiles.dim() == 3 and tiles.dtype == torch.uint8 and tiles.is_contiguous()
     m, k = x.shape
-    blocks, lines, rows, width = packed.shape
-    assert k == lines * 32 and (rows, width) == (NATIVE_ROWS, 16) and group_size % 32 == 0
-    assert blocks == -(-out_features // NATIVE_ROWS) and packed.is_contiguous()
-    assert scales_and_zeros.shape == (blocks, k // group_size, NATIVE_ROWS, 2)
-    assert scales_and_zeros.dtype == KERNEL_DTYPE and scales_and_zeros.is_contiguous()
+    lanes = lib.specula_vector_lanes()
+    assert k % group_size == 0 and tiles.shape == (-(-out_features // (4 * lanes)), k // group_size,
+                                                  32 * lanes + 2 * lanes * group_size), tiles.shape
     x32 = x.float().contiguous()
     out = x32.new_empty(m, out_features)
     if m:
-        lib.specula_int4_linear(x32.data_ptr(), m, k, packed.data_ptr(), scales_and_zeros.data_ptr(), group_size,
-                                out_features, out.data_ptr(), torch.get_num_threads())
+        lib.specula_q4_linear(x32.data_ptr(), m, k, tiles.data_ptr(), bias, group_size, out_features, out.data_ptr(),
+                              torch.get_num_threads())
     return out.to(x.dtype)

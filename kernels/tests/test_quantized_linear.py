@@ -171,13 +171,13 @@ def test_native_int8_kernel_matches_reference(rows, out_features):
     torch.testing.assert_close(got, int8_linear_reference(x, q, scale), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [0, 1, 2, 5, 67])
+@pytest.mark.parametrize("rows", [0, 1, 2, 5, 67, 200])
 @pytest.mark.parametrize("group_size", [32, 64, 128, 256])
 def test_native_int4_kernel_matches_reference(rows, group_size):
     lib = _native_library()
     q, scale, zero = quantize_int4(_weight(37, 512), group_size)
     x = _inputs(rows, 512)
-    got = int4_linear_native(lib, x, *pack_int4_native(q, scale, zero), group_size, 37)
+    got = int4_linear_native(lib, x, pack_int4_native(q, scale, zero, lib.specula_vector_lanes()), group_size, 37)
     assert got.shape == (rows, 37)
     torch.testing.assert_close(got, int4_linear_reference(x, q, scale, zero), rtol=1e-5, atol=1e-5)
 
@@ -195,10 +195,10 @@ def test_a_rows_native_result_is_the_same_bits_in_any_batch():
     """Every output is one fixed-order sum, so a verified draft row equals the decode row it stands for."""
     lib = _native_library()
     tiles = pack_int8_native(*quantize_int8(_weight(70, 256)), lib.specula_vector_lanes())
-    packed, scales_and_zeros = pack_int4_native(*quantize_int4(_weight(70, 256), 64))
+    tiles4 = pack_int4_native(*quantize_int4(_weight(70, 256), 64), lib.specula_vector_lanes())
     x = _inputs(75, 256)
     for product in (lambda t: int8_linear_native(lib, t, tiles, 70),
-                    lambda t: int4_linear_native(lib, t, packed, scales_and_zeros, 64, 70)):
+                    lambda t: int4_linear_native(lib, t, tiles4, 64, 70)):
         whole = product(x)
         for start, stop in [(0, 1), (5, 6), (3, 10), (60, 75), (0, 64), (2, 5)]:
             assert torch.equal(product(x[start:stop]), whole[start:stop]), (start, stop)

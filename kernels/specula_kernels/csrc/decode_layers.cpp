@@ -23,12 +23,12 @@ enum Kind : int32_t { kPanels = 0, kInt8 = 1, kInt4 = 2, kQ4_0 = 3, kQ4_1 = 4, k
 extern "C" {
 
 // A product's weight as the layer holds it (`linear.pack_panels`, `quantized_linear.pack_int8_native`,
-// `pack_int4_native`, or GGUF tiles from `gguf_blocks.GGUFBlocks.pack_native`).
+// `pack_int4_native`, or GGUF's from `gguf_blocks.GGUFBlocks.pack_native`).
 struct SpeculaProduct {
   int32_t kind;
   int64_t out_features, in_features, group_size;
-  const void* weight;  // panels (float32), int8 tiles, int4 blocks or GGUF tiles
-  const void* extra;   // int4: scales and zeros (bfloat16); int8 and GGUF: none (in the tiles)
+  const void* weight;  // panels (float32) or tiles (int8, int4, GGUF)
+  const void* extra;   // unused: the tiles hold their scales
 };
 
 struct SpeculaLayer {
@@ -77,12 +77,10 @@ static void product_team(const SpeculaProduct& p, const float* x, int64_t rows, 
     case kInt8:
       return int8_linear_team(x, rows, p.in_features, static_cast<const uint8_t*>(p.weight), p.out_features, y);
     case kInt4:
-      return int4_linear_team(x, rows, p.in_features, static_cast<const uint8_t*>(p.weight),
-                              static_cast<const uint16_t*>(p.extra), p.group_size, p.out_features, y);
     case kQ4_0:
-    case kQ4_1:
-      return q4_linear_team(x, rows, p.in_features, static_cast<const uint8_t*>(p.weight), p.kind == kQ4_0 ? 8 : 0,
-                            p.out_features, y);
+    case kQ4_1:  // Specula's int4 codes are biased by 8, as Q4_0's
+      return q4_linear_team(x, rows, p.in_features, static_cast<const uint8_t*>(p.weight), p.kind == kQ4_1 ? 0 : 8,
+                            p.group_size, p.out_features, y);
     default:
       return q8_0_linear_team(x, rows, p.in_features, static_cast<const uint8_t*>(p.weight), p.out_features, y);
   }

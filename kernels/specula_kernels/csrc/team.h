@@ -24,7 +24,6 @@ void float_linear_team(const float* x, int64_t M, int64_t K, const float* panels
 void float_panel_rows(const float* x, int64_t M, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
                       int64_t cols);
 void int8_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int64_t N, float* y);
-void int4_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* q4, const uint16_t* sz, int64_t group,
-                      int64_t N, float* y);
-void q4_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int32_t bias, int64_t N, float* y);
+void q4_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int32_t bias, int64_t group, int64_t N,
+                    float* y);
 void q8_0_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int64_t N, float* y);

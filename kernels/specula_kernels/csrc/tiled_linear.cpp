@@ -1,15 +1,19 @@
-// Weight-only products over tiles of codes: y[m, n] = sum_k x[m, k] * w[n, k] for GGUF's Q4_0, Q4_1 and Q8_0 blocks
-// as the file holds them, and for Specula's own int8 (`--quantize int8`). Each weight is computed exactly as its
-// reference dequantizer computes it (the `gguf` package's: an exact product q * d or (c - 8) * d, or one rounding of
-// c * d + m; `quantized_linear.dequantize_int8`: the exact product q * scale), so the values multiplied are the
+// Weight-only products over tiles of codes: y[m, n] = sum_k x[m, k] * w[n, k] for Specula's int8 and int4
+// (`--quantize int8|int4`) and GGUF's Q4_0, Q4_1 and Q8_0 blocks as the file holds them (`--quantize gguf`). Each
+// weight is computed as its reference dequantizer computes it (an exact product q * scale, q * d or (c - 8) * d, or
+// one rounding of c * d + m, Specula's int4 being (c - 8) * scale + zero), so the values multiplied are the
 // format's own.
 //
-// Layout (`gguf_blocks.GGUFBlocks.pack_native`, `quantized_linear.pack_int8_native`): output rows in tiles of two
+// Why by hand: PyTorch's packed int8/int4 CPU kernels are compute-bound, reading weights well below the memory's
+// bandwidth, and have no GGUF formats (docs/benchmarks.md#weight-only-quantization).
+//
+// Layout (`quantized_linear.pack_int8_native`, `pack_q4_tiles`): output rows in tiles of two
 // panels, a panel being `float_linear.cpp`'s (kPanel = two vectors of rows, stored input by input). A tile is one
 // sequential stream:
-//   Q4:   per block of 32 inputs, d[kPanel] and m[kPanel] float32 per panel (m = 0 for Q4_0, whose codes are biased
-//         by 8), then per input kLanes code bytes per panel, byte r holding row r's code in its low half and row
-//         kLanes + r's in its high half.
+//   Q4:   per group of inputs (GGUF's blocks of 32; int4's groups), d[kPanel] and m[kPanel] float32 per panel
+//         (the scale and the offset: Q4_1's minimum, int4's zero, 0 for Q4_0), then per input kLanes code bytes per
+//         panel, byte r holding row r's code in its low half and row kLanes + r's in its high half; codes biased
+//         by 8 for Q4_0 and int4.
 //   Q8_0: per block of 32 inputs, d[kPanel] float32 per panel, then per input kPanel int8 codes per panel.
 //   int8: scale[kPanel] float32 per panel, then per input kPanel int8 codes per panel.
 // N is padded to a multiple of two panels with zero rows, whose outputs are not written.
@@ -62,23 +66,25 @@ inline vfloat to_float(vint v) { return __builtin_convertvector(v, vfloat); }
 // Panel q of a Q4 tile: input k's two weight vectors are (c - bias) * d + m for k's block (bias 8 for Q4_0, 0 for
 // Q4_1).
 struct Q4Panel {
-  static constexpr int kInputs = kBlock;  // inputs per block of scales
   static constexpr int64_t kScaleBytes = 2 * (2 * kPanel * 4);  // both panels' d and m
-  static constexpr int64_t kBlockBytes = kScaleBytes + kBlock * 2 * kLanes;
+  static int64_t block_bytes(int64_t group) { return kScaleBytes + group * 2 * kLanes; }
 
   const uint8_t* tile;
   int q;
   int32_t bias;
+  int64_t group;  // inputs per block of scales
+
+  int64_t inputs() const { return group; }
 
   struct Scales {
     vfloat d0, d1, m0, m1;
   };
   Scales scales(int64_t b) const {
-    const float* g = reinterpret_cast<const float*>(tile + b * kBlockBytes) + q * 2 * kPanel;
+    const float* g = reinterpret_cast<const float*>(tile + b * block_bytes(group)) + q * 2 * kPanel;
     return {vload(g), vload(g + kLanes), vload(g + kPanel), vload(g + kPanel + kLanes)};
   }
   void weights(const Scales& s, int64_t b, int i, vfloat& w0, vfloat& w1) const {
-    const uint8_t* p = tile + b * kBlockBytes + kScaleBytes + (i * 2 + q) * kLanes;
+    const uint8_t* p = tile + b * block_bytes(group) + kScaleBytes + (i * 2 + q) * kLanes;
     __builtin_prefetch(p + kAhead);
     vint lo, hi;
     codes_u4(p, lo, hi);
@@ -89,12 +95,13 @@ struct Q4Panel {
 
 // Panel q of a Q8_0 tile: input k's weights are c * d for k's block.
 struct Q8Panel {
-  static constexpr int kInputs = kBlock;
   static constexpr int64_t kScaleBytes = 2 * (kPanel * 4);  // both panels' d
   static constexpr int64_t kBlockBytes = kScaleBytes + kBlock * 2 * kPanel;
 
   const uint8_t* tile;
   int q;
+
+  int64_t inputs() const { return kBlock; }
 
   struct Scales {
     vfloat d0, d1;
@@ -119,6 +126,8 @@ struct Int8Panel {
   const uint8_t* tile;
   int q;
 
+  int64_t inputs() const { return kInputs; }
+
   struct Scales {
     vfloat s0, s1;
   };
@@ -141,15 +150,15 @@ void direct_block(const float* x, int64_t K, const Panel* panels, float* y, int6
   vfloat lo[MB][NP], hi[MB][NP];
   for (int r = 0; r < MB; ++r)
     for (int q = 0; q < NP; ++q) lo[r][q] = hi[r][q] = vfloat{};
-  constexpr int kInputs = Panel::kInputs;
-  for (int64_t b = 0; b < K / kInputs; ++b) {
+  const int64_t inputs = panels[0].inputs();
+  for (int64_t b = 0; b < K / inputs; ++b) {
     typename Panel::Scales s[NP];
     for (int q = 0; q < NP; ++q) s[q] = panels[q].scales(b);
-    for (int i = 0; i < kInputs; ++i) {
+    for (int i = 0; i < inputs; ++i) {
       vfloat w0[NP], w1[NP];
       for (int q = 0; q < NP; ++q) panels[q].weights(s[q], b, i, w0[q], w1[q]);
       for (int r = 0; r < MB; ++r) {
-        const vfloat xv = vsplat(x[r * K + b * kInputs + i]);
+        const vfloat xv = vsplat(x[r * K + b * inputs + i]);
         for (int q = 0; q < NP; ++q) {
           lo[r][q] = vfma(xv, w0[q], lo[r][q]);
           hi[r][q] = vfma(xv, w1[q], hi[r][q]);
@@ -176,14 +185,14 @@ void direct_rows(int64_t mb, const float* x, int64_t K, const Panel& panel, floa
 // A panel's weights as float32, [K][kPanel]: float_linear.cpp's panel layout.
 template <typename Panel>
 void decode_panel(const Panel& panel, int64_t K, float* w) {
-  constexpr int kInputs = Panel::kInputs;
-  for (int64_t b = 0; b < K / kInputs; ++b) {
+  const int64_t inputs = panel.inputs();
+  for (int64_t b = 0; b < K / inputs; ++b) {
     const typename Panel::Scales s = panel.scales(b);
-    for (int i = 0; i < kInputs; ++i) {
+    for (int i = 0; i < inputs; ++i) {
       vfloat w0, w1;
       panel.weights(s, b, i, w0, w1);
-      vstore(w + (b * kInputs + i) * kPanel, w0);
-      vstore(w + (b * kInputs + i) * kPanel + kLanes, w1);
+      vstore(w + (b * inputs + i) * kPanel, w0);
+      vstore(w + (b * inputs + i) * kPanel + kLanes, w1);
     }
   }
 }
@@ -231,10 +240,12 @@ void tiles_team(const float* x, int64_t M, int64_t K, int64_t N, float* y, const
 
 }  // namespace
 
-// x [M, K] float32 -> y [M, N] for Q4 tiles (bias 8: Q4_0, 0: Q4_1) or Q8_0 tiles as above. K % 32 == 0.
-void q4_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int32_t bias, int64_t N, float* y) {
+// x [M, K] float32 -> y [M, N] for Q4 tiles (bias 8: Q4_0 and int4, 0: Q4_1; K % group == 0) or Q8_0 tiles as
+// above (K % 32 == 0).
+void q4_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int32_t bias, int64_t group, int64_t N,
+                    float* y) {
   tiles_team<Q4Panel>(x, M, K, N, y, [=](int64_t t, int q) {
-    return Q4Panel{tiles + t * (K / kBlock) * Q4Panel::kBlockBytes, q, bias};
+    return Q4Panel{tiles + t * (K / group) * Q4Panel::block_bytes(group), q, bias, group};
   });
 }
 
@@ -259,10 +270,10 @@ void specula_int8_linear(const float* x, int64_t M, int64_t K, const uint8_t* ti
   int8_linear_team(x, M, K, tiles, N, y);
 }
 
-void specula_q4_linear(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int32_t bias, int64_t N, float* y,
-                       int threads) {
+void specula_q4_linear(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int32_t bias, int64_t group,
+                       int64_t N, float* y, int threads) {
 #pragma omp parallel num_threads(threads)
-  q4_linear_team(x, M, K, tiles, bias, N, y);
+  q4_linear_team(x, M, K, tiles, bias, group, N, y);
 }
 
 void specula_q8_0_linear(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int64_t N, float* y,

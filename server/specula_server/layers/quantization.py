@@ -150,15 +150,17 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.out_features, self.group_size = weight.shape[0], group_size
         self.native = _native_kernels(weight.device)
-        pack = pack_int4_native if self.native else pack_int4
-        packed, scales_and_zeros = pack(*quantize_int4(weight, group_size))
-        self.register_buffer("packed", packed)  # about [out, in / 2] bytes
-        self.register_buffer("scales_and_zeros", scales_and_zeros)  # the scale and zero of each row's groups
+        q, scale, zero = quantize_int4(weight, group_size)
+        if self.native:  # in tiles of output rows, each group with its rows' scales and zeros
+            self.register_buffer("tiles", pack_int4_native(q, scale, zero, self.native.specula_vector_lanes()))
+        else:
+            packed, scales_and_zeros = pack_int4(q, scale, zero)
+            self.register_buffer("packed", packed)  # about [out, in / 2] bytes
+            self.register_buffer("scales_and_zeros", scales_and_zeros)  # the scale and zero of each row's groups
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
-            return int4_linear_native(self.native, x, self.packed, self.scales_and_zeros, self.group_size,
-                                      self.out_features)
+            return int4_linear_native(self.native, x, self.tiles, self.group_size, self.out_features)
         return int4_linear(x, self.packed, self.scales_and_zeros, self.group_size, self.out_features)
 
 

@@ -242,8 +242,9 @@ def _product_weights(linear: torch.nn.Module) -> ProductWeights:
     if isinstance(linear, Int8Linear) and linear.native:
         return ProductWeights(INT8, linear.out_features, linear.in_features, linear.tiles)
     if isinstance(linear, Int4Linear) and linear.native:
-        return ProductWeights(INT4, linear.out_features, linear.packed.shape[1] * 32, linear.packed,
-                              linear.scales_and_zeros, linear.group_size)
+        return ProductWeights(INT4, linear.out_features, linear.tiles.shape[1] * linear.group_size, linear.tiles,
+                              group_size=linear.group_size)
     if isinstance(linear, GGUFLinear):
-        return ProductWeights(GGUF_KINDS[linear.type_name], linear.out_features, linear.in_features, linear.weight)
+        return ProductWeights(GGUF_KINDS[linear.type_name], linear.out_features, linear.in_features, linear.weight,
+                              group_size=32)
     raise _DoesNotFit
