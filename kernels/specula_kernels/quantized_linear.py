@@ -19,7 +19,7 @@ LoRA deltas, logits) stays in the model's dtype. Scales and zeros are rounded to
 are quantized, so the kernels dequantize with exactly the scales the values were rounded against.
 
 On CPUs with AVX2 or AVX-512 the worker uses Specula's own kernels instead (`native.py`, the end of this module: float32
-activations, each format in its own interleaved layout); the functions above are the fallback elsewhere.
+activations, both formats in tiles of output rows); the functions above are the fallback elsewhere.
 
 `int8_linear_reference` and `int4_linear_reference` dequantize and multiply in float32: the definition the
 kernels are tested against.
