@@ -36,7 +36,7 @@
 namespace {
 
 constexpr int kPanel = 2 * kLanes;  // output rows per panel (float_linear.cpp's); a tile holds two
-constexpr int kBlock = 32;          // inputs per GGUF block
+constexpr int kBlock = 32;          // inputs per GGUF block (Q8_0's scales; Q4's groups may be longer)
 constexpr int kDirectRows = 4;      // passes of more rows than this decode each tile once into float32 panels
 constexpr int64_t kChunk = 96;      // rows per pass over the weights (float_linear.cpp's)
 constexpr int kAhead = 2048;        // bytes prefetched ahead of the input being decoded
@@ -63,8 +63,8 @@ inline vint codes_i8(const int8_t* p) {
 
 inline vfloat to_float(vint v) { return __builtin_convertvector(v, vfloat); }
 
-// Panel q of a Q4 tile: input k's two weight vectors are (c - bias) * d + m for k's block (bias 8 for Q4_0, 0 for
-// Q4_1).
+// Panel q of a Q4 tile: input k's two weight vectors are (c - bias) * d + m for k's group (bias 8 for Specula's
+// int4 and Q4_0, 0 for Q4_1).
 struct Q4Panel {
   static constexpr int64_t kScaleBytes = 2 * (2 * kPanel * 4);  // both panels' d and m
   static int64_t block_bytes(int64_t group) { return kScaleBytes + group * 2 * kLanes; }
@@ -197,8 +197,8 @@ void decode_panel(const Panel& panel, int64_t K, float* w) {
   }
 }
 
-// y [M, N] = x [M, K] w^T over the tiles at `tiles` (each K / 32 blocks of Panel::kBlockBytes), shared among the
-// team; `panel(tile, q)` makes panel q of a tile.
+// y [M, N] = x [M, K] w^T over ceil(N / (2 kPanel)) tiles, shared among the team; `panel(tile, q)` makes panel q
+// of a tile.
 template <typename Panel, typename MakePanel>
 void tiles_team(const float* x, int64_t M, int64_t K, int64_t N, float* y, const MakePanel& panel) {
   const int64_t num_tiles = (N + 2 * kPanel - 1) / (2 * kPanel);
