@@ -24,7 +24,7 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 class Product(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("out_features", _i64), ("in_features", _i64), ("group_size", _i64),
-                ("weight", _ptr), ("extra", _ptr)]
+                ("weight", _ptr)]
 
 
 class Layer(ctypes.Structure):
@@ -52,13 +52,11 @@ class ProductWeights:
     kind: int
     out_features: int
     in_features: int
-    weight: torch.Tensor
-    extra: torch.Tensor | None = None
+    weight: torch.Tensor  # panels, or tiles that hold their own scales
     group_size: int = 0
 
     def struct(self) -> Product:
-        return Product(self.kind, self.out_features, self.in_features, self.group_size, self.weight.data_ptr(),
-                       None if self.extra is None else self.extra.data_ptr())
+        return Product(self.kind, self.out_features, self.in_features, self.group_size, self.weight.data_ptr())
 
 
 @dataclass(frozen=True)

@@ -169,12 +169,9 @@ def pack_int8_native(q: torch.Tensor, scale: torch.Tensor, lanes: int) -> torch.
     """The output of `quantize_int8` as the native kernel reads it (`csrc/tiled_linear.cpp`) in a build of
     `lanes`-float vectors: uint8 `[tiles, bytes]`, a tile being two panels of P = 2 * lanes output rows, its bytes
     the panels' scales (float32 `[2][P]`) and then, input by input, their codes (int8 `[in][2][P]`)."""
-    out_features, in_features = q.shape
-    panel = 2 * lanes
-    pad = -out_features % (2 * panel)
-    scales = torch.cat([scale.float(), scale.new_zeros(pad, dtype=torch.float32)]).reshape(-1, 2 * panel)
-    codes = torch.cat([q, q.new_zeros(pad, in_features)]).reshape(-1, 2, panel, in_features).permute(0, 3, 1, 2)
-    return torch.cat([scales.contiguous().view(torch.uint8), codes.contiguous().view(torch.uint8).flatten(1)], dim=1)
+    scales = tile_bytes(to_tiles(scale.float()[:, None], 2 * lanes)).flatten(1)  # [tiles, 2 * P * 4]
+    codes = tile_bytes(to_tiles(q, 2 * lanes)).flatten(1)  # [tiles, in * 2 * P]
+    return torch.cat([scales, codes], dim=1)
 
 
 def pack_int4_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, lanes: int) -> torch.Tensor:

@@ -27,8 +27,7 @@ extern "C" {
 struct SpeculaProduct {
   int32_t kind;
   int64_t out_features, in_features, group_size;
-  const void* weight;  // panels (float32) or tiles (int8, int4, GGUF)
-  const void* extra;   // unused: the tiles hold their scales
+  const void* weight;  // panels (float32) or tiles (int8, int4, GGUF), which hold their own scales
 };
 
 struct SpeculaLayer {
