@@ -120,7 +120,7 @@ def gguf_linear_native(lib, x: torch.Tensor, type_name: str, tiles: torch.Tensor
     m, k = x.shape
     if type_name != "Q8_0":
         return int4_linear_native(lib, x, tiles, BLOCK, out_features, code_bias(type_name))
-    lanes = lib.specula_vector_lanes()
+    lanes = tiles.shape[2] // (16 + BLOCK * 4)  # the build's, which packed them
     assert tiles.shape == (-(-out_features // (4 * lanes)), k // BLOCK, 16 * lanes + BLOCK * 4 * lanes)
     assert k % BLOCK == 0
     x32 = x.float().contiguous()

@@ -185,7 +185,7 @@ def int8_linear_native(lib, x: torch.Tensor, tiles: torch.Tensor, out_features: 
     """`x [m, in] @ (q * scale)^T` on the native kernel, for a weight from `pack_int8_native`."""
     assert x.dim() == 2 and tiles.dim() == 2 and tiles.dtype == torch.uint8 and tiles.is_contiguous()
     m, k = x.shape
-    panel = 2 * lib.specula_vector_lanes()
+    panel = tiles.shape[1] // (2 * (4 + k))  # the build's, which packed them (per call: no query of the library)
     assert k % INT8_IN_MULTIPLE == 0 and tiles.shape == (-(-out_features // (2 * panel)), 2 * panel * (4 + k))
     x32 = x.float().contiguous()
     out = x32.new_empty(m, out_features)
@@ -201,7 +201,7 @@ def int4_linear_native(lib, x: torch.Tensor, tiles: torch.Tensor, group_size: in
     (q - bias) * scale + offset (bias 8 for Specula's int4 and GGUF's Q4_0, 0 for Q4_1)."""
     assert x.dim() == 2 and tiles.dim() == 3 and tiles.dtype == torch.uint8 and tiles.is_contiguous()
     m, k = x.shape
-    lanes = lib.specula_vector_lanes()
+    lanes = tiles.shape[2] // (32 + 2 * group_size)  # the build's, which packed them
     assert k % group_size == 0 and tiles.shape == (-(-out_features // (4 * lanes)), k // group_size,
                                                   32 * lanes + 2 * lanes * group_size), tiles.shape
     x32 = x.float().contiguous()

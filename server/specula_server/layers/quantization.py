@@ -131,7 +131,7 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.native = _native_kernels(weight.device)
         if self.native:  # in tiles of output rows, each with its rows' scales (float32: they are bfloat16-exact)
-            self.register_buffer("tiles", pack_int8_native(q, scale, self.native.specula_vector_lanes()))
+            self.register_buffer("tiles", pack_int8_native(q, scale, native.vector_lanes()))
         else:
             self.register_buffer("qweight", q)  # int8 [out, in]
             self.register_buffer("scale", scale.to(KERNEL_DTYPE))  # [out]
@@ -152,7 +152,7 @@ class Int4Linear(nn.Module):
         self.native = _native_kernels(weight.device)
         q, scale, zero = quantize_int4(weight, group_size)
         if self.native:  # in tiles of output rows, each group with its rows' scales and zeros
-            self.register_buffer("tiles", pack_int4_native(q, scale, zero, self.native.specula_vector_lanes()))
+            self.register_buffer("tiles", pack_int4_native(q, scale, zero, native.vector_lanes()))
         else:
             packed, scales_and_zeros = pack_int4(q, scale, zero)
             self.register_buffer("packed", packed)  # about [out, in / 2] bytes
@@ -176,7 +176,7 @@ class GGUFLinear(nn.Module):
             raise ValueError(f"GGUF {blocks.type_name} blocks need the native kernels, which do not serve "
                              f"{blocks.data.device} here")
         # the file's scales and codes, in tiles of output rows
-        self.register_buffer("weight", blocks.pack_native(self.native.specula_vector_lanes()))
+        self.register_buffer("weight", blocks.pack_native(native.vector_lanes()))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gguf_linear_native(self.native, x, self.type_name, self.weight, self.out_features)
