@@ -12,18 +12,23 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specula_proto.choices import AdapterSource, NgramMatch, SpeculationMode, parse_choice
+from specula_proto.choices import (
+    AdapterSource,
+    Device,
+    Dtype,
+    KVCacheDtype,
+    LogLevel,
+    NgramMatch,
+    QuantizeMethod,
+    SpeculationMode,
+    StrEnum,
+    parse_choice,
+    values,
+)
 from specula_proto.setting import Process
 from specula_proto.settings import check_bounds
 
-DTYPES = ("float32", "bfloat16", "float16")
-# The worker's (specula_server.layers.quantization), checked before any start.
-QUANTIZE_METHODS = ("int8", "int4", "gguf")
-# The worker's --kv-cache-dtype values (specula_server.kv_cache.KV_CACHE_DTYPES), checked before any start.
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e4m3fn", "fp8_e5m2")
 INT4_GROUP_SIZES = (32, 64, 128, 256)
-DEVICES = ("cpu", "cuda")
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 # The token limits the router derives itself when the user sets none (see defaults.py).
 TOKEN_LIMITS = ("max_input_tokens", "max_total_tokens", "max_batch_prefill_tokens")
@@ -42,11 +47,11 @@ class LauncherConfig:
     """
 
     model_id: str
-    dtype: str
-    device: str
-    quantize: str | None = None  # weight-only quantization of the linear layers: int8, int4, gguf or None
+    dtype: Dtype
+    device: Device
+    quantize: QuantizeMethod | None = None  # weight-only quantization of the linear layers; None: float weights
     quantize_group_size: int = 64  # int4: inputs per scale and zero
-    kv_cache_dtype: str | None = None  # what the shards' KV cache stores (KV_CACHE_DTYPES); None: theirs (auto)
+    kv_cache_dtype: KVCacheDtype | None = None  # what the shards' KV cache stores; None: theirs (auto)
     cuda_graphs: str | None = None  # batch sizes captured as CUDA graphs, "1,2,4" ("0": none); None: the shards'
     revision: str | None = None
     num_shard: int = 1
@@ -96,7 +101,7 @@ class LauncherConfig:
     shutdown_timeout: int = 30
     step_timeout: float = 600.0  # seconds a shard may take to answer one step (0: no limit)
     prefix_caching: bool = True  # the router reuses KV blocks of shared prompt prefixes
-    log_level: str = "INFO"
+    log_level: LogLevel = LogLevel.INFO
     # --api-key: the bearer token the router requires (TGI's). Handed to the router in its environment, never on a
     # command line (which `ps` shows); repr=False keeps it out of any printed config.
     api_key: str | None = field(default=None, repr=False)
@@ -139,29 +144,28 @@ class LauncherConfig:
 def _check_choices(c: LauncherConfig) -> None:
     if not c.model_id:
         raise ValueError("--model-id must not be empty")
-    if c.dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}; got {c.dtype!r}")
-    if c.device not in DEVICES:
-        raise ValueError(f"--device must be one of {', '.join(DEVICES)}; got {c.device!r}")
-    if c.quantize is not None and c.quantize not in QUANTIZE_METHODS:
-        raise ValueError(f"--quantize {c.quantize} is not supported; supported: {', '.join(QUANTIZE_METHODS)} "
-                         "(int8 and int4: weight-only, quantized at load time from a float checkpoint, so for a GPTQ "
-                         "or AWQ model serve its float original with --quantize int4; gguf: a GGUF file's own "
-                         "Q8_0/Q4_0/Q4_1 blocks)")
+    _set_choice(c, "dtype", Dtype)
+    _set_choice(c, "device", Device)
+    if c.quantize is not None and c.quantize not in values(QuantizeMethod):
+        raise ValueError(f"--quantize {c.quantize} is not supported; supported: "
+                         f"{', '.join(values(QuantizeMethod))} (int8 and int4: weight-only, quantized at load time "
+                         "from a float checkpoint, so for a GPTQ or AWQ model serve its float original with "
+                         "--quantize int4; gguf: a GGUF file's own Q8_0/Q4_0/Q4_1 blocks)")
+    if c.quantize is not None:
+        object.__setattr__(c, "quantize", QuantizeMethod(c.quantize))
     if c.quantize == "gguf" and not c.model_id.lower().endswith(".gguf"):
         raise ValueError(f"--quantize gguf serves a GGUF file's own blocks; --model-id {c.model_id} is not a .gguf "
                          "file (for a float checkpoint use --quantize int8 or int4)")
     if c.quantize_group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"--quantize-group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}; "
                          f"got {c.quantize_group_size}")
-    if c.kv_cache_dtype is not None and c.kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {c.kv_cache_dtype!r}")
+    if c.kv_cache_dtype is not None:
+        _set_choice(c, "kv_cache_dtype", KVCacheDtype)
     if c.cuda_graphs is not None and not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*", c.cuda_graphs):
         raise ValueError(f"--cuda-graphs takes batch sizes separated by commas, or 0 for none; got {c.cuda_graphs!r}")
     if c.api_key is not None and not c.api_key.strip():
         raise ValueError("--api-key (env API_KEY) must not be empty or blank")
-    if c.log_level not in LOG_LEVELS:
-        raise ValueError(f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {c.log_level!r}")
+    _set_choice(c, "log_level", LogLevel)
     if not 1 <= c.ngram_min <= c.ngram_max:
         raise ValueError(f"need 1 <= --ngram-min ({c.ngram_min}) <= --ngram-max ({c.ngram_max})")
     if c.kv_cache_memory is not None and not _SIZE.match(c.kv_cache_memory):
@@ -176,6 +180,11 @@ def _check_choices(c: LauncherConfig) -> None:
     if longest > MAX_UDS_PATH_BYTES:
         raise ValueError(f"--shard-uds-path is too long: {c.shard_socket(c.num_shard - 1)} is {longest} bytes, "
                          f"unix sockets allow {MAX_UDS_PATH_BYTES}")
+
+
+def _set_choice(c: LauncherConfig, name: str, choices: type[StrEnum]) -> None:
+    """Field `name` as its member of `choices` (a ValueError naming the flag and the choices otherwise)."""
+    object.__setattr__(c, name, parse_choice(choices, getattr(c, name), "--" + name.replace("_", "-")))
 
 
 def _check_ranges(c: LauncherConfig) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specula_launcher.config import LauncherConfig
-from specula_proto.choices import AdapterSource
+from specula_proto.choices import AdapterSource, Device, Dtype
 from specula_proto.limits import DEFAULT_PREFILL_CAP, default_input_tokens, default_prefill_tokens, default_total_tokens
 
 # The small Llama model shipped inside the package (see demo_model/README.md).
@@ -80,11 +80,11 @@ def build_config(
         speculator = demo_family_member(speculator)
     count = count_cuda_devices or _count_cuda_devices
     if device is None:
-        device = "cuda" if count() > 0 else "cpu"
-    elif device == "cuda":
+        device = Device.CUDA if count() > 0 else Device.CPU
+    elif device == Device.CUDA:
         _check_cuda(count(), num_shard // int(settings.get("nnodes", 1)))  # type: ignore[call-overload]
     if dtype is None:
-        dtype = "bfloat16" if device == "cuda" else "float32"
+        dtype = Dtype.BFLOAT16 if device == Device.CUDA else Dtype.FLOAT32
     max_positions = read_max_positions(model_dir) if model_dir is not None else None
     given = dict(max_input_tokens=max_input_tokens, max_total_tokens=max_total_tokens,
                  max_batch_prefill_tokens=max_batch_prefill_tokens)

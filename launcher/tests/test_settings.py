@@ -10,7 +10,20 @@ import typer
 
 from specula_launcher import cli as launcher_cli
 from specula_launcher.config import LauncherConfig
-from specula_proto.choices import AdapterKind, AdapterSource, NgramMatch, SpeculationMode, parse_choice, values
+from specula_proto.choices import (
+    AdapterKind,
+    AdapterSource,
+    Device,
+    Dtype,
+    KVCacheDtype,
+    LogLevel,
+    NgramMatch,
+    QuantizeMethod,
+    SpeculationMode,
+    listed,
+    parse_choice,
+    values,
+)
 from specula_proto.limits import default_input_tokens, default_prefill_tokens, default_total_tokens
 from specula_proto.setting import Decl, Process, Setting
 from specula_proto.settings import SETTINGS, settings_of, shared_with
@@ -67,6 +80,24 @@ def test_choices_are_strings_and_errors_name_the_flag() -> None:
         parse_choice(NgramMatch, "first", "--ngram-match")
     assert AdapterKind.LORA_MEDUSA.has_lora and AdapterKind.LORA_MEDUSA.has_medusa
     assert not AdapterKind.MEDUSA.has_lora
+
+
+def test_the_model_flags_take_the_values_their_choices_declare() -> None:
+    """--dtype, --device, --quantize, --kv-cache-dtype and --log-level are checked against specula_proto.choices
+    (the worker's maps are keyed by the same members); the config holds the members, the help lists the values."""
+    config = LauncherConfig(model_id="m", dtype="bfloat16", device="cuda", quantize="int8", kv_cache_dtype="fp8",
+                            log_level="DEBUG")
+    assert (config.dtype, config.device, config.quantize, config.kv_cache_dtype, config.log_level) == (
+        Dtype.BFLOAT16, Device.CUDA, QuantizeMethod.INT8, KVCacheDtype.FP8, LogLevel.DEBUG)
+    assert type(config.dtype) is Dtype and type(config.log_level) is LogLevel
+    assert values(QuantizeMethod) == ("int8", "int4", "gguf")
+    assert (listed(Dtype), listed(Device)) == ("float32, bfloat16 or float16", "cpu or cuda")
+    dtype = next(s for s in SETTINGS if s.name == "dtype")
+    assert dtype.help.startswith("float32, bfloat16 or float16. ")
+    with pytest.raises(ValueError, match=r"--device must be one of cpu, cuda; got 'tpu'"):
+        LauncherConfig(model_id="m", dtype="float32", device="tpu")
+    with pytest.raises(ValueError, match=r"--log-level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL; got 'x'"):
+        LauncherConfig(model_id="m", dtype="float32", device="cpu", log_level="x")
 
 
 def defaults_of(config_class: type) -> dict[str, object]:

@@ -1,4 +1,6 @@
-"""The named choices every process shares: speculation modes, n-gram match kinds, adapter sources and kinds.
+"""The named choices every process shares: speculation modes, n-gram match kinds, adapter sources and kinds, and
+the values the model's flags take (--dtype, --device, --quantize, --kv-cache-dtype, --log-level). Each set of
+values is declared here once; the launcher's checks, the worker's and the help that lists them read it from here.
 
 Each is a string enum, so a member equals (and prints as) its value: `SpeculationMode.FIXED == "fixed"`, and a
 value read from a flag, a request or a gRPC field compares with the members directly. `parse_choice` turns a
@@ -55,12 +57,63 @@ class AdapterKind(StrEnum):
         return self in (AdapterKind.MEDUSA, AdapterKind.LORA_MEDUSA)
 
 
+class Dtype(StrEnum):
+    """What the model computes in (--dtype): torch's dtype of the same name."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class Device(StrEnum):
+    """Where the model runs (--device): torch's device type of the same name."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class QuantizeMethod(StrEnum):
+    """Weight-only quantization of the linear layers (--quantize); none: float weights."""
+
+    INT8 = "int8"  # a scale per output channel, quantized at load time
+    INT4 = "int4"  # a scale and zero per group of --quantize-group-size inputs, quantized at load time
+    GGUF = "gguf"  # a .gguf file's own Q8_0/Q4_0/Q4_1 blocks
+
+
+class KVCacheDtype(StrEnum):
+    """What the KV cache stores keys and values in (--kv-cache-dtype): vLLM's names, plus TGI's fp8_e4m3fn."""
+
+    AUTO = "auto"  # the --dtype
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FP8 = "fp8"  # float8 e4m3fn
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E4M3FN = "fp8_e4m3fn"
+    FP8_E5M2 = "fp8_e5m2"
+
+
+class LogLevel(StrEnum):
+    """Python logging levels (--log-level), as the launcher accepts them (upper case)."""
+
+    DEBUG = "DEBUG"
+    INFO = "INFO"
+    WARNING = "WARNING"
+    ERROR = "ERROR"
+    CRITICAL = "CRITICAL"
+
+
 Choice = TypeVar("Choice", bound=StrEnum)
 
 
 def values(choices: type[StrEnum]) -> tuple[str, ...]:
     """The values of a choice enum, in declaration order: values(NgramMatch) == ("latest", "earliest")."""
     return tuple(member.value for member in choices)
+
+
+def listed(choices: type[StrEnum]) -> str:
+    """The values of a choice enum as help text writes them: listed(Dtype) == "float32, bfloat16 or float16"."""
+    *others, last = values(choices)
+    return f"{', '.join(others)} or {last}" if others else last
 
 
 def parse_choice(choices: type[Choice], value: str, name: str) -> Choice:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from specula_proto.choices import Device, Dtype, listed
 from specula_proto.setting import Decl, Process, Setting
 
 LAUNCHER, ROUTER, WORKER = Process.LAUNCHER, Process.ROUTER, Process.WORKER
@@ -62,8 +63,8 @@ SETTINGS: tuple[Setting, ...] = (
             at_least=1,
             router=Decl(help="Number of shards (informational).")),
     Setting("dtype", str | None, None, LAUNCHER | WORKER,
-            "float32, bfloat16 or float16. Default: bfloat16 on cuda, float32 on cpu.",
-            worker=Decl(type=str, default="float32", help="float32, bfloat16 or float16.")),
+            f"{listed(Dtype)}. Default: bfloat16 on cuda, float32 on cpu.",
+            worker=Decl(type=str, default=Dtype.FLOAT32.value, help=f"{listed(Dtype)}.")),
     Setting("quantize", str | None, None, LAUNCHER | WORKER,
             "Weight-only quantization of the linear layers: int8 (a scale per output channel) or int4 (a scale and "
             "zero per group of inputs), done by each shard at load time from the float checkpoint; or gguf, for a "
@@ -72,8 +73,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("quantize_group_size", int, 64, LAUNCHER | WORKER,
             "int4: inputs per scale and zero (32, 64, 128 or 256)."),
     Setting("device", str | None, None, LAUNCHER | WORKER,
-            "cpu or cuda. Default: cuda when torch sees a GPU, else cpu.",
-            worker=Decl(type=str, default="cpu", help="cpu or cuda.")),
+            f"{listed(Device)}. Default: cuda when torch sees a GPU, else cpu.",
+            worker=Decl(type=str, default=Device.CPU.value, help=f"{listed(Device)}.")),
     Setting("port", int, 3000, LAUNCHER | ROUTER,
             "HTTP port of the router.",
             flags=("--port", "-p"),

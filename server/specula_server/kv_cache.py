@@ -16,15 +16,17 @@ from dataclasses import dataclass
 
 import torch
 
-# --kv-cache-dtype values (vLLM's, plus TGI's `fp8_e4m3fn`) -> storage dtype; None: the compute dtype.
-KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
-    "auto": None,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp8": torch.float8_e4m3fn,
-    "fp8_e4m3": torch.float8_e4m3fn,
-    "fp8_e4m3fn": torch.float8_e4m3fn,
-    "fp8_e5m2": torch.float8_e5m2,
+from specula_proto.choices import KVCacheDtype, parse_choice
+
+# Each --kv-cache-dtype value (specula_proto.choices.KVCacheDtype) -> storage dtype; None: the compute dtype.
+KV_CACHE_DTYPES: dict[KVCacheDtype, torch.dtype | None] = {
+    KVCacheDtype.AUTO: None,
+    KVCacheDtype.BFLOAT16: torch.bfloat16,
+    KVCacheDtype.FLOAT16: torch.float16,
+    KVCacheDtype.FP8: torch.float8_e4m3fn,
+    KVCacheDtype.FP8_E4M3: torch.float8_e4m3fn,
+    KVCacheDtype.FP8_E4M3FN: torch.float8_e4m3fn,
+    KVCacheDtype.FP8_E5M2: torch.float8_e5m2,
 }
 
 
@@ -36,9 +38,7 @@ def parse_kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
     >>> parse_kv_cache_dtype("auto", torch.bfloat16)
     torch.bfloat16
     """
-    if name not in KV_CACHE_DTYPES:
-        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {name!r}")
-    return KV_CACHE_DTYPES[name] or compute_dtype
+    return KV_CACHE_DTYPES[parse_choice(KVCacheDtype, name, "--kv-cache-dtype")] or compute_dtype
 
 
 def _indexable(tensor: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,16 @@ import grpc
 import torch
 
 from specula_proto import generate_pb2_grpc
-from specula_proto.choices import AdapterKind, AdapterSource, NgramMatch, SpeculationMode, parse_choice
+from specula_proto.choices import (
+    AdapterKind,
+    AdapterSource,
+    Device,
+    Dtype,
+    NgramMatch,
+    SpeculationMode,
+    parse_choice,
+    values,
+)
 from specula_server.adapters.medusa import MedusaHeads, load_medusa
 from specula_server.adapters.registry import AdapterRegistry
 from specula_server.adapters.sources import AdapterError, detect_adapter_kind, resolve_adapter
@@ -48,7 +57,8 @@ from specula_server.weights import Weights
 
 logger = logging.getLogger("specula.server")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Each --dtype value (specula_proto.choices.Dtype) -> torch's dtype of that name.
+DTYPES: dict[Dtype, torch.dtype] = {dtype: getattr(torch, dtype) for dtype in Dtype}
 
 
 @dataclass(frozen=True)
@@ -80,7 +90,7 @@ class ServerConfig:
     quantize: str | None = None  # weight-only quantization of the linear layers: int8, int4 or None (float)
     quantize_group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per scale and zero
     # What the KV cache stores keys and values in: auto (the compute dtype), bfloat16, float16, fp8 / fp8_e4m3
-    # (float8_e4m3fn) or fp8_e5m2 (kv_cache.KV_CACHE_DTYPES)
+    # (float8_e4m3fn) or fp8_e5m2 (specula_proto.choices.KVCacheDtype)
     kv_cache_dtype: str = "auto"
     # Batch sizes whose decode and verification steps replay CUDA graphs (--cuda-graphs; None: the defaults,
     # empty: none): see specula_kernels.cuda_graphs
@@ -95,10 +105,10 @@ class ServerConfig:
             raise ValueError(f"--quantize gguf serves a GGUF file's own blocks; --model-id {self.model_id} is not a "
                              ".gguf file (for a float checkpoint use --quantize int8 or int4)")
         if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise ValueError(f"dtype must be one of {sorted(values(Dtype))}, got {self.dtype!r}")
         parse_kv_cache_dtype(self.kv_cache_dtype, DTYPES[self.dtype])  # a ValueError naming the flag
-        if self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device not in values(Device):
+            raise ValueError(f"device must be {' or '.join(map(repr, values(Device)))}, got {self.device!r}")
         if self.block_size < 1:
             raise ValueError("block_size must be positive")
         if not 0 <= self.rank < self.world_size:

@@ -57,8 +57,8 @@ from specula_kernels.quantized_linear import (
     quantize_int4,
     quantize_int8,
 )
+from specula_proto.choices import QuantizeMethod, values
 
-QUANTIZE_METHODS = ("int8", "int4", "gguf")
 DEFAULT_GROUP_SIZE = 64
 # Tensor names that only a pre-quantized checkpoint has (GPTQ/AWQ `qweight`, bitsandbytes `absmax`/`quant_map`,
 # FP8 and compressed-tensors `weight_scale`).
@@ -73,11 +73,11 @@ class Quantization:
     group_size: int = DEFAULT_GROUP_SIZE
 
     def __post_init__(self) -> None:
-        if self.method not in QUANTIZE_METHODS:
-            raise ValueError(f"--quantize {self.method} is not supported; supported: {', '.join(QUANTIZE_METHODS)} "
-                             "(int8 and int4: weight-only, quantized at load time from a float checkpoint, so for "
-                             "a GPTQ or AWQ model serve its float original with --quantize int4; gguf: a GGUF "
-                             "file's own Q8_0/Q4_0/Q4_1 blocks)")
+        if self.method not in values(QuantizeMethod):
+            raise ValueError(f"--quantize {self.method} is not supported; supported: "
+                             f"{', '.join(values(QuantizeMethod))} (int8 and int4: weight-only, quantized at load "
+                             "time from a float checkpoint, so for a GPTQ or AWQ model serve its float original with "
+                             "--quantize int4; gguf: a GGUF file's own Q8_0/Q4_0/Q4_1 blocks)")
         _check_group_size(self.group_size)
 
     @classmethod
@@ -220,4 +220,4 @@ def check_float_checkpoint(raw_config: dict[str, Any], tensor_names: Iterable[st
         method = f"a quantized format (tensor {odd})"
     raise ValueError(f"the checkpoint is already quantized ({method}); Specula loads float checkpoints (float32, "
                      f"bfloat16, float16) and quantizes them itself at load time with --quantize "
-                     f"{'|'.join(QUANTIZE_METHODS)}: serve the float checkpoint with --quantize instead")
+                     f"{'|'.join(values(QuantizeMethod))}: serve the float checkpoint with --quantize instead")

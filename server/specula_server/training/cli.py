@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 import typer
 
+from specula_proto.choices import Device, Dtype, listed
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Train Medusa heads, an MLP speculator or an EAGLE-3 drafter for a model, by self-distillation.")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _common(  # the options every command shares (see `_command`)
@@ -41,8 +41,8 @@ def _common(  # the options every command shares (see `_command`)
     output: Path = typer.Option(..., "--output", envvar="OUTPUT_DIR", file_okay=False,
                                 help="Directory the checkpoint is written to."),
     revision: str | None = typer.Option(None, envvar="REVISION", help="Hub revision of the base model."),
-    device: str = typer.Option("cuda" if torch.cuda.is_available() else "cpu", envvar="DEVICE",
-                               help="cpu or cuda."),
+    device: str = typer.Option(Device.CUDA.value if torch.cuda.is_available() else Device.CPU.value, envvar="DEVICE",
+                               help=f"{listed(Device)}."),
     dtype: str | None = typer.Option(None, envvar="DTYPE",
                                         help="Base model dtype: float32 (CPU default), bfloat16 (CUDA default)."),
     save_dtype: str | None = typer.Option(None, envvar="SAVE_DTYPE",
@@ -97,7 +97,7 @@ def _prepare(args: dict):
     from specula_server.training.data import HiddenStates, Sample, generate_samples, read_prompts
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    dtype = args["dtype"] = args["dtype"] or ("bfloat16" if args["device"] == "cuda" else "float32")
+    dtype = args["dtype"] = args["dtype"] or (Dtype.BFLOAT16 if args["device"] == Device.CUDA else Dtype.FLOAT32)
     if dtype not in SERVER_DTYPES:
         raise typer.BadParameter(f"--dtype must be one of {', '.join(SERVER_DTYPES)}; got {dtype!r}")
     texts = read_prompts(args["prompts"])[: args["max_prompts"]]
