@@ -71,6 +71,9 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
     "specula-int8": ("specula", ["--quantize", "int8"]),
     "specula-int4": ("specula", ["--quantize", "int4", "--quantize-group-size", "32"]),
     "specula-gguf": ("specula", ["--quantize", "gguf"]),
+    # One setting above with up to 4 decode steps per Step call when nothing waits (--num-scheduler-steps).
+    "specula-steps4": ("specula", ["--num-scheduler-steps", "4"]),
+    "specula-gguf-steps4": ("specula", ["--quantize", "gguf", "--num-scheduler-steps", "4"]),
     "vllm": ("vllm", []),
     "vllm-ngram": ("vllm", ["--speculative-config", json.dumps(
         {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_lookup_max": 4, "prompt_lookup_min": 1})]),

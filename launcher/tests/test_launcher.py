@@ -342,7 +342,7 @@ def test_router_command_with_defaults(tmp_path: Path) -> None:
         "--speculative-tokens": ("0",), "--adapter-source": ("local",), "--max-active-adapters": ("8",),
         "--max-concurrent-requests": ("128",), "--max-best-of": ("2",), "--max-stop-sequences": ("4",),
         "--max-top-n-tokens": ("5",), "--waiting-served-ratio": ("1.2",), "--max-waiting-tokens": ("20",),
-        "--payload-limit": ("2000000",), "--num-shard": ("1",), "--shutdown-timeout": ("30",),
+        "--num-scheduler-steps": ("1",), "--payload-limit": ("2000000",), "--num-shard": ("1",), "--shutdown-timeout": ("30",),
         "--step-timeout": ("600.0",), "--log-level": ("INFO",), "--validation-workers": ("2",),
         "--max-adapter-labels": ("32",), "--metrics-prefix": ("specula",), "--adapter-dir": (str(DEMO_ADAPTERS_DIR),),
     }
@@ -372,6 +372,7 @@ def test_router_command_passes_every_flag() -> None:
         "--max-top-n-tokens": ("0",), "--max-input-tokens": ("1000",), "--max-total-tokens": ("2000",),
         "--waiting-served-ratio": ("0.5",), "--max-batch-prefill-tokens": ("4000",),
         "--max-batch-total-tokens": ("16000",), "--max-waiting-tokens": ("5",), "--max-batch-size": ("8",),
+        "--num-scheduler-steps": ("1",),
         "--payload-limit": ("100",), "--cors-allow-origin": ("https://a", "https://b"), "--json-output": (),
         "--num-shard": ("2",), "--shutdown-timeout": ("9",), "--step-timeout": ("45",), "--log-level": ("WARNING",),
         "--validation-workers": ("3",), "--max-adapter-labels": ("7",), "--chat-template": ("/t/chat.jinja",),

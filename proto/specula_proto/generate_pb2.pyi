@@ -292,27 +292,31 @@ class RequestUpdate(_message.Message):
     def __init__(self, id: _Optional[int] = ..., new_blocks: _Optional[_Iterable[int]] = ..., prefill_until: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("sequence", "finished", "updates", "new_requests")
+    __slots__ = ("sequence", "finished", "updates", "new_requests", "decode_steps")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     UPDATES_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     finished: _containers.RepeatedScalarFieldContainer[int]
     updates: _containers.RepeatedCompositeFieldContainer[RequestUpdate]
     new_requests: _containers.RepeatedCompositeFieldContainer[Request]
-    def __init__(self, sequence: _Optional[int] = ..., finished: _Optional[_Iterable[int]] = ..., updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ..., new_requests: _Optional[_Iterable[_Union[Request, _Mapping]]] = ...) -> None: ...
+    decode_steps: int
+    def __init__(self, sequence: _Optional[int] = ..., finished: _Optional[_Iterable[int]] = ..., updates: _Optional[_Iterable[_Union[RequestUpdate, _Mapping]]] = ..., new_requests: _Optional[_Iterable[_Union[Request, _Mapping]]] = ..., decode_steps: _Optional[int] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("generations", "timings", "num_requests", "suffix_cache_tokens", "suffix_cache_nodes")
+    __slots__ = ("generations", "timings", "num_requests", "suffix_cache_tokens", "suffix_cache_nodes", "decode_steps")
     GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SUFFIX_CACHE_NODES_FIELD_NUMBER: _ClassVar[int]
+    DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     generations: _containers.RepeatedCompositeFieldContainer[Generation]
     timings: Timings
     num_requests: int
     suffix_cache_tokens: int
     suffix_cache_nodes: int
-    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., num_requests: _Optional[int] = ..., suffix_cache_tokens: _Optional[int] = ..., suffix_cache_nodes: _Optional[int] = ...) -> None: ...
+    decode_steps: int
+    def __init__(self, generations: _Optional[_Iterable[_Union[Generation, _Mapping]]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., num_requests: _Optional[int] = ..., suffix_cache_tokens: _Optional[int] = ..., suffix_cache_nodes: _Optional[int] = ..., decode_steps: _Optional[int] = ...) -> None: ...

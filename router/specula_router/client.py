@@ -121,13 +121,13 @@ class ShardedClient:
         return min(responses, key=lambda r: r.num_blocks)
 
     def step(self, finished: Sequence[int], updates: Sequence[RequestUpdate],
-             new_requests: Sequence[NewRequest]) -> Awaitable[StepResponse]:
+             new_requests: Sequence[NewRequest], decode_steps: int = 1) -> Awaitable[StepResponse]:
         """Starts the next Step on every shard (sent before this returns); await shard 0's result."""
         request = pb.StepRequest(
             sequence=self._next_sequence(), finished=finished,
             updates=[pb.RequestUpdate(id=u.id, new_blocks=u.new_blocks, prefill_until=u.prefill_until)
                      for u in updates],
-            new_requests=[encode_request(r) for r in new_requests])
+            new_requests=[encode_request(r) for r in new_requests], decode_steps=decode_steps)
         return self._step_response(self._call("Step", request))
 
     @staticmethod
@@ -215,7 +215,7 @@ def decode_step_response(response: pb.StepResponse) -> StepResponse:
     t = response.timings
     return StepResponse([_generation(g) for g in response.generations],
                         StepTimings(t.forward_ns, t.decode_ns, t.total_ns),
-                        response.suffix_cache_tokens, response.suffix_cache_nodes)
+                        response.suffix_cache_tokens, response.suffix_cache_nodes, max(1, response.decode_steps))
 
 
 def _generation(g: pb.Generation) -> GenerationOut:

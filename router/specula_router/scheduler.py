@@ -53,6 +53,7 @@ class SchedulerConfig(AdmissionConfig):
     """The admission rule's settings, and the loop's own."""
 
     pipeline_depth: int = 2  # steps queued in the workers at once (1: wait for each result)
+    num_scheduler_steps: int = 1  # decode steps a call may run when every request decodes and none waits
     speculation_method: str = "none"  # label of the speculation metrics
     step_timeout: float | None = None  # seconds a shard may take to answer one step (None: no limit)
 
@@ -192,11 +193,13 @@ class Scheduler:
         ahead = self._ahead
         while True:
             while len(ahead) < self.config.pipeline_depth:
-                plan = self.planner.plan(len(ahead))
+                on_wire = sum(sent.plan.decode_steps for sent in ahead)
+                plan = self.planner.plan(on_wire, self.config.num_scheduler_steps)
                 if not plan:
                     break
                 self.metrics.batch_inference_count.labels(plan.method).inc()
-                pending = self.client.step(plan.finished, list(plan.updates.values()), plan.new_requests)
+                pending = self.client.step(plan.finished, list(plan.updates.values()), plan.new_requests,
+                                           plan.decode_steps)
                 self.planner.sent()
                 ahead.append(_SentStep(pending, plan, time.monotonic()))
             self._flush()  # handlers stream the last step's tokens while the workers compute
@@ -341,7 +344,9 @@ class Scheduler:
             entry.first_token_at = entry.first_token_at or now
             entry.last_token_at = now
             entry.num_generated += len(tokens)
-            entry.num_skipped += len(tokens) - 1
+            # Tokens that took no forward pass of their own: accepted drafts (a call of several decode steps
+            # gives several tokens, each its own forward).
+            entry.num_skipped += min(generation.accepted_tokens, len(tokens) - 1)
             if self.config.speculation_method != "none":
                 # Labelled by this step's drafter: requests of one batch may use different ones (an adapter's
                 # Medusa heads, prompt lookup).

@@ -112,7 +112,7 @@ async def run(config: RouterConfig) -> int:
     scheduler = Scheduler(client, BlockAllocator(num_blocks, info.block_size, config.prefix_caching), SchedulerConfig(
         max_batch_prefill_tokens=limits.max_batch_prefill_tokens, waiting_served_ratio=config.waiting_served_ratio,
         max_waiting_tokens=config.max_waiting_tokens, max_batch_size=config.max_batch_size,
-        lookahead=lookahead, pipeline_depth=config.pipeline_depth,
+        lookahead=lookahead, pipeline_depth=config.pipeline_depth, num_scheduler_steps=config.num_scheduler_steps,
         speculation_method=info.speculation.method or "none", step_timeout=config.step_timeout or None),
         metrics, adapters)
     state = RouterState(scheduler, validator, client, metrics, info_body(config, info, limits, num_blocks),

@@ -75,3 +75,4 @@ class StepResponse:
     timings: StepTimings
     suffix_cache_tokens: int = 0  # suffix decoding's global trees, on shard 0 (every shard holds the same)
     suffix_cache_nodes: int = 0
+    decode_steps: int = 1  # decode steps the call ran (`StepRequest.decode_steps`)

@@ -7,9 +7,11 @@ A plan is built in the order the worker applies it:
                   at once: this step drops them before it runs, and every step before it (those on the wire,
                   which may still write to them) runs first, so only later writers can get the blocks.
     2. growth     every running request gets blocks (`RequestUpdate.new_blocks`) covering every position this
-                  step and the steps on the wire may write. A request with g tokens received, s steps on the
-                  wire plus this one, and 1 + lookahead tokens per step at most, writes fewer than
+                  step and the steps on the wire may write. A request with g tokens received, s decode steps on
+                  the wire plus this call's, and 1 + lookahead tokens per step at most, writes fewer than
                   min(prompt + g + s * (1 + lookahead), prompt + max_new_tokens + lookahead) positions.
+                  A call runs several decode steps (`decode_steps`, vLLM's multi-step scheduling) only when no
+                  prompt is in chunks, none waits in the queue, and the free blocks cover them all; else one.
                   When the cache cannot provide them, the most recently admitted requests are preempted (vLLM's
                   recompute preemption): listed in `finished`, their written full blocks cached for the resume,
                   their blocks freed, and they go back to the head of the FIFO with their tokens so far.
@@ -49,6 +51,7 @@ class PlannedStep:
     chunks: list[tuple[Entry, int]] = field(default_factory=list)  # (request, context position its chunk ends)
     preempted: list[Entry] = field(default_factory=list)
     entries: list[Entry] = field(default_factory=list)  # every request the workers hold once it is applied
+    decode_steps: int = 1  # decode steps the workers may run in this call
 
     @property
     def method(self) -> str:
@@ -85,11 +88,13 @@ class StepPlanner:
         size = self.allocator.block_size
         return max(size, self.config.max_batch_prefill_tokens // size * size)
 
-    def plan(self, steps_on_wire: int) -> PlannedStep:
-        """The next step, to be sent after the `steps_on_wire` steps sent and not yet answered."""
+    def plan(self, steps_on_wire: int, decode_steps: int = 1) -> PlannedStep:
+        """The next call, to be sent after the calls not yet answered, which run up to `steps_on_wire` decode
+        steps; it runs up to `decode_steps` of them when `_decode_steps` allows, else one."""
         plan = PlannedStep(finished=self.finish_again)
         self._drop_cancelled(plan)
-        self._grow(plan, steps_on_wire + 1)
+        plan.decode_steps = self._decode_steps(steps_on_wire, decode_steps)
+        self._grow(plan, steps_on_wire + plan.decode_steps)
         self._admit_from_queue(plan, steps_on_wire + 1, self._next_chunk(plan))
         plan.entries = list(self.running.values())
         return plan
@@ -103,6 +108,14 @@ class StepPlanner:
         written = entry.written_ids()
         known = (entry.prompt_hashes or [])[: len(written) // self.allocator.block_size]
         self.allocator.cache(entry.blocks, self.allocator.chain(written, entry.adapter, known=known))
+
+    def _decode_steps(self, steps_on_wire: int, most: int) -> int:
+        """`most` when every running request decodes, none waits for admission, and the free blocks cover what
+        the running requests may write in that many steps (so that no request is preempted for it); else 1."""
+        if most <= 1 or not self.running or self.chunking or self.admission.queue:
+            return 1
+        missing = sum(self._missing(entry, steps_on_wire + most) for entry in self.running.values())
+        return most if missing <= self.allocator.num_free_blocks else 1
 
     # --- the four parts of a step -----------------------------------------------------------------------------
 

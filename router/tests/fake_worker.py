@@ -8,7 +8,10 @@ those it would produce alone.
 Like the real worker, steps start when they are made and run strictly in order (a FIFO lock), with the Step
 semantics of proto/generate.proto: `finished` leave first (unknown ids ignored), then `updates` apply (blocks
 appended, a prompt's next chunk), then `new_requests` join, then one step runs over every request whose prompt
-is done and every prompt chunk named. A request that finished or failed in the worker leaves on its own; an
+is done and every prompt chunk named; a step asking for several decode steps runs more while every request it
+holds decodes, each writing only within the blocks it holds (which the router must have granted for all of
+them), and a request's tokens of all of them come back as one generation. A request that finished or failed in
+the worker leaves on its own; an
 update naming it later is ignored. A new request naming an adapter that is not loaded is refused alone (an
 error for it). A step made to fail (`fail_next`) fails after it was applied, as a worker whose forward raised.
 
@@ -51,6 +54,7 @@ class SentStep:
     finished: tuple[int, ...]
     updates: tuple[RequestUpdate, ...]
     new_requests: tuple[NewRequest, ...]
+    decode_steps: int = 1
 
 
 @dataclass
@@ -101,12 +105,12 @@ class FakeClient:
 
     # --- Step ----------------------------------------------------------------------------------------------
 
-    def step(self, finished, updates, new_requests):
+    def step(self, finished, updates, new_requests, decode_steps=1):
         self._sequence_sent += 1
         # Copied as sent, as the wire would: the planner's objects are its own.
         request = SentStep(self._sequence_sent, tuple(finished),
                            tuple(RequestUpdate(u.id, list(u.new_blocks), u.prefill_until) for u in updates),
-                           tuple(new_requests))
+                           tuple(new_requests), decode_steps)
         self.steps.append(request)
         self.calls.append(("step", request))
         self.prefilled.extend(request.new_requests)
@@ -123,9 +127,13 @@ class FakeClient:
                 await asyncio.Event().wait()
             refused = self._apply(request)
             self._maybe_fail(method)
-            response = self._run(request)
+            response = self._run()
+            steps = 1
+            while steps < request.decode_steps and self.held and not any(h.prefilling for h in self.held.values()):
+                response = _merged(response, self._run())
+                steps += 1
             response.generations[:0] = refused
-            return response
+            return StepResponse(response.generations, response.timings, decode_steps=steps)
 
     def _method(self, request: SentStep) -> str:
         """"prefill": the step computes prompts; "decode": it only decodes; "idle": it runs nothing."""
@@ -199,7 +207,7 @@ class FakeClient:
             others = owners.get(block, set()) - {request_id}
             self._check(not others, f"request {request_id} writes block {block}, held by {sorted(others)}")
 
-    def _run(self, step: SentStep) -> StepResponse:
+    def _run(self) -> StepResponse:
         owners: dict[int, set[int]] = {}
         for held in self.held.values():
             for block in held.blocks:
@@ -289,6 +297,19 @@ class FakeClient:
         offloaded = adapter_id in self.loaded_adapters
         self.loaded_adapters.discard(adapter_id)
         return offloaded
+
+
+def _merged(first: StepResponse, later: StepResponse) -> StepResponse:
+    """Two decode steps' generations as one call returns them: a request's tokens in order, its final one's end."""
+    merged = {g.request_id: g for g in first.generations}
+    for g in later.generations:
+        before = merged.get(g.request_id)
+        if before is None or before.error or g.error:
+            merged[g.request_id] = g if before is None or not before.error else before
+            continue
+        merged[g.request_id] = GenerationOut(g.request_id, before.tokens + g.tokens, before.top_tokens + g.top_tokens,
+                                             before.prefill_tokens, g.final)
+    return StepResponse(list(merged.values()), first.timings)
 
 
 def token_text(adapter_id: str, k: int) -> str:

@@ -121,8 +121,8 @@ def test_unknown_routes_and_methods_are_error_responses(tokenizer):
 class NonFiniteLogprobs(FakeClient):
     """The fake worker, answering like the real one for a first prompt token (NaN) and a -inf logprob."""
 
-    def _run(self, step):
-        response = super()._run(step)
+    def _run(self):
+        response = super()._run()
         for i, generation in enumerate(response.generations):
             tokens = [dataclasses.replace(t, logprob=float("-inf")) for t in generation.tokens]
             prefill = None

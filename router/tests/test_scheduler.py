@@ -257,6 +257,43 @@ def test_pipeline_depth_changes_no_output(depth):
     assert kinds[:first_result].count("step") == depth
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_calls_run_several_decode_steps_while_every_request_decodes_and_none_waits(depth):
+    async def body():
+        scheduler, client = make_scheduler(num_scheduler_steps=4, pipeline_depth=depth, step_delay=0.002)
+        loop = asyncio.create_task(scheduler.run())
+        first = scheduler.submit(make_request(max_new=60))
+        await asyncio.sleep(0.01)
+        later = [scheduler.submit(make_request(max_new=n)) for n in (9, 14)]
+        results = [await drain(e) for e in [first, *later]]
+        loop.cancel()
+        for entry, events in zip([first, *later], results):
+            assert _tokens_of(events) == [1000 * entry.id + k for k in range(entry.request.stopping.max_new_tokens)]
+        assert scheduler.allocator.num_free_blocks == 64 and client.held == {}
+        return client.steps
+
+    steps = run(body())
+    assert any(step.decode_steps == 4 for step in steps)
+    # Newcomers join in a call of one step; their prompts' call is one step too.
+    assert all(step.decode_steps == 1 for step in steps if step.new_requests)
+    assert len(steps) < 60 / 2
+
+
+def test_a_call_runs_one_decode_step_when_the_free_blocks_do_not_cover_more():
+    scheduler, _ = make_scheduler(num_blocks=4, block_size=4, num_scheduler_steps=4)
+    running = scheduler.submit(make_request(prompt_len=4, max_new=40))
+    assert scheduler.planner.plan(0, 4).new_requests  # 2 blocks: its prompt and first step
+    running.token_ids += [1]
+    plan = scheduler.planner.plan(0, 4)  # 4 steps more: 4 + 1 + 4 positions, 3 blocks
+    assert plan.decode_steps == 4 and len(plan.updates[running.id].new_blocks) == 1
+    running.token_ids += [2, 3, 4, 5]
+    plan = scheduler.planner.plan(0, 4)  # 4 + 5 + 4 positions: the 4th block, the last one free
+    assert plan.decode_steps == 4 and len(plan.updates[running.id].new_blocks) == 1
+    running.token_ids += [6, 7, 8, 9]
+    plan = scheduler.planner.plan(0, 4)  # 4 + 9 + 4 positions would need a 5th: one step, 4 + 9 + 1, fits
+    assert plan.decode_steps == 1 and running.id not in plan.updates
+
+
 def test_a_pipelined_step_naming_a_request_that_just_ended_is_harmless():
     async def body():
         # Blocks of 1 token: the step sent while the request's last step runs gives it a block it never uses.
@@ -708,8 +745,9 @@ def test_a_newcomer_waits_rather_than_take_the_blocks_the_running_requests_grow_
     assert len(plan.updates[running.id].new_blocks) == 1 and not plan.new_requests
 
 
+@pytest.mark.parametrize("decode_steps", [1, 3])
 @pytest.mark.parametrize("seed", SEEDS)
-def test_a_random_mix_under_pressure_keeps_the_contract_and_every_stream_exact(seed):
+def test_a_random_mix_under_pressure_keeps_the_contract_and_every_stream_exact(seed, decode_steps):
     """Long and short prompts, shared prefixes, speculation's lookahead, clients that leave, rows and steps that
     fail, on a cache that forces preemptions: every step keeps the worker's contract (checked by the fake), every
     request that completes streams exactly its own tokens, and every block comes back."""
@@ -719,7 +757,7 @@ def test_a_random_mix_under_pressure_keeps_the_contract_and_every_stream_exact(s
         rng = random.Random(seed)
         scheduler, client = make_scheduler(num_blocks=24, block_size=4, step_delay=0.0005, lookahead=seed % 2,
                                            prefix_caching=True, max_batch_prefill_tokens=12,
-                                           pipeline_depth=1 + seed % 3 // 2)
+                                           pipeline_depth=1 + seed % 3 // 2, num_scheduler_steps=decode_steps)
         loop = asyncio.create_task(scheduler.run())
         shared = list(range(100, 120))
         entries, gone = [], set()

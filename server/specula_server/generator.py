@@ -1,6 +1,7 @@
 """The worker's engine: it keeps the requests the router sent, by id, and runs the steps the router orders.
 
-`TextGenerator.step(plan)` is one step of the per-step contract (`StepPlan`, the Step RPC):
+`TextGenerator.step(plan)` is one step of the per-step contract (`StepPlan`, the Step RPC), or a few when the
+router asks for several decode steps in one call:
 
     requests leave          `finished`: the router ended them (cancelled, failed, preempted)
     requests change         `updates`: KV blocks appended as they grow; a long prompt's next chunk
@@ -8,6 +9,9 @@
     one step runs           every request whose prompt is done decodes one token (and verifies its drafts,
                             see `Speculator`); every prompt chunk named this step is computed; a prompt
                             whose last chunk ran yields its first token
+    more decode steps       up to `decode_steps - 1`, while every request the worker holds decodes (no prompt
+                            chunk, no grammar compiling) and its blocks cover its next token; each request's
+                            tokens of all of them make one output (`StepOutput.extend`)
 
 Requests leave on their own in the step that finishes them (stop, EOS, max_new_tokens) or fails them (their
 logits were not finite, their blocks did not cover the step); the router frees their blocks.
@@ -222,9 +226,23 @@ class TextGenerator:
     # --- the step -----------------------------------------------------------------------------------------
 
     def step(self, plan: StepPlan) -> StepResult:
-        """Applies `plan` and runs one step over every request (see the module's docstring)."""
+        """Applies `plan`, runs one step over every request, then the further decode steps it allows (see the
+        module's docstring). `StepResult.steps` says how many ran."""
         if self.kv_cache is None:
             raise InvalidRequestError("the KV cache is not allocated: call Warmup first")
+        result = self._step(plan)
+        while result.steps < plan.decode_steps and self._may_decode_again():
+            more = self._step(StepPlan())
+            result.merge(more)
+        return result
+
+    def _may_decode_again(self) -> bool:
+        """Whether a further decode step of one call may run: every request decodes, and its blocks cover the
+        position of its next token (a request without one would fail; the router grows it at the next call)."""
+        return bool(self.requests) and not self._waiting and all(
+            not r.is_prefilling and r.capacity >= r.num_tokens for r in self.requests.values())
+
+    def _step(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter_ns()
         for request_id in plan.finished:
             self._leave(request_id)

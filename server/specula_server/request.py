@@ -54,6 +54,20 @@ class StepOutput:
     # and no other field is set.
     error: str = ""
 
+    def extend(self, later: StepOutput) -> None:
+        """Appends what the request produced in a later step of the same call; a failure then replaces it all."""
+        if later.error:
+            self.tokens, self.top_tokens, self.prefill_tokens, self.generated_text = [], [], None, None
+            self.num_drafted = self.num_accepted = 0
+            self.draft_method, self.error = "", later.error
+            return
+        self.tokens = self.tokens + later.tokens
+        self.top_tokens = self.top_tokens + later.top_tokens
+        self.num_drafted += later.num_drafted
+        self.num_accepted += later.num_accepted
+        self.draft_method = later.draft_method or self.draft_method
+        self.generated_text = later.generated_text
+
 
 class InvalidRequestError(ValueError):
     """A step or request the worker cannot run: a whole step is reported as INVALID_ARGUMENT, a request fails
@@ -128,11 +142,13 @@ class RequestUpdate:
 @dataclass(frozen=True)
 class StepPlan:
     """One engine step as the router orders it (the Step RPC): `finished` requests leave, `updates` apply,
-    `new` requests join, then one step runs over every request (named prompt chunks, every decode)."""
+    `new` requests join, then one step runs over every request (named prompt chunks, every decode), and up to
+    `decode_steps - 1` more while every request decodes and has room (`TextGenerator.step`)."""
 
     new: Sequence[RequestSpec] = ()
     updates: Sequence[RequestUpdate] = ()
     finished: Sequence[int] = ()
+    decode_steps: int = 1
 
 
 @dataclass(eq=False)

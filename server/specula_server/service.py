@@ -199,7 +199,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         tokens, nodes = self.generator.suffix_cache_size()
         return pb.StepResponse(generations=[generation_to_pb(o) for o in result.outputs],
                                timings=timings_to_pb(result, start), num_requests=num_requests,
-                               suffix_cache_tokens=tokens, suffix_cache_nodes=nodes)
+                               suffix_cache_tokens=tokens, suffix_cache_nodes=nodes, decode_steps=result.steps)
 
     def _step(self, request: pb.StepRequest) -> tuple[StepResult, int]:
         # Converted on the step thread, so a request refused here still answers in its step's order.
@@ -210,7 +210,7 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             except InvalidRequestError as e:
                 refused.append(StepOutput(r.id, [], [], error=str(e)))
         updates = [RequestUpdate(u.id, tuple(u.new_blocks), u.prefill_until) for u in request.updates]
-        result = self.generator.step(StepPlan(specs, updates, tuple(request.finished)))
+        result = self.generator.step(StepPlan(specs, updates, tuple(request.finished), max(1, request.decode_steps)))
         result.outputs[:0] = refused
         return result, len(self.generator.requests)
 

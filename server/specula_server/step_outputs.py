@@ -32,6 +32,19 @@ class StepTimings:
 class StepResult:
     outputs: list[StepOutput]
     timings: StepTimings = field(default_factory=StepTimings)
+    steps: int = 1  # decode steps run (several in one call: `TextGenerator.step`)
+
+    def merge(self, later: StepResult) -> None:
+        """Adds the result of the call's next step: a request's outputs become one (`StepOutput.extend`)."""
+        mine = {out.request_id: out for out in self.outputs if not out.error}
+        for out in later.outputs:
+            if out.request_id in mine:
+                mine[out.request_id].extend(out)
+            else:
+                self.outputs.append(out)
+        self.timings.forward_ns += later.timings.forward_ns
+        self.timings.decode_ns += later.timings.decode_ns
+        self.steps += later.steps
 
 
 def grammar_masks(reqs: Sequence[RequestState], vocab_size: int, plan: DraftPlan | None = None) -> MaskJob | None:
