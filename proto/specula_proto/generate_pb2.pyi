@@ -178,7 +178,7 @@ class GeneratedText(_message.Message):
     def __init__(self, text: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Generation(_message.Message):
-    __slots__ = ("request_id", "prefill_tokens", "tokens", "generated_text", "top_tokens", "drafted_tokens", "accepted_tokens", "draft_method", "error")
+    __slots__ = ("request_id", "prefill_tokens", "tokens", "generated_text", "top_tokens", "drafted_tokens", "accepted_tokens", "draft_method", "error", "step_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +188,7 @@ class Generation(_message.Message):
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_METHOD_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    STEP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     prefill_tokens: Tokens
     tokens: Tokens
@@ -197,7 +198,8 @@ class Generation(_message.Message):
     accepted_tokens: int
     draft_method: str
     error: str
-    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_method: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
+    step_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[int] = ..., prefill_tokens: _Optional[_Union[Tokens, _Mapping]] = ..., tokens: _Optional[_Union[Tokens, _Mapping]] = ..., generated_text: _Optional[_Union[GeneratedText, _Mapping]] = ..., top_tokens: _Optional[_Iterable[_Union[Tokens, _Mapping]]] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_method: _Optional[str] = ..., error: _Optional[str] = ..., step_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WarmupRequest(_message.Message):
     __slots__ = ("max_input_tokens", "max_prefill_tokens", "max_total_tokens")

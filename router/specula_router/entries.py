@@ -37,7 +37,8 @@ class FinalEvent:
 
 @dataclass(frozen=True)
 class TokensEvent:
-    """Tokens of one step: one, or several under speculation (all but the first are 'skipped').
+    """Tokens of one step, or of the decode steps of one call: one per step, and under speculation the drafts
+    each accepted (`skipped`: produced by the same step as the token before).
 
     `final` is set when the request finished in this step, so the last token and the end arrive together.
     """
@@ -46,6 +47,10 @@ class TokensEvent:
     top_tokens: list[list[TokenOut]]
     prefill: list[TokenOut] | None = None
     final: FinalEvent | None = None
+    skipped: list[bool] | None = None  # per token; None: all but the first
+
+    def is_skipped(self, i: int) -> bool:
+        return self.skipped[i] if self.skipped is not None else i > 0
 
 
 @dataclass(frozen=True)

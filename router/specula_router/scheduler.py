@@ -344,16 +344,16 @@ class Scheduler:
             entry.first_token_at = entry.first_token_at or now
             entry.last_token_at = now
             entry.num_generated += len(tokens)
-            # Tokens that took no forward pass of their own: accepted drafts (a call of several decode steps
-            # gives several tokens, each its own forward).
-            entry.num_skipped += min(generation.accepted_tokens, len(tokens) - 1)
+            skipped = generation.skipped
+            entry.num_skipped += sum(skipped)
             if self.config.speculation_method != "none":
                 # Labelled by this step's drafter: requests of one batch may use different ones (an adapter's
                 # Medusa heads, prompt lookup).
                 self.metrics.observe_speculation(
                     generation.draft_method or self.config.speculation_method, entry.adapter,
                     generation.drafted_tokens, generation.accepted_tokens)
-            self._outbox.append((entry, TokensEvent(tokens, generation.top_tokens, generation.prefill_tokens, final)))
+            self._outbox.append((entry, TokensEvent(tokens, generation.top_tokens, generation.prefill_tokens, final,
+                                                    skipped)))
         if final is not None:
             self._finish(entry, final, send=not tokens)
 

@@ -60,6 +60,13 @@ class GenerationOut:
     accepted_tokens: int = 0
     draft_method: str = ""  # "": the server's configured method
     error: str = ""  # set: it failed alone in the worker, which has already dropped it
+    step_tokens: list[int] = field(default_factory=list)  # tokens of each decode step of the call ([]: one step)
+
+    @property
+    def skipped(self) -> list[bool]:
+        """Per token: produced by the same decode step as the token before it (an accepted draft)."""
+        counts = self.step_tokens or [len(self.tokens)]
+        return [i > 0 for count in counts for i in range(count)]
 
 
 @dataclass(frozen=True)

@@ -308,7 +308,8 @@ def _merged(first: StepResponse, later: StepResponse) -> StepResponse:
             merged[g.request_id] = g if before is None or not before.error else before
             continue
         merged[g.request_id] = GenerationOut(g.request_id, before.tokens + g.tokens, before.top_tokens + g.top_tokens,
-                                             before.prefill_tokens, g.final)
+                                             before.prefill_tokens, g.final,
+                                             step_tokens=(before.step_tokens or [len(before.tokens)]) + [len(g.tokens)])
     return StepResponse(list(merged.values()), first.timings)
 
 

@@ -269,6 +269,9 @@ def test_calls_run_several_decode_steps_while_every_request_decodes_and_none_wai
         loop.cancel()
         for entry, events in zip([first, *later], results):
             assert _tokens_of(events) == [1000 * entry.id + k for k in range(entry.request.stopping.max_new_tokens)]
+            grouped = [e for e in events if isinstance(e, TokensEvent) and len(e.tokens) > 1]
+            assert grouped and all(e.skipped == [False] * len(e.tokens) for e in grouped)  # each its own step
+            assert entry.num_skipped == 0
         assert scheduler.allocator.num_free_blocks == 64 and client.held == {}
         return client.steps
 

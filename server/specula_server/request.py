@@ -53,14 +53,17 @@ class StepOutput:
     # Set when the request failed this step (its logits were not finite, see `nonfinite`): it left its batch
     # and no other field is set.
     error: str = ""
+    # Once later steps of the same call are appended (`extend`): how many of `tokens` each step produced.
+    step_tokens: list[int] = field(default_factory=list)
 
     def extend(self, later: StepOutput) -> None:
         """Appends what the request produced in a later step of the same call; a failure then replaces it all."""
         if later.error:
             self.tokens, self.top_tokens, self.prefill_tokens, self.generated_text = [], [], None, None
             self.num_drafted = self.num_accepted = 0
-            self.draft_method, self.error = "", later.error
+            self.draft_method, self.error, self.step_tokens = "", later.error, []
             return
+        self.step_tokens = (self.step_tokens or [len(self.tokens)]) + (later.step_tokens or [len(later.tokens)])
         self.tokens = self.tokens + later.tokens
         self.top_tokens = self.top_tokens + later.top_tokens
         self.num_drafted += later.num_drafted

@@ -327,6 +327,7 @@ def generation_to_pb(out: StepOutput) -> pb.Generation:
         drafted_tokens=out.num_drafted,
         accepted_tokens=out.num_accepted,
         draft_method=out.draft_method,
+        step_tokens=out.step_tokens,
     )
     if out.prefill_tokens is not None:
         gen.prefill_tokens.CopyFrom(tokens_to_pb(out.prefill_tokens))

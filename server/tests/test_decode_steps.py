@@ -58,8 +58,10 @@ def run(generator, requests, decode_steps: int) -> tuple[dict[int, StepOutput], 
 
 
 def summary(outputs: dict[int, StepOutput]):
+    """Per request: its tokens, log-probabilities, text, ending, and the tokens of each step (accepted drafts
+    share their step)."""
     return {i: ([t.id for t in o.tokens], [t.logprob for t in o.tokens], "".join(t.text for t in o.tokens),
-                o.generated_text) for i, o in outputs.items()}
+                o.generated_text, o.step_tokens) for i, o in outputs.items()}
 
 
 @pytest.mark.parametrize("engine", ["plain", "speculative"])
@@ -71,7 +73,9 @@ def test_calls_of_several_decode_steps_give_the_tokens_of_one_step_per_call(gene
     assert set(calls_one) == {1}
     assert calls_four[0] == 4 and max(calls_four) == 4  # the prompts' step, then three decode steps
     assert len(calls_four) < len(calls_one) / 2
+    assert all(sum(o.step_tokens) == len(o.tokens) for o in four.values())
     if lookahead:
+        assert any(n > 1 for o in four.values() for n in o.step_tokens)  # drafts accepted in a step
         assert sum(o.num_drafted for o in four.values()) == sum(o.num_drafted for o in one.values()) > 0
         assert sum(o.num_accepted for o in four.values()) == sum(o.num_accepted for o in one.values())
 
