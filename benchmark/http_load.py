@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import statistics
@@ -204,6 +205,7 @@ def main() -> None:
     parser.add_argument("--launcher-args", default="", help="extra launcher flags, e.g. '--speculative-tokens 3'")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
+    parser.add_argument("--server-log", type=Path, help="keep the started server's log here")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp_name:
@@ -232,6 +234,9 @@ def main() -> None:
             if proc is not None and proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(timeout=60)
+            if proc is not None and args.server_log:
+                args.server_log.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(tmp / "server.log", args.server_log)
     single = results[0]["throughput_tok_s"] if results[0]["concurrency"] == 1 else None
     print("| concurrency | tokens/s | vs 1 stream | TTFT median ms | ITL median ms | ITL p90 ms |")
     print("|---|---|---|---|---|---|")

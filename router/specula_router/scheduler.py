@@ -283,10 +283,14 @@ class Scheduler:
         now = time.monotonic()
         m = self.metrics
         m.batch_inference_success.labels(method).inc()
-        # A pipelined step was queued behind the previous one: count from when the worker could start it.
-        m.batch_inference_duration.labels(method).observe(now - max(sent.sent_at, self.last_step_ok or sent.sent_at))
-        m.batch_forward_duration.labels(method).observe(response.timings.forward_ns / 1e9)
-        m.batch_decode_duration.labels(method).observe(response.timings.decode_ns / 1e9)
+        # A pipelined step was queued behind the previous one: count from when the worker could start it. A call
+        # of several decode steps is observed once per step, at its mean.
+        steps = response.decode_steps
+        inference = (now - max(sent.sent_at, self.last_step_ok or sent.sent_at)) / steps
+        for _ in range(steps):
+            m.batch_inference_duration.labels(method).observe(inference)
+            m.batch_forward_duration.labels(method).observe(response.timings.forward_ns / 1e9 / steps)
+            m.batch_decode_duration.labels(method).observe(response.timings.decode_ns / 1e9 / steps)
         self.last_step_ok = now
         for entry, until in plan.chunks:
             if entry.state is EntryState.PREFILLING or (entry.state is EntryState.RUNNING and
