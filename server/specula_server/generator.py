@@ -10,8 +10,9 @@ router asks for several decode steps in one call:
                             see `Speculator`); every prompt chunk named this step is computed; a prompt
                             whose last chunk ran yields its first token
     more decode steps       up to `decode_steps - 1`, while every request the worker holds decodes (no prompt
-                            chunk, no grammar compiling) and its blocks cover its next token; each request's
-                            tokens of all of them make one output (`StepOutput.extend`)
+                            chunk, no grammar compiling) and its blocks cover its next token, and until the
+                            caller says a call with newcomers waits (every rank agrees); each request's tokens
+                            of all of them make one output (`StepOutput.extend`)
 
 Requests leave on their own in the step that finishes them (stop, EOS, max_new_tokens) or fails them (their
 logits were not finite, their blocks did not cover the step); the router frees their blocks.
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import tokenizers
 import torch
@@ -225,16 +226,21 @@ class TextGenerator:
 
     # --- the step -----------------------------------------------------------------------------------------
 
-    def step(self, plan: StepPlan) -> StepResult:
+    def step(self, plan: StepPlan, newcomers_waiting: Callable[[], bool] | None = None) -> StepResult:
         """Applies `plan`, runs one step over every request, then the further decode steps it allows (see the
-        module's docstring). `StepResult.steps` says how many ran."""
+        module's docstring) until `newcomers_waiting()` says a call with new requests waits behind this one.
+        `StepResult.steps` says how many ran."""
         if self.kv_cache is None:
             raise InvalidRequestError("the KV cache is not allocated: call Warmup first")
         result = self._step(plan)
-        while result.steps < plan.decode_steps and self._may_decode_again():
-            more = self._step(StepPlan())
-            result.merge(more)
+        while (result.steps < plan.decode_steps and self._may_decode_again()
+               and not self._agreed(newcomers_waiting is not None and newcomers_waiting())):
+            result.merge(self._step(StepPlan()))
         return result
+
+    def _agreed(self, flag: bool) -> bool:
+        """`flag` on any rank: every rank of a tensor-parallel group runs the same steps."""
+        return self.group.agreed_max(float(flag), self.device) > 0 if self.group.world_size > 1 else flag
 
     def _may_decode_again(self) -> bool:
         """Whether a further decode step of one call may run: every request decodes, and its blocks cover the

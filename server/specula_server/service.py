@@ -130,6 +130,9 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
         # gRPC may dispatch two RPCs that arrive together in either order; sequenced steps wait their turn.
         self._next_sequence = 1
         self._turn = asyncio.Condition()
+        # Sequences of Step calls with new requests, received and not started (set: added and discarded whole
+        # from the event loop and the step thread).
+        self._newcomers_queued: set[int] = set()
 
     async def _in_thread(self, fn: Callable, *args, sequence: int = 0):
         """Runs `fn` on the step thread; a sequenced call is queued only after every earlier sequence."""
@@ -195,13 +198,19 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
 
     async def Step(self, request, context):
         start = time.perf_counter_ns()
-        result, num_requests = await self._in_thread(self._step, request, sequence=request.sequence)
+        if request.new_requests:  # the call before it, if it runs several decode steps, ends at the next one
+            self._newcomers_queued.add(request.sequence)
+        try:
+            result, num_requests = await self._in_thread(self._step, request, sequence=request.sequence)
+        finally:
+            self._newcomers_queued.discard(request.sequence)
         tokens, nodes = self.generator.suffix_cache_size()
         return pb.StepResponse(generations=[generation_to_pb(o) for o in result.outputs],
                                timings=timings_to_pb(result, start), num_requests=num_requests,
                                suffix_cache_tokens=tokens, suffix_cache_nodes=nodes, decode_steps=result.steps)
 
     def _step(self, request: pb.StepRequest) -> tuple[StepResult, int]:
+        self._newcomers_queued.discard(request.sequence)
         # Converted on the step thread, so a request refused here still answers in its step's order.
         specs, refused = [], []
         for r in request.new_requests:
@@ -210,7 +219,8 @@ class TextGenerationService(generate_pb2_grpc.TextGenerationServiceServicer):
             except InvalidRequestError as e:
                 refused.append(StepOutput(r.id, [], [], error=str(e)))
         updates = [RequestUpdate(u.id, tuple(u.new_blocks), u.prefill_until) for u in request.updates]
-        result = self.generator.step(StepPlan(specs, updates, tuple(request.finished), max(1, request.decode_steps)))
+        plan = StepPlan(specs, updates, tuple(request.finished), max(1, request.decode_steps))
+        result = self.generator.step(plan, lambda: bool(self._newcomers_queued))
         result.outputs[:0] = refused
         return result, len(self.generator.requests)
 

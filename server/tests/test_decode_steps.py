@@ -130,3 +130,20 @@ def test_a_failure_inside_a_call_replaces_the_request_s_output():
     out.extend(StepOutput(3, [], [], error="request 3: non-finite logits"))
     assert out.error == "request 3: non-finite logits"
     assert (out.tokens, out.top_tokens, out.num_drafted, out.num_accepted, out.generated_text) == ([], [], 0, 0, None)
+
+
+def test_a_call_ends_at_the_next_step_once_newcomers_wait_behind_it(generator):
+    expected, _ = run(generator, specs(BlockPool(128, BLOCK))[:1], 1)
+    pool = BlockPool(128, BLOCK)
+    asked = []
+
+    def newcomers_waiting() -> bool:  # a call with new requests arrives during the call's third step
+        asked.append(True)
+        return len(asked) >= 3
+
+    result = generator.step(StepPlan(new=specs(pool)[:1], decode_steps=8), newcomers_waiting)
+    assert result.steps == 3 and len(result.outputs[0].tokens) == 3
+    got = result.outputs[0]
+    while generator.requests:
+        got.extend(generator.step(StepPlan(decode_steps=8)).outputs[0])
+    assert summary({0: got})[0][:4] == summary(expected)[0][:4]

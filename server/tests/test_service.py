@@ -224,7 +224,7 @@ def broken_once(generator):
     """Makes the generator's next step fail as an unexpected fault would, and the ones after work."""
     original = generator.step
 
-    def fail_then_restore(plan):
+    def fail_then_restore(plan, newcomers_waiting=None):
         generator.step = original
         raise RuntimeError("device fell over")
 
