@@ -342,7 +342,8 @@ def test_router_command_with_defaults(tmp_path: Path) -> None:
         "--speculative-tokens": ("0",), "--adapter-source": ("local",), "--max-active-adapters": ("8",),
         "--max-concurrent-requests": ("128",), "--max-best-of": ("2",), "--max-stop-sequences": ("4",),
         "--max-top-n-tokens": ("5",), "--waiting-served-ratio": ("1.2",), "--max-waiting-tokens": ("20",),
-        "--num-scheduler-steps": ("1",), "--payload-limit": ("2000000",), "--num-shard": ("1",), "--shutdown-timeout": ("30",),
+        "--num-scheduler-steps": ("1",), "--payload-limit": ("2000000",), "--num-shard": ("1",),
+        "--shutdown-timeout": ("30",),
         "--step-timeout": ("600.0",), "--log-level": ("INFO",), "--validation-workers": ("2",),
         "--max-adapter-labels": ("32",), "--metrics-prefix": ("specula",), "--adapter-dir": (str(DEMO_ADAPTERS_DIR),),
     }
