@@ -23,7 +23,7 @@ from specula_proto.choices import (
     SpeculationMode,
     StrEnum,
     parse_choice,
-    values,
+    quantize_method,
 )
 from specula_proto.setting import Process
 from specula_proto.settings import check_bounds
@@ -147,13 +147,8 @@ def _check_choices(c: LauncherConfig) -> None:
         raise ValueError("--model-id must not be empty")
     _set_choice(c, "dtype", Dtype)
     _set_choice(c, "device", Device)
-    if c.quantize is not None and c.quantize not in values(QuantizeMethod):
-        raise ValueError(f"--quantize {c.quantize} is not supported; supported: "
-                         f"{', '.join(values(QuantizeMethod))} (int8 and int4: weight-only, quantized at load time "
-                         "from a float checkpoint, so for a GPTQ or AWQ model serve its float original with "
-                         "--quantize int4; gguf: a GGUF file's own Q8_0/Q4_0/Q4_1 blocks)")
     if c.quantize is not None:
-        object.__setattr__(c, "quantize", QuantizeMethod(c.quantize))
+        object.__setattr__(c, "quantize", quantize_method(c.quantize))
     if c.quantize == "gguf" and not c.model_id.lower().endswith(".gguf"):
         raise ValueError(f"--quantize gguf serves a GGUF file's own blocks; --model-id {c.model_id} is not a .gguf "
                          "file (for a float checkpoint use --quantize int8 or int4)")

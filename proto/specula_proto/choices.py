@@ -116,6 +116,17 @@ def listed(choices: type[StrEnum]) -> str:
     return f"{', '.join(others)} or {last}" if others else last
 
 
+def quantize_method(value: str) -> QuantizeMethod:
+    """--quantize's value as its member; otherwise a ValueError that says what each method serves (the launcher
+    checks it before any start, the worker when it loads)."""
+    if value not in values(QuantizeMethod):
+        raise ValueError(f"--quantize {value} is not supported; supported: {', '.join(values(QuantizeMethod))} "
+                         "(int8 and int4: weight-only, quantized at load time from a float checkpoint, so for a GPTQ "
+                         "or AWQ model serve its float original with --quantize int4; gguf: a GGUF file's own "
+                         "Q8_0/Q4_0/Q4_1 blocks)")
+    return QuantizeMethod(value)
+
+
 def parse_choice(choices: type[Choice], value: str, name: str) -> Choice:
     """`value` as a member of `choices`; a ValueError naming `name` (a flag, a field) and the choices otherwise.
 

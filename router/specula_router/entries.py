@@ -45,12 +45,9 @@ class TokensEvent:
 
     tokens: list[TokenOut]
     top_tokens: list[list[TokenOut]]
+    skipped: list[bool]  # per token
     prefill: list[TokenOut] | None = None
     final: FinalEvent | None = None
-    skipped: list[bool] | None = None  # per token; None: all but the first
-
-    def is_skipped(self, i: int) -> bool:
-        return self.skipped[i] if self.skipped is not None else i > 0
 
 
 @dataclass(frozen=True)

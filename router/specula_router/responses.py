@@ -42,7 +42,7 @@ class Generation:
 
     def add(self, event: TokensEvent) -> None:
         self.tokens += event.tokens
-        self.skipped += [event.is_skipped(i) for i in range(len(event.tokens))]
+        self.skipped += event.skipped
         self.top_tokens += event.top_tokens
         if event.prefill is not None:
             self.prefill = event.prefill

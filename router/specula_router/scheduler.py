@@ -356,8 +356,8 @@ class Scheduler:
                 self.metrics.observe_speculation(
                     generation.draft_method or self.config.speculation_method, entry.adapter,
                     generation.drafted_tokens, generation.accepted_tokens)
-            self._outbox.append((entry, TokensEvent(tokens, generation.top_tokens, generation.prefill_tokens, final,
-                                                    skipped)))
+            self._outbox.append((entry, TokensEvent(tokens, generation.top_tokens, skipped, generation.prefill_tokens,
+                                                    final)))
         if final is not None:
             self._finish(entry, final, send=not tokens)
 

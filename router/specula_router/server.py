@@ -334,7 +334,7 @@ async def _events(session: RequestSession, valid: ValidGenerateRequest, entry: E
             for i, token in enumerate(event.tokens):
                 top = event.top_tokens[i] if i < len(event.top_tokens) else None
                 index += 1
-                body = token_body(token, skipped=event.is_skipped(i), alternatives=top)
+                body = token_body(token, skipped=event.skipped[i], alternatives=top)
                 payload = {"index": index, "token": body, "generated_text": None, "details": None}
                 if top is not None:
                     payload["top_tokens"] = top_tokens_body(top)

@@ -14,11 +14,11 @@ from specula_server.request import RequestUpdate, StepOutput, StepPlan
 from specula_testing.worker import BlockPool, load_test_generator, make_spec
 
 BLOCK = 16
-REQUESTS = [  # (prompt, max_new_tokens, sampling, stop sequences)
-    ([1, 50, 60, 70, 80, 90, 100], 21, SamplingParams(), ()),
-    ([1, 7, 9], 6, SamplingParams(), ()),  # ends inside the second call
-    ([1] + list(range(200, 240)), 17, SamplingParams(do_sample=True, temperature=0.9, top_k=50, seed=1234), ()),
-    ([1, 11, 12, 13, 14], 25, SamplingParams(do_sample=True, seed=7, repetition_penalty=1.3), ()),
+REQUESTS = [  # (prompt, max_new_tokens, sampling)
+    ([1, 50, 60, 70, 80, 90, 100], 21, SamplingParams()),
+    ([1, 7, 9], 6, SamplingParams()),  # ends inside the second call
+    ([1] + list(range(200, 240)), 17, SamplingParams(do_sample=True, temperature=0.9, top_k=50, seed=1234)),
+    ([1, 11, 12, 13, 14], 25, SamplingParams(do_sample=True, seed=7, repetition_penalty=1.3)),
 ]
 
 
@@ -32,9 +32,9 @@ def speculative(llama_dir):
     return load_test_generator(llama_dir, num_blocks=128, speculative_tokens=3, speculation_mode="fixed")
 
 
-def specs(pool: BlockPool, lookahead: int = 0, first_id: int = 0):
-    return [make_spec(first_id + i, p, pool, max_new_tokens=n, sampling=s, stop_sequences=stop, lookahead=lookahead)
-            for i, (p, n, s, stop) in enumerate(REQUESTS)]
+def specs(pool: BlockPool, lookahead: int = 0):
+    return [make_spec(i, p, pool, max_new_tokens=n, sampling=s, lookahead=lookahead)
+            for i, (p, n, s) in enumerate(REQUESTS)]
 
 
 def run(generator, requests, decode_steps: int) -> tuple[dict[int, StepOutput], list[int]]:

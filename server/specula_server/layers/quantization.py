@@ -57,7 +57,7 @@ from specula_kernels.quantized_linear import (
     quantize_int4,
     quantize_int8,
 )
-from specula_proto.choices import QuantizeMethod, values
+from specula_proto.choices import QuantizeMethod, quantize_method, values
 
 DEFAULT_GROUP_SIZE = 64
 # Tensor names that only a pre-quantized checkpoint has (GPTQ/AWQ `qweight`, bitsandbytes `absmax`/`quant_map`,
@@ -73,11 +73,7 @@ class Quantization:
     group_size: int = DEFAULT_GROUP_SIZE
 
     def __post_init__(self) -> None:
-        if self.method not in values(QuantizeMethod):
-            raise ValueError(f"--quantize {self.method} is not supported; supported: "
-                             f"{', '.join(values(QuantizeMethod))} (int8 and int4: weight-only, quantized at load "
-                             "time from a float checkpoint, so for a GPTQ or AWQ model serve its float original with "
-                             "--quantize int4; gguf: a GGUF file's own Q8_0/Q4_0/Q4_1 blocks)")
+        quantize_method(self.method)  # a ValueError naming the supported methods
         _check_group_size(self.group_size)
 
     @classmethod
