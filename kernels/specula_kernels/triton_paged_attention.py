@@ -23,8 +23,10 @@ by one program per KV head, not split across programs as flash-decoding does: a 
 one long sequence does not (left for after measurements on a GPU).
 
 Since the mask is read as given, trees of drafts (Medusa, MLP speculators, suffix decoding) run on this kernel as
-chains do. What it does not serve, `paged_attention` sends to the gathered-context SDPA path: prompts (more than
-`MAX_QUERY` rows per sequence), float8 caches, head sizes over 256.
+chains do. A float8 cache (`--kv-cache-dtype fp8`) is read as its bytes and converted in registers, on GPUs with
+float8 conversions (compute capability 8.9 and later: Ada, Hopper, Blackwell). What it does not serve,
+`paged_attention` sends to the gathered-context SDPA path: prompts (more than `MAX_QUERY` rows per sequence),
+float8 caches on older GPUs, head sizes over 256.
 
 Tested against that reference in Triton's interpreter on CPU tensors (`TRITON_INTERPRET=1`) and compiled for a
 GPU target without one (`kernels/tests/test_triton_paged_attention.py`); triton is imported on first launch.
@@ -44,15 +46,27 @@ from specula_kernels.sgmv import cdiv, next_power_of_2, triton_available
 # Query rows per sequence this kernel serves (decode, verification of up to 15 drafts); longer spans are prompts.
 MAX_QUERY = 16
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+CACHE_DTYPES = FLOAT_DTYPES + FLOAT8_DTYPES
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_HEAD_DIM = 256
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
-    """Whether the kernel serves this attention on CUDA: triton present, float caches, a head size it holds."""
+    """Whether the kernel serves this attention on CUDA: triton present, a cache it reads, a head size it holds."""
     return (query.is_cuda and triton_available() and query.dtype in FLOAT_DTYPES
-            and key_cache.dtype in FLOAT_DTYPES and value_cache.dtype == key_cache.dtype
+            and reads_cache(key_cache.dtype, query.device) and value_cache.dtype == key_cache.dtype
             and query.shape[-1] <= MAX_HEAD_DIM and query.shape[1] % key_cache.shape[1] == 0)
+
+
+def reads_cache(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the kernel reads a cache stored in `dtype` on `device`: float caches anywhere; float8 on GPUs of
+    compute capability 8.9 or later (Triton converts float8 there) and under the interpreter."""
+    if dtype in FLOAT_DTYPES:
+        return True
+    if dtype not in FLOAT8_DTYPES:
+        return False
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def context_lengths(context_slots: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -81,9 +95,8 @@ def check_inputs(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         if cache.dim() != 3 or cache.shape[2] != head_dim or cache.stride(2) != 1:
             raise ValueError(f"{name} must be [num_slots, num_kv_heads, head_dim={head_dim}] with unit stride in "
                              f"head_dim, got {tuple(cache.shape)} strides {cache.stride()}")
-        if cache.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"{name} must be float32/bfloat16/float16 (float8 caches take the gathered path), "
-                             f"got {cache.dtype}")
+        if cache.dtype not in CACHE_DTYPES:
+            raise ValueError(f"{name} must be float32/bfloat16/float16/float8_e4m3fn/float8_e5m2, got {cache.dtype}")
     if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
         raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} must share "
                          "shape and strides")
@@ -185,7 +198,7 @@ def _launch(query, key_cache, value_cache, block_table, query_rows, query_valid,
             GROUP=group, BLOCK_SIZE=block_size, HAS_MASK=has_mask, CAUSAL=positions is not None,
             BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_D=block_d, UPCAST=upcast, INPUT_PRECISION=input_precision,
-            enable_fp_fusion=True,
+            KV_FLOAT8=key_cache.dtype in FLOAT8_DTYPES, enable_fp_fusion=True,
         )
 
 
@@ -204,6 +217,7 @@ def _kernel() -> Any:
         GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_MASK: tl.constexpr, CAUSAL: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+        KV_FLOAT8: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -234,7 +248,10 @@ def _kernel() -> Any:
             slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
             kv_offsets = kv_base + slot[:, None] * stride_ks + ds[None, :]
             kv_ok = pos_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + kv_offsets, mask=kv_ok, other=0.0).to(q.dtype)
+            k = tl.load(k_ptr + kv_offsets, mask=kv_ok, other=0.0)
+            if KV_FLOAT8:  # float8 -> float32 is exact; then the compute dtype, as the gathered path converts
+                k = k.to(tl.float32)
+            k = k.to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
             visible = valid[:, None] & pos_ok[None, :]
             if HAS_MASK:
@@ -249,7 +266,10 @@ def _kernel() -> Any:
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(scores - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + kv_offsets, mask=kv_ok, other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + kv_offsets, mask=kv_ok, other=0.0)
+            if KV_FLOAT8:
+                v = v.to(tl.float32)
+            v = v.to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=INPUT_PRECISION)
             m_i = m_new
         result = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]

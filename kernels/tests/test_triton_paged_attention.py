@@ -139,7 +139,7 @@ TABLE, LENS = torch.zeros(2, 4, dtype=torch.int32), torch.tensor([5, 7], dtype=t
     (dict(query=Q.long()), "query must be"),
     (dict(query=torch.zeros(3, 16, 4).transpose(1, 2)), "unit stride"),
     (dict(key_cache=torch.zeros(32, 2, 8)), "key_cache must be"),
-    (dict(key_cache=K.to(torch.float8_e4m3fn)), "float8 caches take the gathered path"),
+    (dict(key_cache=K.long(), value_cache=K.long()), "key_cache must be float32/bfloat16/float16/float8"),
     (dict(value_cache=torch.zeros(16, 2, 16)), "share shape and strides"),
     (dict(key_cache=torch.zeros(32, 3, 16), value_cache=torch.zeros(32, 3, 16)), "multiple of num_kv_heads=3"),
     (dict(query_rows=ROWS.float()), "query_rows must be"),
@@ -244,6 +244,28 @@ def test_triton_case_causal_by_positions_equals_the_mask(case, dtype):
 
 @pytest.mark.cuda
 @needs_triton_device
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.float8_e4m3fn),
+                                               (torch.float32, torch.float8_e5m2)])
+@pytest.mark.parametrize("case", ["decode", "verify", "tree"])
+def test_triton_case_float8_cache_matches_reference(case, dtype, cache_dtype):
+    """A float8 cache (`--kv-cache-dtype fp8`) read as stored: the reference attends over the same float8 values
+    widened to float32 (the gathered path's conversion), so only the sums' order and the dots' precision differ."""
+    if not INTERPRETED and not kernel_module.reads_cache(cache_dtype, torch.device(TRITON_DEVICE)):
+        pytest.skip("this GPU has no float8 conversions (compute capability under 8.9)")
+    query, key_cache, value_cache, block_table, inputs = build_case(TRITON_CASES[case], dtype, TRITON_DEVICE)
+    key_cache, value_cache = key_cache.float().to(cache_dtype), value_cache.float().to(cache_dtype)
+    expected = reference(query, key_cache, value_cache, inputs)
+    lengths = context_lengths(inputs.context_slots, inputs.mask)
+    out = paged_attention_triton(query, key_cache, value_cache, block_table, inputs.query_index, inputs.query_valid,
+                                 inputs.mask, lengths, query.shape[-1] ** -0.5,
+                                 block_size=TRITON_CASES[case].block_size)
+    got = out.cpu().float()[inputs.query_index.cpu()[inputs.query_valid.cpu()]]
+    assert torch.isfinite(got).all()  # NaN bytes in slots no sequence owns were not read
+    torch.testing.assert_close(got, expected, **TOLERANCES[dtype])
+
+
+@pytest.mark.cuda
+@needs_triton_device
 def test_triton_case_groups_strided_query_and_prompt_fallback():
     """The worker's layout: a decode group beside a verification group, queries a view of the fused q/k/v
     output, and a prompt group (more rows than the kernel serves) left to the SDPA path."""
@@ -310,30 +332,32 @@ def test_triton_interpreter():
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     summary = result.stdout.strip().splitlines()[-1]
-    assert re.match(rf"{3 * len(TRITON_CASES) + 2 + 6} passed", summary), summary  # every case ran, none skipped
+    assert re.match(rf"{3 * len(TRITON_CASES) + 2 + 6 + 6} passed", summary), summary  # every case ran, none skipped
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
-@pytest.mark.parametrize("dtype,group,block_d,has_mask,causal,block_size,arch", [
-    ("bf16", 4, 128, True, False, 1, 80), ("fp16", 1, 64, True, False, 1, 80), ("fp32", 8, 128, True, False, 1, 80),
-    ("bf16", 4, 64, False, False, 16, 80), ("bf16", 4, 64, True, False, 1, 90), ("bf16", 4, 64, False, True, 16, 90)])
-def test_kernel_compiles_for_a_gpu(dtype, group, block_d, has_mask, causal, block_size, arch):
-    """Compiles the kernel for sm_80 and sm_90 (H100) without a GPU: the type checks and lowering the interpreter
-    skips."""
+@pytest.mark.parametrize("dtype,kv,group,block_d,has_mask,causal,block_size,arch", [
+    ("bf16", "bf16", 4, 128, True, False, 1, 80), ("fp16", "fp16", 1, 64, True, False, 1, 80),
+    ("fp32", "fp32", 8, 128, True, False, 1, 80), ("bf16", "bf16", 4, 64, False, False, 16, 80),
+    ("bf16", "bf16", 4, 64, True, False, 1, 90), ("bf16", "bf16", 4, 64, False, True, 16, 90),
+    ("bf16", "fp8e4nv", 4, 64, False, True, 16, 90), ("fp32", "fp8e5", 4, 64, True, False, 1, 90)])
+def test_kernel_compiles_for_a_gpu(dtype, kv, group, block_d, has_mask, causal, block_size, arch):
+    """Compiles the kernel for sm_80 and sm_90 (H100) without a GPU, float8 caches for sm_90: the type checks and
+    lowering the interpreter skips."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernel = kernel_module._kernel()
     names = kernel.arg_names
-    signature = {name: f"*{dtype}" for name in names[:4]}
+    signature = {"q_ptr": f"*{dtype}", "k_ptr": f"*{kv}", "v_ptr": f"*{kv}", "out_ptr": f"*{dtype}"}
     signature |= {"table_ptr": "*i64", "rows_ptr": "*i64", "valid_ptr": "*u8", "mask_ptr": "*u8", "lens_ptr": "*i32",
                   "pos_ptr": "*i64", "scale": "fp32"}
     signature |= {name: "i32" for name in names[11:28]}
     constexprs = {"GROUP": group, "BLOCK_SIZE": block_size, "HAS_MASK": has_mask, "CAUSAL": causal, "BLOCK_M": 64,
                   "BLOCK_N": 32 if block_d > 64 else 64, "BLOCK_D": block_d, "UPCAST": False,
-                  "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32"}
+                  "INPUT_PRECISION": "ieee" if dtype == "fp32" else "tf32", "KV_FLOAT8": kv.startswith("fp8")}
     signature |= {name: "constexpr" for name in constexprs}
     assert list(signature) == names, names
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32),

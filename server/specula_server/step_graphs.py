@@ -5,7 +5,8 @@ binds it to the worker. A plain decode step or the verification of chains of dra
 built as `BlockTableInputs` (`batch.build_block_table_step`) and replayed; prompts and chunks, trees of drafts
 (they need a mask), batches with a LoRA adapter and batches past the largest bucket take the general path.
 Graphs are off where `unavailable` says why: off CUDA, under tensor parallelism (its all-reduce is not
-captured), without triton, over a float8 cache or a head size the attention kernel does not serve.
+captured), without triton, over a cache or a head size the attention kernel does not serve (float8 before compute
+capability 8.9).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def unavailable(device: torch.device, group: ShardGroup, kv_cache_dtype: torch.d
         return "tensor parallel (its all-reduce is not captured)"
     if not triton_available():
         return "triton is not installed (the graphs replay its attention kernel)"
-    if kv_cache_dtype not in triton_paged_attention.FLOAT_DTYPES:
-        return f"a {kv_cache_dtype} KV cache (the attention kernel reads float caches)"
+    if not triton_paged_attention.reads_cache(kv_cache_dtype, device):
+        return f"a {kv_cache_dtype} KV cache on this GPU (the attention kernel reads float8 from sm_89 on)"
     if head_dim > triton_paged_attention.MAX_HEAD_DIM:
         return f"head size {head_dim} (over {triton_paged_attention.MAX_HEAD_DIM})"
     return None

@@ -73,6 +73,16 @@ def test_decode_through_graphs_equals_eager(llama_dir, graphs_on_cpu):
     assert graphed.graphs.num_replayed > 0
 
 
+def test_decode_through_graphs_over_a_float8_cache_equals_eager(llama_dir, graphs_on_cpu):
+    """The graphs' static step writes and reads a float8 cache as the eager step does (on CPU through the
+    reference attention; on CUDA the kernel reads the bytes, below)."""
+    eager = load_test_generator(llama_dir, cuda_graphs=(), kv_cache_dtype="fp8")
+    graphed = load_test_generator(llama_dir, cuda_graphs=(1, 4), kv_cache_dtype="fp8")
+    assert graphed.kv_cache.dtype == torch.float8_e4m3fn
+    assert together(graphed, PROMPTS[:3]) == together(eager, PROMPTS[:3])
+    assert graphed.graphs.num_replayed > 0
+
+
 def test_verification_through_graphs_equals_plain_decoding(llama_dir, graphs_on_cpu):
     """Chains of drafts verified in graphs of each draft length (drafts padded to the bucket's) emit exactly
     what plain decoding does, and accept drafts."""
@@ -151,3 +161,20 @@ def test_cuda_graphs_equal_eager_on_cuda(llama_dir):
     drafted = load_test_generator(llama_dir, device="cuda", speculative_tokens=4, speculation_mode="fixed")
     assert together(drafted, PROMPTS) == expected
     assert any(bucket.num_query > 1 for bucket in drafted.graphs.graphs)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU that converts float8 (compute capability 8.9 or later)")
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])
+def test_cuda_graphs_over_a_float8_cache_equal_eager(llama_dir, kv_cache_dtype):
+    """A float8 KV cache keeps the graphs (the attention kernel reads its bytes): the same tokens as the eager
+    worker over the same cache dtype, plain and with drafts."""
+    eager = load_test_generator(llama_dir, device="cuda", cuda_graphs=(), kv_cache_dtype=kv_cache_dtype)
+    expected = together(eager, PROMPTS)
+    graphed = load_test_generator(llama_dir, device="cuda", kv_cache_dtype=kv_cache_dtype)
+    assert graphed.graphs is not None, graphed.graphs_unavailable()
+    assert together(graphed, PROMPTS) == expected
+    drafted = load_test_generator(llama_dir, device="cuda", speculative_tokens=4, speculation_mode="fixed",
+                                  kv_cache_dtype=kv_cache_dtype)
+    assert together(drafted, PROMPTS) == expected

@@ -16,13 +16,14 @@ from test_model_parity import reference_greedy
 from test_tensor_parallel import free_port, run_two_ranks
 from typer.testing import CliRunner
 
-from specula_kernels import native
+from specula_kernels import native, triton_int8_linear
 from specula_kernels.quantized_linear import (
     dequantize_int4,
     dequantize_int8,
     quantize_int4,
     quantize_int8,
 )
+from specula_kernels.sgmv import triton_available
 from specula_proto import generate_pb2 as pb
 from specula_server.cli import app
 from specula_server.layers import quantization
@@ -80,16 +81,18 @@ def fake_quantized_copy(model_dir: Path, out_dir: Path, method: str) -> Path:
     return out_dir
 
 
-def round_products_to_bfloat16(model: torch.nn.Module) -> torch.nn.Module:
+def round_products_to_bfloat16(model: torch.nn.Module, outputs: bool = True) -> torch.nn.Module:
     """Makes every base-model linear of a transformers (or peft) model take and return bfloat16-rounded values,
-    as the quantized kernels do (LoRA's own products stay float32, as in the worker)."""
+    as the quantized kernels do (LoRA's own products stay float32, as in the worker); with `outputs` False, only
+    take them (the Triton int8 kernel returns float32 sums)."""
     def rounded(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.bfloat16).float()
 
     for name, module in model.named_modules():
         if isinstance(module, torch.nn.Linear) and "lora_" not in name:
             module.register_forward_pre_hook(lambda _, args: (rounded(args[0]),))
-            module.register_forward_hook(lambda _, args, out: rounded(out))
+            if outputs:
+                module.register_forward_hook(lambda _, args, out: rounded(out))
     return model.eval()
 
 
@@ -142,6 +145,21 @@ def test_quantized_worker_matches_transformers_on_the_quantized_weights(model_di
                for m in generator.model.modules() if isinstance(m, (Int8Linear, Int4Linear)))
     reference = transformers.AutoModelForCausalLM.from_pretrained(fake_quantized[method], dtype=torch.float32)
     assert_matches_reference(run_prompts(generator), reference_for(reference, kernels))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
+def test_int8_on_cuda_runs_the_triton_kernel_and_matches_transformers(model_dir, fake_quantized, monkeypatch):
+    import transformers
+
+    calls = []
+    real = triton_int8_linear.int8_linear_triton
+    monkeypatch.setattr(triton_int8_linear, "int8_linear_triton", lambda *args: calls.append(1) or real(*args))
+    generator = load_test_generator(model_dir, device="cuda", **SETTINGS["int8"])
+    outputs = run_prompts(generator)
+    assert calls
+    reference = transformers.AutoModelForCausalLM.from_pretrained(fake_quantized["int8"], dtype=torch.float32)
+    assert_matches_reference(outputs, round_products_to_bfloat16(reference, outputs=False))
 
 
 @pytest.mark.parametrize("method,layer_type,weight_dtype", [("int8", Int8Linear, torch.int8),

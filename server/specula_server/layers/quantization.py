@@ -3,7 +3,7 @@
 The tensor-parallel linears and the LM head (`tensor_parallel.py`) hand their rank's float slice to
 `build_linear`, which returns the product they call: `DenseLinear` (float weights packed for threads), or
 `Int8Linear` / `Int4Linear`, which quantize the slice at load time and multiply on the native weight-only kernels
-(`specula_kernels.native`, CPUs with AVX2 or AVX-512) or else on PyTorch's packed kernels
+(`specula_kernels.native`, CPUs with AVX2 or AVX-512), on Triton for int8 on CUDA, or else on PyTorch's packed kernels
 (`specula_kernels.quantized_linear`). Every product maps activations `[m, in]` to `[m, out]` in the model's dtype,
 so what acts on activations around it (LoRA deltas, Medusa heads, speculation, the all-reduce) is unchanged.
 
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from specula_kernels import native
+from specula_kernels import native, triton_int8_linear
 from specula_kernels.gguf_blocks import GGUFBlocks, gguf_linear_native
 from specula_kernels.linear import (
     default_num_parts,
@@ -119,7 +119,8 @@ def _native_kernels(device: torch.device):
 
 
 class Int8Linear(nn.Module):
-    """int8 weights with one scale per output row; on the native kernels where they are built, else PyTorch's."""
+    """int8 weights with one scale per output row; on the native kernels where they are built, on the Triton
+    kernel on CUDA (`triton_int8_linear`), else PyTorch's."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -135,6 +136,8 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:
             return int8_linear_native(self.native, x, self.tiles, self.out_features)
+        if triton_int8_linear.supports(x):
+            return triton_int8_linear.int8_linear_triton(x, self.qweight, self.scale)
         return int8_linear(x, self.qweight, self.scale)
 
 
