@@ -8,9 +8,10 @@ the output: it walks the inputs in steps of `BLOCK_K`, widens the codes to bfloa
 end, in float32. The activations are rounded to bfloat16 first, as PyTorch's int8 kernels do
 (`quantized_linear.int8_linear`); the output comes back in the activations' dtype.
 
-It replaces `aten._weight_int8pack_mm` on CUDA, which read 2.5x slower than the bfloat16 model it quantizes in a
-whole-server run (docs/benchmarks.md, the GPU section). A decode step has few rows, so the output columns are cut
-finely (`BLOCK_N` 32) to give every streaming multiprocessor a share of the weight to read.
+It replaces `aten._weight_int8pack_mm` on CUDA, a kernel 10-100x slower on an H200 (docs/benchmarks.md, the GPU
+section). A decode step has few rows, so the output columns are cut finely (`BLOCK_N` 32) to give every streaming
+multiprocessor a share of the weight to read. No split of the inputs across programs: at 64 rows a long product
+(8,192 inputs) reads 2-3x slower than bfloat16's, left for when a GPU is at hand to tune it.
 
 Tested against `int8_linear_reference` in Triton's interpreter on CPU tensors and compiled for GPU targets without
 one (`kernels/tests/test_triton_int8_linear.py`); triton is imported on first launch.
@@ -64,7 +65,9 @@ def int8_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
     if x.stride(1) != 1:
         x = x.contiguous()
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64  # tl.dot takes 16 rows at least
-    block_n = 32 if m <= 32 else 64
+    # Narrow column tiles give few rows many programs; past 32 rows, wide outputs (gate/up, the LM head) read
+    # faster in tiles of 64 (benchmark/cuda_int8_linear.py on an H200).
+    block_n = 64 if m > 32 and n >= 8192 else 32
     block_k = 128
     grid = (cdiv(m, block_m), cdiv(n, block_n))
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
