@@ -8,10 +8,10 @@ the output: it walks the inputs in steps of `BLOCK_K`, widens the codes to bfloa
 end, in float32. The activations are rounded to bfloat16 first, as PyTorch's int8 kernels do
 (`quantized_linear.int8_linear`); the output comes back in the activations' dtype.
 
-It replaces `aten._weight_int8pack_mm` on CUDA, a kernel 10-100x slower on an H200 (docs/benchmarks.md, the GPU
-section). A decode step has few rows, so the output columns are cut finely (`BLOCK_N` 32) to give every streaming
-multiprocessor a share of the weight to read. No split of the inputs across programs: at 64 rows a long product
-(8,192 inputs) reads 2-3x slower than bfloat16's, left for when a GPU is at hand to tune it.
+It replaces `aten._weight_int8pack_mm` on CUDA, which is far slower (docs/benchmarks.md, the GPU section). A decode
+step has few rows, so the output columns are cut finely (`BLOCK_N` 32) to give every streaming multiprocessor a share
+of the weight to read. The inputs are not split across programs, so many rows of a long product read slower than
+bfloat16's: left for when a GPU is at hand to tune it.
 
 Tested against `int8_linear_reference` in Triton's interpreter on CPU tensors and compiled for GPU targets without
 one (`kernels/tests/test_triton_int8_linear.py`); triton is imported on first launch.

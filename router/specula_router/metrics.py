@@ -42,108 +42,131 @@ class Metrics:
         self.is_tgi_style = prefix in TGI_STYLE_PREFIXES
         self._adapter_labels: set[str] = set()
         self.registry = CollectorRegistry()
-        r, p = self.registry, prefix
+        self.prefix = prefix
+        self._request_metrics()
+        self._step_metrics()
+        self._speculation_metrics()
+        self._adapter_metrics()
+        self._cache_metrics()
+        # What the workers run, as labels of a constant 1 (as vLLM's `cache_config_info`): set once from Info.
+        self.model_info = self._gauge("model_info", "The served model's formats (value 1)",
+                                      ["dtype", "quantize", "kv_cache_dtype", "device"])
 
-        def counter(name, doc, labels=()):
-            return Counter(f"{p}_{name}", doc, labels, registry=r)
+    def _counter(self, name: str, doc: str, labels=()) -> Counter:
+        return Counter(f"{self.prefix}_{name}", doc, labels, registry=self.registry)
 
-        def histogram(name, doc, buckets, labels=()):
-            return Histogram(f"{p}_{name}", doc, labels, buckets=buckets, registry=r)
+    def _histogram(self, name: str, doc: str, buckets, labels=()) -> Histogram:
+        return Histogram(f"{self.prefix}_{name}", doc, labels, buckets=buckets, registry=self.registry)
 
-        def gauge(name, doc):
-            return Gauge(f"{p}_{name}", doc, registry=r)
+    def _gauge(self, name: str, doc: str, labels=()) -> Gauge:
+        return Gauge(f"{self.prefix}_{name}", doc, labels, registry=self.registry)
 
-        self.request_count = counter("request_count", "Requests received", ["adapter"])
-        self.request_success = counter("request_success", "Requests that completed", ["adapter"])
-        self.request_failure = counter("request_failure", "Requests that failed, by error type", ["err", "adapter"])
+    def _request_metrics(self) -> None:
+        """Per request: counts, outcomes, the queue, times and lengths."""
+        self.request_count = self._counter("request_count", "Requests received", ["adapter"])
+        self.request_success = self._counter("request_success", "Requests that completed", ["adapter"])
+        self.request_failure = self._counter(
+            "request_failure", "Requests that failed, by error type", ["err", "adapter"])
         # The base model's series of each kind exist from the start at 0, so `rate()` and `increase()` see the
         # first failure of a kind (a series that appears with the value 1 has no increase to show).
         for err in ("validation", "overloaded", "generation", "cancelled"):
             self.request_failure.labels(err, "")
-        self.batch_inference_count = counter("batch_inference_count", "Worker steps run", ["method"])
-        self.batch_inference_success = counter("batch_inference_success", "Worker steps that succeeded", ["method"])
-        self.batch_inference_failure = counter("batch_inference_failure", "Worker steps that failed", ["method"])
-        self.batch_concat = counter("batch_concat", "Running batch extended with new requests", ["reason"])
-        self.request_preemptions = counter(
-            "request_preemptions", "Running requests preempted for lack of KV blocks (resumed later)")
-        self.queue_size = gauge("queue_size", "Requests waiting to be admitted")
-        self.batch_current_size = gauge("batch_current_size", "Requests in the running batch")
-        self.batch_current_max_tokens = gauge("batch_current_max_tokens",
-                                              "KV cache tokens in blocks the running requests hold")
-        self.request_duration = histogram("request_duration", "End-to-end request time (s)", _SECONDS, ["adapter"])
-        self.request_validation_duration = histogram(
+        self.queue_size = self._gauge("queue_size", "Requests waiting to be admitted")
+        self.request_duration = self._histogram(
+            "request_duration", "End-to-end request time (s)", _SECONDS, ["adapter"])
+        self.request_validation_duration = self._histogram(
             "request_validation_duration", "Validation and tokenisation time (s)", _SECONDS)
-        self.request_queue_duration = histogram("request_queue_duration", "Time in queue (s)", _SECONDS, ["adapter"])
-        self.request_inference_duration = histogram(
+        self.request_queue_duration = self._histogram(
+            "request_queue_duration", "Time in queue (s)", _SECONDS, ["adapter"])
+        self.request_inference_duration = self._histogram(
             "request_inference_duration", "Time from admission to last token (s)", _SECONDS, ["adapter"])
-        self.request_mean_time_per_token_duration = histogram(
+        self.request_mean_time_per_token_duration = self._histogram(
             "request_mean_time_per_token_duration", "Mean time per generated token (s)", _SECONDS, ["adapter"])
-        self.request_time_to_first_token = histogram(
+        self.request_time_to_first_token = self._histogram(
             "request_time_to_first_token", "Time from arrival to first token (s)", _SECONDS, ["adapter"])
-        self.request_inter_token_latency = histogram(
+        self.request_inter_token_latency = self._histogram(
             "request_inter_token_latency", "Time between consecutive tokens of a request (s)", _SECONDS, ["adapter"])
-        self.request_input_length = histogram("request_input_length", "Prompt tokens", _TOKENS, ["adapter"])
-        self.request_generated_tokens = histogram(
+        self.request_input_length = self._histogram("request_input_length", "Prompt tokens", _TOKENS, ["adapter"])
+        self.request_generated_tokens = self._histogram(
             "request_generated_tokens", "Generated tokens", _TOKENS, ["adapter"])
-        self.request_max_new_tokens = histogram("request_max_new_tokens", "max_new_tokens asked", _TOKENS)
-        self.request_skipped_tokens = histogram(
+        self.request_max_new_tokens = self._histogram("request_max_new_tokens", "max_new_tokens asked", _TOKENS)
+        self.request_skipped_tokens = self._histogram(
             "request_skipped_tokens", "Tokens beyond the first of a step (speculation)", _TOKENS, ["adapter"])
-        self.batch_inference_duration = histogram(
+
+    def _step_metrics(self) -> None:
+        """Per worker step: counts, outcomes, the running batch, times."""
+        self.batch_inference_count = self._counter("batch_inference_count", "Worker steps run", ["method"])
+        self.batch_inference_success = self._counter(
+            "batch_inference_success", "Worker steps that succeeded", ["method"])
+        self.batch_inference_failure = self._counter("batch_inference_failure", "Worker steps that failed", ["method"])
+        self.batch_concat = self._counter("batch_concat", "Running batch extended with new requests", ["reason"])
+        self.request_preemptions = self._counter(
+            "request_preemptions", "Running requests preempted for lack of KV blocks (resumed later)")
+        self.batch_current_size = self._gauge("batch_current_size", "Requests in the running batch")
+        self.batch_current_max_tokens = self._gauge(
+            "batch_current_max_tokens", "KV cache tokens in blocks the running requests hold")
+        self.batch_inference_duration = self._histogram(
             "batch_inference_duration", "Worker step time seen by the router (s)", _SECONDS, ["method"])
-        self.batch_forward_duration = histogram(
+        self.batch_forward_duration = self._histogram(
             "batch_forward_duration", "Model forward time of a step (s)", _SECONDS, ["method"])
-        self.batch_decode_duration = histogram(
+        self.batch_decode_duration = self._histogram(
             "batch_decode_duration", "Sampling and detokenisation time of a step (s)", _SECONDS, ["method"])
-        self.batch_next_size = histogram("batch_next_size", "Requests in a new prefill batch", _BATCH)
-        # Speculative decoding. Acceptance rate = accepted / draft tokens; mean tokens per step for a request
-        # that drafted = 1 + accepted tokens / drafts.
+        self.batch_next_size = self._histogram("batch_next_size", "Requests in a new prefill batch", _BATCH)
+
+    def _speculation_metrics(self) -> None:
+        """Speculative decoding. Acceptance rate = accepted / draft tokens; mean tokens per step for a request
+        that drafted = 1 + accepted tokens / drafts."""
         spec = ["method", "adapter"]
-        self.spec_decode_num_drafts = counter("spec_decode_num_drafts", "Request steps that verified drafts", spec)
-        self.spec_decode_num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified", spec)
-        self.spec_decode_num_accepted_tokens = counter(
+        self.spec_decode_num_drafts = self._counter(
+            "spec_decode_num_drafts", "Request steps that verified drafts", spec)
+        self.spec_decode_num_draft_tokens = self._counter("spec_decode_num_draft_tokens", "Draft tokens verified", spec)
+        self.spec_decode_num_accepted_tokens = self._counter(
             "spec_decode_num_accepted_tokens", "Draft tokens accepted and emitted", spec)
-        self.spec_decode_accepted_tokens_per_pos = counter(
+        self.spec_decode_accepted_tokens_per_pos = self._counter(
             "spec_decode_accepted_tokens_per_pos", "Accepted draft tokens by position in the draft (1-based)",
             spec + ["position"])
-        self.spec_decode_draft_length = histogram(
+        self.spec_decode_draft_length = self._histogram(
             "spec_decode_draft_length", "Draft tokens verified per request step", (0, 1, 2, 3, 4, 5, 6, 8, 10, 16),
             spec)
 
-        # Adapters (adapters.py). A load's duration is LoadAdapter's wall time seen by the router: download,
-        # reading and installing the weights on every shard.
-        self.adapter_load_duration = histogram(
+    def _adapter_metrics(self) -> None:
+        """Adapters (adapters.py). A load's duration is LoadAdapter's wall time seen by the router: download,
+        reading and installing the weights on every shard."""
+        self.adapter_load_duration = self._histogram(
             "adapter_load_duration", "Time to download and load an adapter (s)", _LOAD_SECONDS, ["adapter"])
-        self.adapter_load_failure = counter(
+        self.adapter_load_failure = self._counter(
             "adapter_load_failure", "Adapter loads that failed, by HTTP status given to its requests",
             ["adapter", "status"])
-        self.adapter_offload = counter("adapter_offload", "Adapters offloaded to make room for another", ["adapter"])
-        self.adapter_active = gauge("adapter_active", "Adapters loaded in the workers")
-        self.adapter_loading = gauge("adapter_loading", "Adapters being loaded")
-        self.adapter_merge_requests = counter(
+        self.adapter_offload = self._counter(
+            "adapter_offload", "Adapters offloaded to make room for another", ["adapter"])
+        self.adapter_active = self._gauge("adapter_active", "Adapters loaded in the workers")
+        self.adapter_loading = self._gauge("adapter_loading", "Adapters being loaded")
+        self.adapter_merge_requests = self._counter(
             "adapter_merge_requests", "Requests for a merged adapter, by whether the merge was cached (hit: loaded "
             "or being loaded) or had to be computed (miss)", ["cache"])
-        self.adapter_waiting_requests = gauge(
+        self.adapter_waiting_requests = self._gauge(
             "adapter_waiting_requests", "Requests waiting for their adapter to load (also in queue_size)")
+
+    def _cache_metrics(self) -> None:
+        """The KV cache: prefix caching, blocks, suffix trees."""
         # Prefix caching (block_allocator.py), in prompt tokens: hit rate = hits / queries.
-        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
-        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)")
-        self.prefix_cache_blocks = gauge("prefix_cache_blocks", "KV blocks holding a reusable prefix")
+        self.prefix_cache_queries = self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = self._counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled)")
+        self.prefix_cache_blocks = self._gauge("prefix_cache_blocks", "KV blocks holding a reusable prefix")
         # The KV cache's blocks (block_allocator.py), read when scraped (`watch_kv_blocks`): used + free = capacity.
-        self.kv_blocks_capacity = gauge("kv_blocks_capacity", "KV cache blocks the router allocates from")
-        self.kv_blocks_used = gauge("kv_blocks_used", "KV blocks held by requests (running, or prefilling)")
-        self.kv_blocks_free = gauge("kv_blocks_free", "KV blocks a new request may take: never used, or holding "
-                                                      "a cached prefix no request holds (counted again in "
-                                                      "kv_blocks_cached_idle)")
-        self.kv_blocks_cached_idle = gauge("kv_blocks_cached_idle", "Free KV blocks that hold a reusable prefix "
-                                                                    "(taken last, oldest use first)")
-        self.suffix_cache_tokens = gauge("suffix_cache_tokens",
-                                         "Tokens in the global suffix trees of suffix decoding (outputs, each after "
-                                         "its prompt's last 24), per shard")
-        self.suffix_cache_nodes = gauge("suffix_cache_nodes",
-                                        "Nodes of the global suffix trees of suffix decoding, per shard")
-        # What the workers run, as labels of a constant 1 (as vLLM's `cache_config_info`): set once from Info.
-        self.model_info = Gauge(f"{p}_model_info", "The served model's formats (value 1)",
-                                ["dtype", "quantize", "kv_cache_dtype", "device"], registry=r)
+        self.kv_blocks_capacity = self._gauge("kv_blocks_capacity", "KV cache blocks the router allocates from")
+        self.kv_blocks_used = self._gauge("kv_blocks_used", "KV blocks held by requests (running, or prefilling)")
+        self.kv_blocks_free = self._gauge(
+            "kv_blocks_free", "KV blocks a new request may take: never used, or holding a cached prefix no request "
+            "holds (counted again in kv_blocks_cached_idle)")
+        self.kv_blocks_cached_idle = self._gauge(
+            "kv_blocks_cached_idle", "Free KV blocks that hold a reusable prefix (taken last, oldest use first)")
+        self.suffix_cache_tokens = self._gauge(
+            "suffix_cache_tokens", "Tokens in the global suffix trees of suffix decoding (outputs, each after its "
+            "prompt's last 24), per shard")
+        self.suffix_cache_nodes = self._gauge(
+            "suffix_cache_nodes", "Nodes of the global suffix trees of suffix decoding, per shard")
 
     def watch_kv_blocks(self, allocator: BlockAllocator) -> None:
         """The KV block gauges read `allocator` when scraped, so they are current between steps too (blocks freed

@@ -83,8 +83,7 @@ class Scheduler:
         self.adapters = adapters if adapters is not None else AdapterManager(client, metrics)
         self._wake = asyncio.Event()
         self.admission = Admission(allocator, self.adapters, metrics, config, self._wake)
-        self.running: dict[int, Entry] = {}  # requests the workers hold, in admission order
-        self.planner = StepPlanner(allocator, self.admission, config, metrics, self.running, self._finish)
+        self.planner = StepPlanner(allocator, self.admission, config, metrics, self._finish)
         self._ids = itertools.count()
         self._outbox: list[tuple[Entry, object]] = []  # events held until the next step is on the wire
         self._ahead: deque[_SentStep] = deque()  # steps on the wire, oldest first
@@ -105,6 +104,11 @@ class Scheduler:
     @property
     def queue(self) -> deque[Entry]:
         return self.admission.queue
+
+    @property
+    def running(self) -> dict[int, Entry]:
+        """Requests the workers hold, in admission order (the planner's)."""
+        return self.planner.running
 
     @property
     def chunking(self) -> deque[Entry]:
@@ -370,9 +374,7 @@ class Scheduler:
         elif entry.state is not EntryState.WAITING_ADAPTER:
             self.adapters.release(entry.adapter)
         entry.state = EntryState.DONE
-        self.running.pop(entry.id, None)
-        if entry in self.chunking:
-            self.chunking.remove(entry)
+        self.planner.leave(entry)
         if isinstance(event, FinalEvent) and entry.blocks:
             # Every token but the last was fed back to the model: their KV is written and may be reused (a
             # chat's next turn resends them). Rejected drafts lie past these positions.

@@ -124,7 +124,18 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
     if api_key is not None:
         document_api_key(app)
 
-    errors = {code: {"model": ErrorResponse} for code in (400, 413, 422, 424, 429)}
+    _generation_routes(app, state)
+    _service_routes(app, state)
+    openai_api.register(app, state)
+    return app
+
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 413, 422, 424, 429)}
+
+
+def _generation_routes(app: FastAPI, state: RouterState) -> None:
+    """TGI's and LoRAX's generation routes: /generate, /generate_stream and the compat route POST /."""
+    errors = _ERRORS
     sse = {"text/event-stream": {"schema": openapi.sse_event_schema("StreamResponse", "ErrorResponse")}}
 
     @app.post("/generate", tags=["Text Generation Inference"],
@@ -150,6 +161,10 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
             return response
         return JSONResponse([json.loads(response.body)], headers=_copy_headers(response))
 
+
+def _service_routes(app: FastAPI, state: RouterState) -> None:
+    """/tokenize and the service's probes: /health (also GET / and /ping), /info, /metrics."""
+    errors = _ERRORS
     @app.post("/tokenize", tags=["Text Generation Inference"],
               responses={200: {"model": list[SimpleToken]}, **{code: errors[code] for code in (413, 422, 429)}})
     async def tokenize(body: TokenizeRequest):
@@ -201,9 +216,6 @@ def create_app(state: RouterState, payload_limit: int = 2_000_000, cors_origins:
     async def metrics():
         """Prometheus metrics, rendered off the event loop."""
         return Response(await state.render_metrics(), media_type=CONTENT_TYPE_LATEST)
-
-    openai_api.register(app, state)
-    return app
 
 
 def _serve_exact_openapi(app: FastAPI, state: RouterState) -> None:

@@ -69,27 +69,31 @@ def fit_to_kv(limits: Limits, config: RouterConfig, kv_tokens: int, lookahead: i
 
 
 async def run(config: RouterConfig) -> int:
-    import uvicorn
+    """Connects to the workers, warms them up, builds the router and serves until shut down; the exit code."""
+    from specula_router.client import ShardedClient
 
+    client = await ShardedClient.connect(f"unix://{config.master_shard_uds_path}", instance_id=config.instance_id)
+    info = await client.info()
+    limits, num_blocks = await _warm_up(client, config, info)
+    state, adapters = await _build_state(config, client, info, limits, num_blocks)
+    return await _serve(config, state, adapters)
+
+
+async def _build_state(config: RouterConfig, client, info, limits: Limits, num_blocks: int):
+    """The router's parts over the connected workers: `(RouterState, AdapterManager)`."""
     from specula_router.adapters import AdapterManager
     from specula_router.block_allocator import BlockAllocator
-    from specula_router.client import ShardedClient
     from specula_router.grammar_check import GrammarChecker
-    from specula_router.lifecycle import DRAIN_CUT_EXIT_CODE, DrainingServer
     from specula_router.metrics import Metrics
     from specula_router.openai_models import OpenAISettings
     from specula_router.scheduler import Scheduler, SchedulerConfig
-    from specula_router.server import RouterState, create_app
+    from specula_router.server import RouterState
     from specula_router.validation import Validator
     from specula_router.validation_limits import ValidationLimits
     from specula_server.hub import resolve_model_dir
     from specula_server.tokens import load_tokenizer
 
-    client = await ShardedClient.connect(f"unix://{config.master_shard_uds_path}", instance_id=config.instance_id)
-    info = await client.info()
     lookahead = info.speculation.max_speculative_tokens  # the workers', whatever this router was told
-    limits, num_blocks = await _warm_up(client, config, info)
-
     model_dir = resolve_model_dir(config.model_id, config.revision, config.huggingface_hub_cache,
                                   allow_patterns=("*.json", "tokenizer.model", "*.jinja"))
     tokenizer = load_tokenizer(model_dir)
@@ -120,6 +124,17 @@ async def run(config: RouterConfig) -> int:
                         validation_workers=config.validation_workers, grammar_checker=grammar_checker,
                         openai=OpenAISettings(_chat_template(model_dir, config.chat_template),
                                               tuple(Path(d) for d in config.adapter_dir)))
+    return state, adapters
+
+
+async def _serve(config: RouterConfig, state, adapters) -> int:
+    """Serves HTTP and runs the batching loop until shutdown; 1 when the loop failed, else the drain's code."""
+    import uvicorn
+
+    from specula_router.lifecycle import DRAIN_CUT_EXIT_CODE, DrainingServer
+    from specula_router.server import create_app
+
+    scheduler = state.scheduler
     app_ = create_app(state, config.payload_limit, list(config.cors_allow_origin), api_key=config.api_key)
     if config.api_key is not None:
         logger.info("API key required on every route but /health, /ping and /metrics")
@@ -139,7 +154,7 @@ async def run(config: RouterConfig) -> int:
     await server.serve()
     loop_task.cancel()
     await adapters.close()
-    await client.close()
+    await state.client.close()
     if failures:
         return 1
     return DRAIN_CUT_EXIT_CODE if server.num_cut else 0

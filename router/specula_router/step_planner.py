@@ -68,13 +68,16 @@ class PlannedStep:
 
 
 class StepPlanner:
+    """Builds each Step, and owns what the workers hold: `running` and, of those, `chunking` (the scheduler ends
+    a request through `leave`)."""
+
     def __init__(self, allocator: BlockAllocator, admission: Admission, config: AdmissionConfig, metrics: Metrics,
-                 running: dict[int, Entry], finish: Callable[[Entry, ErrorEvent | None, bool], None]) -> None:
+                 finish: Callable[[Entry, ErrorEvent | None, bool], None]) -> None:
         self.allocator = allocator
         self.admission = admission
         self.config = config
         self.metrics = metrics
-        self.running = running  # requests the workers hold (prefilling or decoding), in admission order
+        self.running: dict[int, Entry] = {}  # requests the workers hold (prefilling or decoding), in admission order
         self.chunking: deque[Entry] = deque()  # of those, prompts still prefilled in chunks, oldest first
         self._finish = finish  # the scheduler's: ends a request (frees its blocks and its adapter)
         self.waiting_steps = 1  # steps since newcomers last joined
@@ -98,6 +101,12 @@ class StepPlanner:
         self._admit_from_queue(plan, steps_on_wire + 1, self._next_chunk(plan))
         plan.entries = list(self.running.values())
         return plan
+
+    def leave(self, entry: Entry) -> None:
+        """`entry` no longer runs in the workers (finished, failed or cancelled)."""
+        self.running.pop(entry.id, None)
+        if entry in self.chunking:
+            self.chunking.remove(entry)
 
     def sent(self) -> None:
         """The plan is on the wire."""
@@ -161,9 +170,7 @@ class StepPlanner:
         self.allocator.free(entry.blocks)
         entry.blocks, entry.num_cached_tokens, entry.prefill_sent = [], 0, 0
         entry.resumable = False  # until the steps on the wire that run it have answered
-        del self.running[entry.id]
-        if entry in self.chunking:
-            self.chunking.remove(entry)
+        self.leave(entry)
         plan.finished.append(entry.id)
         plan.updates.pop(entry.id, None)
         plan.preempted.append(entry)

@@ -92,15 +92,7 @@ class Validator:
         if params.max_new_tokens is not None and params.max_new_tokens <= 0:
             raise ValidationError("`max_new_tokens` must be strictly positive", "max_new_tokens")
 
-        input_ids = self._encoding(inputs, add_special_tokens).ids
-        if truncate is not None:
-            input_ids = input_ids[-truncate:]
-        self._check_input_length(len(input_ids))
-        prefill_limit = self.limits.max_batch_prefill_tokens
-        if params.decoder_input_details and prefill_limit is not None and len(input_ids) > prefill_limit:
-            raise ValidationError(
-                f"`decoder_input_details` needs the whole prompt in one prefill: at most {prefill_limit} tokens "
-                f"(--max-batch-prefill-tokens). Given: {len(input_ids)}", "decoder_input_details")
+        input_ids = self._prompt_ids(inputs, add_special_tokens, truncate, params.decoder_input_details)
         lookahead = self.limits.max_speculative_tokens if speculative_tokens is None else speculative_tokens
         max_new_tokens = self._max_new_tokens(len(input_ids), params.max_new_tokens, lookahead)
 
@@ -126,6 +118,21 @@ class Validator:
             speculative_tokens=speculative_tokens,
             grammar=grammar.text if grammar is not None else "",
         )
+
+    def _prompt_ids(self, inputs: str, add_special_tokens: bool, truncate: int | None,
+                    decoder_input_details: bool) -> list[int]:
+        """The prompt's token ids, truncated and within the input limits (the whole prompt in one prefill when
+        `decoder_input_details` asks for its tokens' details)."""
+        input_ids = self._encoding(inputs, add_special_tokens).ids
+        if truncate is not None:
+            input_ids = input_ids[-truncate:]
+        self._check_input_length(len(input_ids))
+        prefill_limit = self.limits.max_batch_prefill_tokens
+        if decoder_input_details and prefill_limit is not None and len(input_ids) > prefill_limit:
+            raise ValidationError(
+                f"`decoder_input_details` needs the whole prompt in one prefill: at most {prefill_limit} tokens "
+                f"(--max-batch-prefill-tokens). Given: {len(input_ids)}", "decoder_input_details")
+        return input_ids
 
     def tokenize(self, inputs: str, add_special_tokens: bool = True, truncate: int | None = None) -> list[SimpleToken]:
         """The prompt's tokens for `POST /tokenize`, with UTF-8 byte offsets into `inputs` (as TGI).

@@ -47,7 +47,7 @@ from specula_server.speculation.drafters import Draft
 from specula_server.speculation.eagle3_drafter import Eagle3Drafter
 from specula_server.speculation.speculator import DraftPlan, SpeculationConfig, Speculator
 from specula_server.speculative_step import accept_drafts, keep_aux, place_drafts
-from specula_server.step_graphs import StepGraphs, default_graph_batch_sizes, unavailable
+from specula_server.step_graphs import StepGraphs, capture_all_or_none, default_graph_batch_sizes, unavailable
 from specula_server.step_outputs import (
     StepResult,
     StepTimings,
@@ -165,17 +165,8 @@ class TextGenerator:
     def capture_graphs(self) -> None:
         """Captures every CUDA graph now (a server's warmup), so that no request waits for one; a capture that
         fails turns graphs off."""
-        if self.graphs is None:
-            return
-        start = time.perf_counter()
-        try:
-            count = self.graphs.capture_all()
-        except GraphCaptureError as error:
-            logger.warning("CUDA graphs turned off, every step runs eagerly: %s", error)
-            self.graphs = None
-            return
-        logger.info("captured %d CUDA graphs (batch sizes %s, draft lengths %s) in %.1f s", count,
-                    self.graphs.buckets.batch_sizes, self.graphs.buckets.draft_lengths, time.perf_counter() - start)
+        if self.graphs is not None:
+            self.graphs = capture_all_or_none(self.graphs)
 
     def graphs_unavailable(self) -> str | None:
         """Why decode steps cannot replay CUDA graphs here (None: they can)."""

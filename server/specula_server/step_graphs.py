@@ -11,12 +11,14 @@ capability 8.9).
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from specula_kernels import triton_paged_attention
-from specula_kernels.cuda_graphs import GraphBuckets, GraphRunner, StaticInputs, default_batch_sizes
+from specula_kernels.cuda_graphs import GraphBuckets, GraphCaptureError, GraphRunner, StaticInputs, default_batch_sizes
 from specula_kernels.cuda_graphs import StepInputs as GraphStepInputs
 from specula_kernels.paged_attention import BlockTableInputs
 from specula_kernels.sgmv import triton_available
@@ -26,6 +28,8 @@ from specula_server.kv_cache import KVCache
 from specula_server.models.llama import LlamaForCausalLM
 from specula_server.request import RequestState
 from specula_server.speculation.drafters import Draft
+
+logger = logging.getLogger("specula.step_graphs")
 
 # By default graphs are captured for batches of 1, 2, 4, then multiples of 8 up to this.
 DEFAULT_MAX_GRAPH_BATCH = 128
@@ -98,3 +102,17 @@ class StepGraphs(GraphRunner):
                                   step.positions, step.counts)
         return self.model.forward_with_aux(step.input_ids, step.positions, self.kv_cache.layers, attn, None,
                                            self.aux_layer_ids())
+
+
+def capture_all_or_none(graphs: StepGraphs) -> StepGraphs | None:
+    """`graphs` with every graph captured now (a server's warmup, so that no request waits for one), or None,
+    with a warning, when a capture fails (every step then runs eagerly)."""
+    start = time.perf_counter()
+    try:
+        count = graphs.capture_all()
+    except GraphCaptureError as error:
+        logger.warning("CUDA graphs turned off, every step runs eagerly: %s", error)
+        return None
+    logger.info("captured %d CUDA graphs (batch sizes %s, draft lengths %s) in %.1f s", count,
+                graphs.buckets.batch_sizes, graphs.buckets.draft_lengths, time.perf_counter() - start)
+    return graphs

@@ -164,12 +164,7 @@ class MLPSpeculatorDrafter:
             # Candidates, in (row, rank) order: score desc within each owner, ties in that order.
             cand_score = (score.unsqueeze(1) + values).flatten()
             cand_owner = owner.repeat_interleave(width)
-            order = torch.sort(-cand_score, stable=True).indices
-            order = order[torch.sort(cand_owner[order], stable=True).indices]
-            rank = torch.empty_like(order)
-            counts = torch.bincount(cand_owner, minlength=n)
-            starts = torch.cumsum(counts, 0) - counts
-            rank[order] = torch.arange(order.numel()) - starts[cand_owner[order]]
+            order, _, _, rank = _rank_within_owner(cand_score, cand_owner, n)
             # No more than budget - level nodes of this level can be among the budget best (see the docstring).
             keep = order[rank[order] < (budget - level)[cand_owner[order]]]
             if keep.numel() == 0:
@@ -191,12 +186,7 @@ class MLPSpeculatorDrafter:
         all_owners, all_scores = torch.cat(kept_owners), torch.cat(kept_scores)
         # The budget best nodes of each request: score desc, ties to the shallower (earlier) node, so parents
         # come before their children and the first k nodes always form a tree.
-        order = torch.sort(-all_scores, stable=True).indices
-        order = order[torch.sort(all_owners[order], stable=True).indices]
-        counts = torch.bincount(all_owners, minlength=n)
-        starts = torch.cumsum(counts, 0) - counts
-        position = torch.empty_like(order)
-        position[order] = torch.arange(order.numel()) - starts[all_owners[order]]
+        order, starts, counts, position = _rank_within_owner(all_scores, all_owners, n)
         parent_position = torch.where(all_parents >= 0, position[all_parents.clamp(min=0)], -1)
         drafts = []
         for j in range(n):
@@ -207,3 +197,16 @@ class MLPSpeculatorDrafter:
             else:
                 drafts.append(Draft(node_tokens, node_parents))
         return drafts
+
+
+def _rank_within_owner(scores: torch.Tensor, owners: torch.Tensor, num_owners: int):
+    """Nodes ordered by owner, then score descending (ties in index order): `(order, starts, counts, rank)`, with
+    `order` the node indices in that order, `starts`/`counts` each owner's span in it, `rank[i]` node i's place
+    within its owner's span."""
+    order = torch.sort(-scores, stable=True).indices
+    order = order[torch.sort(owners[order], stable=True).indices]
+    counts = torch.bincount(owners, minlength=num_owners)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel()) - starts[owners[order]]
+    return order, starts, counts, rank

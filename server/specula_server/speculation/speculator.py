@@ -141,16 +141,7 @@ class Speculator:
         methods = [GRAMMAR_METHOD if f else drafter.method_for(r) for r, f in zip(reqs, forced)]
         acceptance = [r.acceptance.estimate(self.acceptance_priors.value(m)) for r, m in zip(reqs, methods)]
         bar = drafting_bar(len(reqs), self.step_cost) if self.adaptive else -1.0
-        # A drafter whose drafts say how likely they are is asked for every request while drafts of some
-        # confidence have lately been accepted above the bar (a request's own record says little of its next
-        # match); requests' own estimates decide for the others.
-        confident = {m: self.calibration.ceiling(m) > bar for m in set(methods)} if getattr(
-            drafter, "confident", False) else {}
-        caps = [0 if f or not new else self.draft_cap(r) if a > bar or confident.get(m, False) else 0
-                for r, a, f, m, new in zip(reqs, acceptance, forced, methods, newcomers)]
-        for m, asked in confident.items():
-            if not asked:
-                self.calibration.drift(m)
+        caps = self._ask_caps(reqs, forced, newcomers, methods, acceptance, bar)
         if not any(caps) and not any(forced):  # nobody is asked: a plain step
             if self.adaptive and (backing_off or any(self.draft_cap(r) for r in reqs)):
                 # The bar withheld every draft: a declined step for the cost model too. Its fitted excess fades
@@ -178,8 +169,7 @@ class Speculator:
             if backing_off or any(p.available for p in proposals):
                 self.step_cost.declined()
             # Asking costs time whether or not drafts come back: a step that asked and verified nothing backs
-            # off too (on novel text at 64 streams the suffix drafter, proposing nothing, was asked at 174 of
-            # 251 steps; now at 18-36).
+            # off too (else a drafter that proposes nothing on novel text is asked at most steps).
             if any(caps):
                 self._verified_nothing(backing_off, self.clock() - asked_at, len(reqs))
             return None
@@ -191,6 +181,23 @@ class Speculator:
             logger.exception("drafting failed; this step verifies no drafts")
             return None
         return DraftPlan(drafts, [m if len(d) else "" for m, d in zip(methods, drafts)])
+
+    def _ask_caps(self, reqs: Sequence[RequestState], forced: list, newcomers: list[bool], methods: list[str],
+                  acceptance: list[float], bar: float) -> list[int]:
+        """How many drafts to ask the drafter for, per request (0: none): forced tokens need no drafter, and a
+        request is asked when its acceptance estimate clears `bar`.
+
+        A drafter whose drafts say how likely they are is asked for every request while drafts of some
+        confidence have lately been accepted above the bar (a request's own record says little of its next
+        match); requests' own estimates decide for the others."""
+        confident = {m: self.calibration.ceiling(m) > bar for m in set(methods)} if getattr(
+            self.config.drafter, "confident", False) else {}
+        caps = [0 if f or not new else self.draft_cap(r) if a > bar or confident.get(m, False) else 0
+                for r, a, f, m, new in zip(reqs, acceptance, forced, methods, newcomers)]
+        for m, asked in confident.items():
+            if not asked:
+                self.calibration.drift(m)
+        return caps
 
     def _verified_nothing(self, backing_off: bool, asked_ns: int | None = None, num_sequences: int = 0) -> None:
         """A step that could have drafted verified nothing: the back-off grows (newcomers asked while backing

@@ -101,34 +101,44 @@ def verify(
         drawn = sampler.choose(logprobs[sampled_roots], [rows[i] for i in sampled_roots]).tolist()
         first = dict(zip(sampled_roots, drawn))
 
-    verdicts = []
-    for r, d, start in zip(requests, drafts, row_starts):
-        if _rejection_sampled(r, d):
-            verdicts.append(_speculative_sampling(logprobs, r, d, start, rows, sampler))
-            continue
-        children = _children(d) if len(d) else {}
-        greedy = r.spec.sampling.is_greedy
-        node, emitted, emitted_rows, path = -1, [], [], []
-        while True:  # one emitted token per visited node, from that node's row
-            row = start + 1 + node
-            if greedy:
-                token = argmax[row]
-            elif node < 0:
-                token = first[row]
-            else:
-                token = int(sampler.choose(logprobs[row : row + 1], [rows[row]])[0])
-            emitted.append(token)
-            emitted_rows.append(row)
-            child = children.get(node, {}).get(token)
-            if child is None:
-                break
-            path.append(child)
-            node = child
-        verdicts.append(Verdict(emitted, [], emitted_rows, len(d), path))
+    verdicts = [_speculative_sampling(logprobs, r, d, start, rows, sampler) if _rejection_sampled(r, d)
+                else _walk_drafts(r, d, start, argmax, first, logprobs, rows, sampler)
+                for r, d, start in zip(requests, drafts, row_starts)]
+    _fill_logprobs(verdicts, logits, None if plain else logprobs)
+    return verdicts, logprobs
 
+
+def _walk_drafts(r: RequestState, d: Draft, start: int, argmax: list[int], first: dict[int, int],
+                 logprobs: torch.Tensor | None, rows: list[SamplingRow], sampler: Sampler) -> Verdict:
+    """Request `r`'s verdict on draft `d` (rows from `start`), walked from the root: each visited node emits the
+    token its row gives (the argmax when greedy; else the root's draw in `first`, or a draw from its row), and
+    the walk goes on into the child drafted with that token, if any."""
+    children = _children(d) if len(d) else {}
+    greedy = r.spec.sampling.is_greedy
+    node, emitted, emitted_rows, path = -1, [], [], []
+    while True:  # one emitted token per visited node, from that node's row
+        row = start + 1 + node
+        if greedy:
+            token = argmax[row]
+        elif node < 0:
+            token = first[row]
+        else:
+            token = int(sampler.choose(logprobs[row : row + 1], [rows[row]])[0])
+        emitted.append(token)
+        emitted_rows.append(row)
+        child = children.get(node, {}).get(token)
+        if child is None:
+            return Verdict(emitted, [], emitted_rows, len(d), path)
+        path.append(child)
+        node = child
+
+
+def _fill_logprobs(verdicts: list[Verdict], logits: torch.Tensor, logprobs: torch.Tensor | None) -> None:
+    """Each verdict's emitted tokens' log-probabilities: from `logprobs`, or (None: plain greedy rows) the
+    log-softmax of their logit rows."""
     all_rows = torch.tensor([i for v in verdicts for i in v.rows], device=logits.device)
     all_tokens = torch.tensor([t for v in verdicts for t in v.token_ids], device=logits.device)
-    if plain:
+    if logprobs is None:
         chosen = logits[all_rows].float()
         values = chosen.gather(1, all_tokens[:, None]).squeeze(1) - torch.logsumexp(chosen, dim=-1)
     else:
@@ -138,7 +148,6 @@ def verify(
     for v in verdicts:
         v.logprobs = flat[offset : offset + len(v.token_ids)]
         offset += len(v.token_ids)
-    return verdicts, logprobs
 
 
 def _rejection_sampled(r: RequestState, draft: Draft) -> bool:
