@@ -71,9 +71,9 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
     "specula-int8": ("specula", ["--quantize", "int8"]),
     "specula-int4": ("specula", ["--quantize", "int4", "--quantize-group-size", "32"]),
     "specula-gguf": ("specula", ["--quantize", "gguf"]),
-    # One setting above with up to 4 decode steps per Step call when nothing waits (--num-scheduler-steps).
-    "specula-steps4": ("specula", ["--num-scheduler-steps", "4"]),
-    "specula-gguf-steps4": ("specula", ["--quantize", "gguf", "--num-scheduler-steps", "4"]),
+    # One setting above with one decode step per Step call (--num-scheduler-steps; the default runs up to 4).
+    "specula-steps1": ("specula", ["--num-scheduler-steps", "1"]),
+    "specula-gguf-steps1": ("specula", ["--quantize", "gguf", "--num-scheduler-steps", "1"]),
     "vllm": ("vllm", []),
     "vllm-ngram": ("vllm", ["--speculative-config", json.dumps(
         {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_lookup_max": 4, "prompt_lookup_min": 1})]),
@@ -325,6 +325,35 @@ async def run_level(server: Server, prompts: list[str], concurrency: int, max_to
     return tokens / wall, [answers[i] for i in range(len(answers))]
 
 
+SPECULATION_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+
+
+def speculation_counters(server: Server) -> dict[str, float]:
+    """Specula's speculation counters from its /metrics, summed over labels: request steps that verified drafts,
+    draft tokens verified, draft tokens accepted ({} for the peers)."""
+    if server.name != "specula":
+        return {}
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    totals = dict.fromkeys(SPECULATION_COUNTERS, 0.0)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removeprefix("specula_").removesuffix("_total")
+            if name in totals:
+                totals[name] += sample.value
+    return totals
+
+
+def speculation_report(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What a cell's requests drafted: verifying request steps, drafts per such step, accepted per draft."""
+    if not before:
+        return {}
+    drafts, tokens, accepted = (after[k] - before[k] for k in SPECULATION_COUNTERS)
+    return {"verifying_request_steps": drafts, "drafts_per_verifying_step": tokens / drafts if drafts else 0.0,
+            "accepted_per_draft": accepted / tokens if tokens else 0.0}
+
+
 def run_turn(setting: str, ctx: Context, prompts: dict[str, dict[int, list[str]]]) -> dict:
     levels = ctx.args.concurrency
     server = start(setting, ctx, max(levels))
@@ -335,9 +364,14 @@ def run_turn(setting: str, ctx: Context, prompts: dict[str, dict[int, list[str]]
         result: dict = {}
         for kind in ctx.args.kinds:
             for c in levels:
+                before = speculation_counters(server)
                 rate, answers = asyncio.run(run_level(server, prompts[kind][c], c, ctx.args.max_tokens))
-                result[f"{kind}/{c}"] = {"tokens_per_s": rate, "answers": answers}
-                print(f"  {setting} {kind} c={c}: {rate:.1f} tok/s", flush=True)
+                drafting = speculation_report(before, speculation_counters(server))
+                result[f"{kind}/{c}"] = {"tokens_per_s": rate, "answers": answers, **drafting}
+                shown = (f", {drafting['verifying_request_steps']:.0f} request steps verified drafts "
+                         f"({drafting['drafts_per_verifying_step']:.2f} drafts, {drafting['accepted_per_draft']:.0%} "
+                         "accepted)") if drafting else ""
+                print(f"  {setting} {kind} c={c}: {rate:.1f} tok/s{shown}", flush=True)
     finally:
         stop(server)
     return result

@@ -4,8 +4,8 @@ when they run out, and nobody notices but the clock.
 `tight` is served with a KV cache of 40 blocks of 16 tokens (512 bytes of KV per token on the tiny model):
 room for two requests of its whole 256-token budget, or for every request's prompt and the first part of its
 answer. Reserving whole budgets would run two requests at a time; growing blocks runs all of them and preempts
-(and later recomputes) the newest when the blocks run out. It runs up to 4 decode steps per call
-(`--num-scheduler-steps 4`) whenever nothing waits: the answers are still the one-step server's (`base_url`).
+(and later recomputes) the newest when the blocks run out. It runs one decode step per call
+(`--num-scheduler-steps 1`): the answers are still those of `base_url`, which runs up to 4 (the default).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def tight(model_dir, tmp_path_factory):
 
     launcher = _start(model_dir, tmp_path_factory.mktemp("tight"),
                       ["--kv-cache-memory", str(KV_BYTES), "--max-total-tokens", "256", "--max-input-tokens", "64",
-                       "--max-batch-prefill-tokens", "512", "--num-scheduler-steps", "4"], "tight")
+                       "--max-batch-prefill-tokens", "512", "--num-scheduler-steps", "1"], "tight")
     yield launcher
     _stop(launcher)
 

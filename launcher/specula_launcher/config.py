@@ -80,7 +80,7 @@ class LauncherConfig:
     max_batch_total_tokens: int | None = None
     max_waiting_tokens: int = 20
     max_batch_size: int | None = None
-    num_scheduler_steps: int = 1  # decode steps the workers may run per Step call (the router's)
+    num_scheduler_steps: int = 4  # decode steps the workers may run per Step call (the router's)
     shard_uds_path: str | None = None  # None: a directory of this launcher's own, chosen at launch (endpoints.py)
     master_addr: str = "localhost"
     master_port: int | None = None  # None: a free port, chosen at launch (one node only)

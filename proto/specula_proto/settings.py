@@ -204,9 +204,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Steps before waiting requests are forced into the batch.",
             at_least=0,
             router=Decl(help="Steps a waiting request may be delayed.")),
-    Setting("num_scheduler_steps", int, 1, LAUNCHER | ROUTER,
+    Setting("num_scheduler_steps", int, 4, LAUNCHER | ROUTER,
             "Decode steps the workers may run per Step call while every running request decodes and none waits "
-            "(vLLM's multi-step scheduling): the router's work is paid once per call, tokens arrive in groups.",
+            "(vLLM's multi-step scheduling): the router's work is paid once per call, tokens arrive in groups. "
+            "1: one step per call, each token sent as soon as it is sampled.",
             at_least=1),
     Setting("max_batch_size", int | None, None, LAUNCHER | ROUTER,
             "Largest running batch.",

@@ -40,7 +40,7 @@ class RouterConfig:
     max_batch_total_tokens: int | None = None
     max_waiting_tokens: int = 20
     max_batch_size: int | None = None
-    num_scheduler_steps: int = 1  # decode steps a Step call may run (step_planner.py)
+    num_scheduler_steps: int = 4  # decode steps a Step call may run (step_planner.py)
     payload_limit: int = 2_000_000
     cors_allow_origin: tuple[str, ...] = field(default_factory=tuple)
     json_output: bool = False

@@ -168,16 +168,7 @@ def load_mlp_speculator(
 
     path = Path(path)
     name = speculator_id if speculator_id is not None else str(path)
-    raw = read_config(path)
-    if raw is None:
-        raise _error(name, f"no readable {CONFIG_FILE} in {path}")
-    spec = MLPSpeculatorConfig.from_dict(raw, name)
-    if spec.emb_dim != config.hidden_size:
-        raise _error(name, f"emb_dim {spec.emb_dim} is not the model's hidden size {config.hidden_size} "
-                           "(it was trained for another model)")
-    if spec.vocab_size != config.vocab_size:
-        raise _error(name, f"vocab_size {spec.vocab_size} is not the model's vocabulary size {config.vocab_size} "
-                           "(it was trained for another model)")
+    spec = _checked_config(path, config, name)
     try:
         reader = Weights(weight_files(path), torch.device("cpu"), dtype)
     except Exception as error:  # no files, a damaged file, a tensor in two shards
@@ -209,3 +200,19 @@ def load_mlp_speculator(
     logger.info("read MLP speculator %s: %d stages, inner dim %d%s%s", name, stages, inner,
                 ", tied weights" if spec.tie_weights else "", ", scaled input" if spec.scale_input else "")
     return MLPSpeculator(spec, emb, proj0, proj, ln_weight, ln_bias, head).eval()
+
+
+def _checked_config(path: Path, config: ModelConfig, name: str) -> MLPSpeculatorConfig:
+    """The speculator's config in `path`, refused (`MLPSpeculatorError`) when it is missing or was trained for a
+    model of another hidden size or vocabulary."""
+    raw = read_config(path)
+    if raw is None:
+        raise _error(name, f"no readable {CONFIG_FILE} in {path}")
+    spec = MLPSpeculatorConfig.from_dict(raw, name)
+    if spec.emb_dim != config.hidden_size:
+        raise _error(name, f"emb_dim {spec.emb_dim} is not the model's hidden size {config.hidden_size} "
+                           "(it was trained for another model)")
+    if spec.vocab_size != config.vocab_size:
+        raise _error(name, f"vocab_size {spec.vocab_size} is not the model's vocabulary size {config.vocab_size} "
+                           "(it was trained for another model)")
+    return spec
