@@ -228,7 +228,8 @@ def _generation(g: pb.Generation) -> GenerationOut:
         request_id=g.request_id, tokens=_tokens(g.tokens), top_tokens=[_tokens(t) for t in g.top_tokens],
         prefill_tokens=_tokens(g.prefill_tokens) if g.HasField("prefill_tokens") else None, final=final,
         drafted_tokens=g.drafted_tokens, accepted_tokens=g.accepted_tokens, draft_method=g.draft_method,
-        error=g.error, step_tokens=list(g.step_tokens))
+        error=g.error, step_tokens=list(g.step_tokens), step_drafted=list(g.step_drafted),
+        step_accepted=list(g.step_accepted))
 
 
 def _tokens(tokens: pb.Tokens) -> list[TokenOut]:

@@ -357,9 +357,9 @@ class Scheduler:
             if self.config.speculation_method != "none":
                 # Labelled by this step's drafter: requests of one batch may use different ones (an adapter's
                 # Medusa heads, prompt lookup).
-                self.metrics.observe_speculation(
-                    generation.draft_method or self.config.speculation_method, entry.adapter,
-                    generation.drafted_tokens, generation.accepted_tokens)
+                method = generation.draft_method or self.config.speculation_method
+                for drafted, accepted in generation.drafts_per_step:
+                    self.metrics.observe_speculation(method, entry.adapter, drafted, accepted)
             self._outbox.append((entry, TokensEvent(tokens, generation.top_tokens, skipped, generation.prefill_tokens,
                                                     final)))
         if final is not None:

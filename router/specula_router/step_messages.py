@@ -61,6 +61,15 @@ class GenerationOut:
     draft_method: str = ""  # "": the server's configured method
     error: str = ""  # set: it failed alone in the worker, which has already dropped it
     step_tokens: list[int] = field(default_factory=list)  # tokens of each decode step of the call ([]: one step)
+    step_drafted: list[int] = field(default_factory=list)  # per decode step, the draft tokens it verified...
+    step_accepted: list[int] = field(default_factory=list)  # ...and accepted ([]: one step, the totals above)
+
+    @property
+    def drafts_per_step(self) -> list[tuple[int, int]]:
+        """(drafted, accepted) of each decode step of the call."""
+        if not self.step_drafted:
+            return [(self.drafted_tokens, self.accepted_tokens)]
+        return list(zip(self.step_drafted, self.step_accepted))
 
     @property
     def skipped(self) -> list[bool]:

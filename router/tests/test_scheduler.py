@@ -12,6 +12,7 @@ from fake_worker import FakeClient
 
 from specula_router.block_allocator import BlockAllocator
 from specula_router.client import ShardError
+from specula_router.entries import TokenOut
 from specula_router.metrics import Metrics
 from specula_router.requests import SamplingParameters, StoppingParameters, ValidGenerateRequest
 from specula_router.scheduler import (
@@ -22,6 +23,7 @@ from specula_router.scheduler import (
     ShardUnresponsive,
     TokensEvent,
 )
+from specula_router.step_messages import GenerationOut
 
 
 def make_request(prompt_len: int = 4, max_new: int = 3) -> ValidGenerateRequest:
@@ -794,3 +796,21 @@ def test_a_random_mix_under_pressure_keeps_the_contract_and_every_stream_exact(s
         assert not scheduler.running and not scheduler.queue and client.held == {}
         assert scheduler.allocator.num_free_blocks == 24
     run(body())
+
+
+def test_speculation_metrics_count_each_decode_step_of_a_call():
+    """A call of three decode steps that verified 2, 3 and 3 drafts (1, 0 and 3 accepted): three request steps
+    in the metrics, as three calls of one step would count them."""
+    scheduler, _ = make_scheduler(speculation_method="ngram")
+    entry = scheduler.submit(make_request(max_new=20))
+    tokens = [TokenOut(7, "a", -0.1, False) for _ in range(7)]
+    scheduler._deliver(entry, GenerationOut(entry.id, tokens=tokens, drafted_tokens=8, accepted_tokens=4,
+                                            draft_method="ngram", step_tokens=[2, 1, 4], step_drafted=[2, 3, 3],
+                                            step_accepted=[1, 0, 3]))
+    m = scheduler.metrics
+    value = lambda metric, *labels: metric.labels(*labels)._value.get()  # noqa: E731
+    assert value(m.spec_decode_num_drafts, "ngram", "") == 3
+    assert value(m.spec_decode_num_draft_tokens, "ngram", "") == 8
+    assert value(m.spec_decode_num_accepted_tokens, "ngram", "") == 4
+    assert [value(m.spec_decode_accepted_tokens_per_pos, "ngram", "", str(p)) for p in (1, 2, 3)] == [2, 1, 1]
+    assert entry.num_skipped == 4

@@ -53,17 +53,24 @@ class StepOutput:
     # Set when the request failed this step (its logits were not finite, see `nonfinite`): it left its batch
     # and no other field is set.
     error: str = ""
-    # Once later steps of the same call are appended (`extend`): how many of `tokens` each step produced.
+    # Once later steps of the same call are appended (`extend`): how many of `tokens` each step produced, and the
+    # draft tokens each verified and accepted.
     step_tokens: list[int] = field(default_factory=list)
+    step_drafted: list[int] = field(default_factory=list)
+    step_accepted: list[int] = field(default_factory=list)
 
     def extend(self, later: StepOutput) -> None:
         """Appends what the request produced in a later step of the same call; a failure then replaces it all."""
         if later.error:
             self.tokens, self.top_tokens, self.prefill_tokens, self.generated_text = [], [], None, None
             self.num_drafted = self.num_accepted = 0
-            self.draft_method, self.error, self.step_tokens = "", later.error, []
+            self.draft_method, self.error = "", later.error
+            self.step_tokens, self.step_drafted, self.step_accepted = [], [], []
             return
         self.step_tokens = (self.step_tokens or [len(self.tokens)]) + (later.step_tokens or [len(later.tokens)])
+        self.step_drafted = (self.step_drafted or [self.num_drafted]) + (later.step_drafted or [later.num_drafted])
+        self.step_accepted = ((self.step_accepted or [self.num_accepted])
+                              + (later.step_accepted or [later.num_accepted]))
         self.tokens = self.tokens + later.tokens
         self.top_tokens = self.top_tokens + later.top_tokens
         self.num_drafted += later.num_drafted

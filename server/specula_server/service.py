@@ -338,6 +338,8 @@ def generation_to_pb(out: StepOutput) -> pb.Generation:
         accepted_tokens=out.num_accepted,
         draft_method=out.draft_method,
         step_tokens=out.step_tokens,
+        step_drafted=out.step_drafted,
+        step_accepted=out.step_accepted,
     )
     if out.prefill_tokens is not None:
         gen.prefill_tokens.CopyFrom(tokens_to_pb(out.prefill_tokens))

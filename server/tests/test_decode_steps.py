@@ -78,6 +78,11 @@ def test_calls_of_several_decode_steps_give_the_tokens_of_one_step_per_call(gene
         assert any(n > 1 for o in four.values() for n in o.step_tokens)  # drafts accepted in a step
         assert sum(o.num_drafted for o in four.values()) == sum(o.num_drafted for o in one.values()) > 0
         assert sum(o.num_accepted for o in four.values()) == sum(o.num_accepted for o in one.values())
+        # per step, as one step per call counts them (the speculation metrics count request steps)
+        assert {i: (o.step_drafted, o.step_accepted) for i, o in four.items()} == {
+            i: (o.step_drafted, o.step_accepted) for i, o in one.items()}
+        assert all(sum(o.step_drafted) == o.num_drafted and len(o.step_drafted) == len(o.step_tokens)
+                   for o in four.values())
 
 
 def test_a_call_stops_where_a_request_s_blocks_end_and_goes_on_once_they_grow(generator):
@@ -130,6 +135,7 @@ def test_a_failure_inside_a_call_replaces_the_request_s_output():
     out.extend(StepOutput(3, [], [], error="request 3: non-finite logits"))
     assert out.error == "request 3: non-finite logits"
     assert (out.tokens, out.top_tokens, out.num_drafted, out.num_accepted, out.generated_text) == ([], [], 0, 0, None)
+    assert (out.step_tokens, out.step_drafted, out.step_accepted) == ([], [], [])
 
 
 def test_a_call_ends_at_the_next_step_once_newcomers_wait_behind_it(generator):
