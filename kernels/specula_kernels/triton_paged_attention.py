@@ -66,7 +66,14 @@ def reads_cache(dtype: torch.dtype, device: torch.device) -> bool:
         return True
     if dtype not in FLOAT8_DTYPES:
         return False
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+    return device.type != "cuda" or _converts_float8(device.index if device.index is not None else
+                                                     torch.cuda.current_device())
+
+
+@functools.cache
+def _converts_float8(device_index: int) -> bool:
+    """Compute capability 8.9 or later (asked once per GPU: `supports` runs for every layer of every step)."""
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
 
 
 def context_lengths(context_slots: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

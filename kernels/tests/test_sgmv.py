@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from specula_kernels import sgmv as sgmv_module
 from specula_kernels.sgmv import add_lora, segments_from_slots, sgmv, sgmv_reference, sgmv_triton, triton_available
+from specula_testing.triton import run_interpreted
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TOLERANCES = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2),
@@ -289,14 +287,7 @@ def test_triton_case_lora_shrink_then_expand(dtype):
 @pytest.mark.skipif(INTERPRETED, reason="this test starts the interpreter itself")
 def test_triton_interpreter():
     """Runs the `test_triton_case*` tests above on CPU tensors under the interpreter."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "test_triton_case"],
-        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    summary = result.stdout.strip().splitlines()[-1]
-    assert re.match(rf"{2 * len(TRITON_CASES) + 3} passed", summary), summary  # every case ran, none skipped
+    run_interpreted(__file__, 2 * len(TRITON_CASES) + 3, timeout=300)  # every case ran, none skipped
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +16,7 @@ from specula_kernels import triton_int8_linear as kernel_module
 from specula_kernels.quantized_linear import int8_linear_reference, quantize_int8
 from specula_kernels.sgmv import triton_available
 from specula_kernels.triton_int8_linear import int8_linear_triton
+from specula_testing.triton import run_interpreted
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TRITON_DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -84,14 +82,7 @@ def test_cpu_activations_are_not_served():
 @pytest.mark.skipif(INTERPRETED, reason="this test starts the interpreter itself")
 def test_triton_interpreter():
     """Runs the `test_triton_case*` tests above on CPU tensors under the interpreter."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "test_triton_case"],
-        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    summary = result.stdout.strip().splitlines()[-1]
-    assert re.match(r"7 passed", summary), summary  # every case ran, none skipped
+    run_interpreted(__file__, 7, timeout=600)  # every case ran, none skipped
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +21,7 @@ from specula_kernels import triton_paged_attention as kernel_module
 from specula_kernels.paged_attention import GroupedAttentionInputs, PagedAttentionInputs, paged_attention
 from specula_kernels.sgmv import triton_available
 from specula_kernels.triton_paged_attention import context_lengths, paged_attention_triton
+from specula_testing.triton import run_interpreted
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TRITON_DEVICE = "cpu" if INTERPRETED else "cuda"
@@ -325,14 +323,7 @@ def test_cuda_attention_takes_the_kernel_for_decode_rows(monkeypatch):
 @pytest.mark.skipif(INTERPRETED, reason="this test starts the interpreter itself")
 def test_triton_interpreter():
     """Runs the `test_triton_case*` tests above on CPU tensors under the interpreter."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "test_triton_case"],
-        cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    summary = result.stdout.strip().splitlines()[-1]
-    assert re.match(rf"{3 * len(TRITON_CASES) + 2 + 6 + 6} passed", summary), summary  # every case ran, none skipped
+    run_interpreted(__file__, 3 * len(TRITON_CASES) + 2 + 6 + 6, timeout=600)  # every case ran, none skipped
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
