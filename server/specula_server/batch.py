@@ -31,12 +31,13 @@ class StepInputs:
 
 def build_step(
     requests: Sequence[RequestState], starts: Sequence[int], counts: Sequence[int], device: torch.device,
-    trees: Sequence[Draft | None] | None = None,
+    trees: Sequence[Draft | None] | None = None, split: int | None = None,
 ) -> StepInputs:
     """Builds one forward step: request i feeds positions `[starts[i], starts[i] + counts[i])`.
 
     When one-token sequences (plain decodes) sit next to longer ones (drafts being verified), attention runs
-    in two groups so the one-token sequences are not padded to the longest draft.
+    in two groups so the one-token sequences are not padded to the longest draft; the requests from index
+    `split` on (prompt chunks, after the decodes) attend in a group of their own.
 
     `trees[i]`, when given, is a tree of drafts request i verifies: its `counts[i]` tokens are the root and
     the tree's nodes, stored (tokens and KV) at buffer indices `starts[i] + 1 + node` as a chain would be, but
@@ -44,7 +45,7 @@ def build_step(
     """
     if len(requests) > 1 and all(c == 1 for c in counts):
         return _single_token_step(requests, starts, device)  # a plain decode step: no per-request tensors
-    return _spans_step(requests, starts, counts, device, trees)
+    return _spans_step(requests, starts, counts, device, trees, split)
 
 
 def build_block_table_step(requests: Sequence[RequestState], starts: Sequence[int], counts: Sequence[int],
@@ -88,7 +89,7 @@ def block_table_inputs(slot_mapping: torch.Tensor, block_table: torch.Tensor, bl
 
 def _spans_step(
     requests: Sequence[RequestState], starts: Sequence[int], counts: Sequence[int], device: torch.device,
-    trees: Sequence[Draft | None] | None = None,
+    trees: Sequence[Draft | None] | None = None, split: int | None = None,
 ) -> StepInputs:
     """`build_step` for any spans: per request, its tokens, positions and slots, then attention metadata."""
     # Chains (one node, no node) need no tree mask; only real trees are kept.
@@ -103,10 +104,12 @@ def _spans_step(
     slot_mapping = torch.cat([r.slots[s:e] for r, s, e in spans])
     row_ends = torch.tensor(counts).cumsum(0)
     row_starts = (row_ends - torch.tensor(counts)).tolist()
-    singles = [i for i, c in enumerate(counts) if c == 1]
-    if 0 < len(singles) < len(spans):
+    split = len(spans) if split is None else split
+    kinds = ([i for i in range(split) if counts[i] == 1], [i for i in range(split) if counts[i] > 1],
+             list(range(split, len(spans))))
+    if sum(1 for members in kinds if members) > 1:
         groups = []
-        for members in (singles, [i for i, c in enumerate(counts) if c > 1]):
+        for members in [members for members in kinds if members]:
             rows = torch.cat([torch.arange(row_starts[i], row_starts[i] + counts[i]) for i in members]).to(device)
             groups.append((rows, _attention_inputs([spans[i] for i in members], slot_mapping, device,
                                                    [trees[i] for i in members])))

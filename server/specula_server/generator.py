@@ -8,7 +8,8 @@ router asks for several decode steps in one call:
     requests join           `new`: the prompt (or its first chunk) is computed this step
     one step runs           every request whose prompt is done decodes one token (and verifies its drafts,
                             see `Speculator`); every prompt chunk named this step is computed; a prompt
-                            whose last chunk ran yields its first token
+                            whose last chunk ran yields its first token: one forward over all of them
+                            (`step_rows.py`), or two while the decodes replay a CUDA graph
     more decode steps       up to `decode_steps - 1`, while every request the worker holds decodes (no prompt
                             chunk, no grammar compiling) and its blocks cover its next token, and until the
                             caller says a call with newcomers waits (every rank agrees); each request's tokens
@@ -45,7 +46,7 @@ from specula_server.speculation.controller import AcceptancePriors, StepCostMode
 from specula_server.speculation.draft_model import DraftModelDrafter
 from specula_server.speculation.drafters import Draft
 from specula_server.speculation.eagle3_drafter import Eagle3Drafter
-from specula_server.speculation.speculator import DraftPlan, SpeculationConfig, Speculator
+from specula_server.speculation.speculator import SpeculationConfig, Speculator
 from specula_server.speculative_step import accept_drafts, keep_aux, place_drafts
 from specula_server.step_graphs import StepGraphs, capture_all_or_none, default_graph_batch_sizes, unavailable
 from specula_server.step_outputs import (
@@ -58,6 +59,7 @@ from specula_server.step_outputs import (
     sample,
     screen,
 )
+from specula_server.step_rows import Decodes, PromptChunks
 
 __all__ = ["InvalidRequestError", "SpeculationConfig", "StepPlan", "TextGenerator"]
 
@@ -103,6 +105,8 @@ class TextGenerator:
         # and the runner of those graphs, built with the KV cache they read (None: every step eager).
         self.cuda_graph_sizes = default_graph_batch_sizes() if cuda_graphs is None else tuple(cuda_graphs)
         self.graphs: StepGraphs | None = None
+        # Decodes and prompt chunks of a step share one forward (False: one forward each, a benchmark's baseline).
+        self.one_forward = True
 
     @property
     def step_cost(self) -> StepCostModel:
@@ -276,10 +280,8 @@ class TextGenerator:
         ready = [self.requests[i] for i in self._waiting if self.requests[i].grammar.is_ready]
         if ready:  # their first token, this step; they decode from the next
             outputs += self._first_tokens(ready)
-        if decoding:
-            outputs += self._decode(decoding, timings)
-        if chunks:
-            outputs += self._prefill([(self.requests[i], until) for i, until in chunks.items()], timings)
+        if decoding or chunks:
+            outputs += self._run(decoding, [(self.requests[i], until) for i, until in chunks.items()], timings)
         for out in outputs:
             r = self.requests.get(out.request_id)
             if out.error or (r is not None and r.is_finished):
@@ -290,6 +292,38 @@ class TextGenerator:
     def _drop(self, request_id: int, error: str) -> StepOutput:
         self._leave(request_id)
         return StepOutput(request_id, [], [], error=error)
+
+    @torch.inference_mode()
+    def _run(self, decoding: list[RequestState], items: list[tuple[RequestState, int]], timings: StepTimings
+             ) -> list[StepOutput]:
+        """The step's forward: every decode (plain, or verifying the drafts the speculator plans) and every prompt
+        chunk in one, or one forward each while the decodes replay a CUDA graph (graphs hold decode shapes only)."""
+        start = time.perf_counter_ns()
+        decodes = self._decodes(decoding) if decoding else None
+        chunks = PromptChunks.of(items, self.model.config.vocab_size) if items else None
+        if decodes is not None and chunks is not None and self.graphs is None and self.one_forward:
+            reqs = decodes.reqs + chunks.reqs
+            step = build_step(reqs, decodes.starts + chunks.starts, decodes.counts + chunks.counts, self.device,
+                              decodes.trees + [None] * len(chunks.reqs), split=len(decodes.reqs))
+            hidden, aux = self._forward(reqs, step)
+            n, rows = len(decodes.reqs), sum(decodes.counts)
+            # The decodes' step time includes the chunks: the speculator's cost model does not observe it.
+            outputs = self._decoded(decodes, hidden[:rows], None if aux is None else aux[:rows], step.row_starts[:n],
+                                    step.last_rows[:n], start, timings, observe=False)
+            return outputs + self._prefilled(chunks, hidden, aux, step.row_starts[n:], step.last_rows[n:],
+                                             time.perf_counter_ns(), timings)
+        outputs = []
+        if decodes is not None:
+            step = self._build_step(decodes.reqs, decodes.counts, decodes.trees)
+            hidden, aux = self._forward(decodes.reqs, step)
+            outputs += self._decoded(decodes, hidden, aux, step.row_starts, step.last_rows, start, timings,
+                                     observe=True)
+        if chunks is not None:
+            start = time.perf_counter_ns()
+            step = build_step(chunks.reqs, chunks.starts, chunks.counts, self.device)
+            hidden, aux = self._forward(chunks.reqs, step)
+            outputs += self._prefilled(chunks, hidden, aux, step.row_starts, step.last_rows, start, timings)
+        return outputs
 
     def _forward(self, requests: Sequence[RequestState], step: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The final hidden states of the step's rows, and the auxiliary ones an EAGLE-3 drafter reads (else None)."""
@@ -314,42 +348,65 @@ class TextGenerator:
         step = self.graphs.build_step(reqs, counts, trees) if self.graphs is not None else None
         return step or build_step(reqs, [r.num_tokens - 1 for r in reqs], counts, self.device, trees)
 
-    @torch.inference_mode()
-    def _prefill(self, items: list[tuple[RequestState, int]], timings: StepTimings) -> list[StepOutput]:
-        """One forward over prompt chunks: each writes its KV; a prompt whose end ran yields its first token."""
-        start = time.perf_counter_ns()
-        reqs = [r for r, _ in items]
-        starts = [r.prefilled for r in reqs]
-        step = build_step(reqs, starts, [until - s for (_, until), s in zip(items, starts)], self.device)
-        done = [i for i, (r, until) in enumerate(items) if until == r.num_tokens]
-        # A prompt whose grammar is still compiling waits for it, with its last logits, while the others go on.
-        waiting = [i for i in done if reqs[i].grammar is not None and not reqs[i].grammar.is_ready
-                   and not reqs[i].spec.prefill_logprobs]
-        done = [i for i in done if i not in waiting]
-        masks = grammar_masks([reqs[i] for i in done], self.model.config.vocab_size)
-        hidden, aux = self._forward(reqs, step)
-        keep_aux(self.eagle, reqs, aux, [slice(s, s + c) for s, c in zip(step.row_starts, step.counts)], starts)
-        for r, until in items:
-            r.prefilled = until
-        if waiting:
-            waiting_hidden = hidden[step.last_rows[waiting]]
-            for i, h, row in zip(waiting, waiting_hidden, self.model.compute_logits(waiting_hidden)):
-                self._waiting[reqs[i].id] = (row, h)
-                reqs[i].prefilled = None
-        if not done:
+    def _decodes(self, reqs: list[RequestState]) -> Decodes:
+        """The decoding requests' rows: each its last token, and the drafts the speculator plans for it."""
+        plan = self.speculator.plan(reqs) if self.speculator is not None else None
+        trees = place_drafts(reqs, plan.drafts) if plan is not None else [None] * len(reqs)
+        return Decodes(reqs, plan, trees, grammar_masks(reqs, self.model.config.vocab_size, plan))
+
+    def _decoded(self, d: Decodes, hidden: torch.Tensor, aux: torch.Tensor | None, row_starts: list[int],
+                 last_rows: torch.Tensor, start: int, timings: StepTimings, observe: bool) -> list[StepOutput]:
+        """The decodes' tokens from their rows of the forward: sampled, or drafts accepted by the exact rule. The
+        step (timed from `start`) is priced for the speculator when `observe`."""
+        reqs = d.reqs
+        if d.plan is not None:
+            logits = self.model.compute_logits(hidden)  # [sum(counts), vocab]
             timings.forward_ns += time.perf_counter_ns() - start
-            return []
-        last_hidden = hidden[step.last_rows[done]]
+            return accept_drafts(reqs, d.plan, d.counts, hidden, aux, logits, row_starts, d.masks,
+                                 start if observe else None, speculator=self.speculator, sampler=self.sampler,
+                                 kv_cache=self.kv_cache, reports=self.reports, eagle=self.eagle)
+        keep_aux(self.eagle, reqs, aux, [slice(i, i + 1) for i in range(len(reqs))], [r.num_tokens - 1 for r in reqs])
+        last_hidden = hidden[last_rows]
         logits = self.model.compute_logits(last_hidden)
         timings.forward_ns += time.perf_counter_ns() - start
-        reqs, row_starts = [reqs[i] for i in done], [step.row_starts[i] for i in done]
+        outputs, kept, logits = screen(reqs, logits, [1] * len(reqs), d.masks)
+        if not kept:
+            return outputs
+        chosen = sample(self.sampler, [reqs[i] for i in kept], logits)
+        if self.speculator is not None and observe:  # timed up to the chosen tokens, as a verifying step is
+            self.speculator.observe_plain(len(reqs), time.perf_counter_ns() - start)
+        outputs += commit_sampled([reqs[i] for i in kept], chosen, last_hidden[kept], self.reports)
+        if self.eagle is not None:
+            self.eagle.bound_kept_rows([r for r in reqs if not r.is_finished])
+        return outputs
+
+    def _prefilled(self, c: PromptChunks, hidden: torch.Tensor, aux: torch.Tensor | None, row_starts: list[int],
+                   last_rows: torch.Tensor, start: int, timings: StepTimings) -> list[StepOutput]:
+        """After the chunks' rows of the forward (from `row_starts[i]`): each has written its KV; a prompt whose
+        end ran yields its first token, or waits with its last logits for its grammar."""
+        reqs = c.reqs
+        keep_aux(self.eagle, reqs, aux, [slice(s, s + n) for s, n in zip(row_starts, c.counts)], c.starts)
+        for r, until in zip(reqs, c.untils):
+            r.prefilled = until
+        if c.waiting:
+            waiting_hidden = hidden[last_rows[c.waiting]]
+            for i, h, row in zip(c.waiting, waiting_hidden, self.model.compute_logits(waiting_hidden)):
+                self._waiting[reqs[i].id] = (row, h)
+                reqs[i].prefilled = None
+        if not c.done:
+            timings.forward_ns += time.perf_counter_ns() - start
+            return []
+        last_hidden = hidden[last_rows[c.done]]
+        logits = self.model.compute_logits(last_hidden)
+        timings.forward_ns += time.perf_counter_ns() - start
+        reqs, row_starts = [reqs[i] for i in c.done], [row_starts[i] for i in c.done]
         for r in reqs:
             r.prefilled = None
 
         def prompt_logits(i: int) -> torch.Tensor:  # of request i's prompt positions but the last
             return self.model.compute_logits(hidden[row_starts[i] : row_starts[i] + reqs[i].prompt_len - 1])
 
-        return commit_prompts(reqs, logits, last_hidden, masks, self.sampler, self.reports, prompt_logits)
+        return commit_prompts(reqs, logits, last_hidden, c.masks, self.sampler, self.reports, prompt_logits)
 
     @torch.inference_mode()
     def _first_tokens(self, reqs: list[RequestState]) -> list[StepOutput]:
@@ -362,51 +419,12 @@ class TextGenerator:
         chosen = sample(self.sampler, [reqs[i] for i in kept], logits)
         return outputs + commit_sampled([reqs[i] for i in kept], chosen, last_hidden[kept], self.reports)
 
-    @torch.inference_mode()
-    def _decode(self, reqs: list[RequestState], timings: StepTimings) -> list[StepOutput]:
-        """One decode step over every running request: plain, or verifying the drafts the speculator plans."""
-        start = time.perf_counter_ns()
-        plan = self.speculator.plan(reqs) if self.speculator is not None else None
-        if plan is not None:
-            return self._verify(reqs, plan, start, timings)
-        step = self._build_step(reqs, [1] * len(reqs))
-        masks = grammar_masks(reqs, self.model.config.vocab_size)
-        hidden, aux = self._forward(reqs, step)
-        keep_aux(self.eagle, reqs, aux, [slice(i, i + 1) for i in range(len(reqs))], [r.num_tokens - 1 for r in reqs])
-        last_hidden = hidden[step.last_rows]
-        logits = self.model.compute_logits(last_hidden)
-        timings.forward_ns += time.perf_counter_ns() - start
-        outputs, kept, logits = screen(reqs, logits, [1] * len(reqs), masks)
-        if not kept:
-            return outputs
-        chosen = sample(self.sampler, [reqs[i] for i in kept], logits)
-        if self.speculator is not None:  # timed up to the chosen tokens, as a verifying step is
-            self.speculator.observe_plain(len(reqs), time.perf_counter_ns() - start)
-        outputs += commit_sampled([reqs[i] for i in kept], chosen, last_hidden[kept], self.reports)
-        if self.eagle is not None:
-            self.eagle.bound_kept_rows([r for r in reqs if not r.is_finished])
-        return outputs
-
     # --- speculative decoding -------------------------------------------------------------------------------
 
     def agreed_seconds(self, nanoseconds: int) -> float:
         """A step's duration as every tensor-parallel rank records it (the slowest rank's): ranks that measured
         different times would choose different draft lengths and run forwards of different shapes."""
         return self.group.agreed_max(nanoseconds / 1e9, self.device)
-
-    def _verify(self, reqs: list[RequestState], plan: DraftPlan, start: int, timings: StepTimings
-                ) -> list[StepOutput]:
-        """verify → accept → commit: one forward over `[last, d1..dk]` per request, then the exact rule."""
-        assert self.speculator is not None and self.kv_cache is not None
-        counts = plan.counts
-        step = self._build_step(reqs, counts, place_drafts(reqs, plan.drafts))
-        masks = grammar_masks(reqs, self.model.config.vocab_size, plan)
-        hidden, aux = self._forward(reqs, step)
-        logits = self.model.compute_logits(hidden)  # [sum(counts), vocab]
-        timings.forward_ns += time.perf_counter_ns() - start
-        return accept_drafts(reqs, plan, counts, hidden, aux, logits, step.row_starts, masks, start,
-                             speculator=self.speculator, sampler=self.sampler, kv_cache=self.kv_cache,
-                             reports=self.reports, eagle=self.eagle)
 
     def _lora(self, requests: Sequence[RequestState], counts: Sequence[int]) -> LoraBatch | None:
         if self.adapters is None:

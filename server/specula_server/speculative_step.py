@@ -30,11 +30,12 @@ def place_drafts(reqs: Sequence[RequestState], drafts: Sequence[Draft]) -> list[
 
 def accept_drafts(reqs: list[RequestState], plan: DraftPlan, counts: list[int], hidden: torch.Tensor,
                   aux: torch.Tensor | None, logits: torch.Tensor, row_starts: list[int], masks: MaskJob | None,
-                  start: int, *, speculator: Speculator, sampler: Sampler, kv_cache: KVCache, reports: TokenReports,
-                  eagle: Eagle3Drafter | None) -> list[StepOutput]:
+                  start: int | None, *, speculator: Speculator, sampler: Sampler, kv_cache: KVCache,
+                  reports: TokenReports, eagle: Eagle3Drafter | None) -> list[StepOutput]:
     """accept → commit over the verified rows (`counts[i]` of request i from `row_starts[i]`: its final hidden
     states, auxiliary ones and logits): the requests with a bad row fail, the speculator accepts a prefix of
-    each other draft by the exact rule (the step timed from `start`), and the tokens are committed and reported."""
+    each other draft by the exact rule (the step timed from `start`, unless None), and the tokens are committed
+    and reported."""
     drafts, methods = plan.drafts, plan.methods
     num_seqs = len(reqs)
     # A verified row's logits are its drafts' too: a request with one bad row fails whole.

@@ -237,16 +237,18 @@ class Speculator:
         self.step_cost.observe(num_sequences, self.agreed_seconds(nanoseconds))
 
     def accept(self, reqs: Sequence[RequestState], plan: DraftPlan, logits: torch.Tensor, row_starts: list[int],
-               sampler: Sampler, kv_cache: KVCache, start_ns: int, num_sequences: int
+               sampler: Sampler, kv_cache: KVCache, start_ns: int | None, num_sequences: int
                ) -> tuple[list[Verdict], torch.Tensor | None]:
         """The exact acceptance rule over the verified rows; returns each request's verdict and, when sampling
-        processed the logits, the distributions the tokens were chosen from."""
+        processed the logits, the distributions the tokens were chosen from. The step, timed from `start_ns`,
+        prices drafts for the controller; None when its forward also ran prompt chunks."""
         verdicts, processed = verify(logits, reqs, plan.drafts, row_starts, sampler)
         # Timed up to the accepted tokens, as plain steps are up to their sampled ones: drawing and checking a
         # token at every verified position is part of what a draft costs (a sampling request's rows most of all).
-        num_drafted = sum(len(d) for d in plan.drafts)
-        seconds = self.agreed_seconds(time.perf_counter_ns() - start_ns)
-        self.step_cost.observe_speculative(num_sequences, seconds, num_drafted)
+        if start_ns is not None:
+            num_drafted = sum(len(d) for d in plan.drafts)
+            seconds = self.agreed_seconds(time.perf_counter_ns() - start_ns)
+            self.step_cost.observe_speculative(num_sequences, seconds, num_drafted)
         compact_accepted_paths(kv_cache, reqs, plan.drafts, verdicts)
         return verdicts, processed
 
