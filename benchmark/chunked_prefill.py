@@ -5,7 +5,7 @@ weights, built on the fly), once per configuration, alternating for `--rounds` r
 large enough for the longest prompt (one prefill), then each of `--chunk-tokens`. In each run `--streams` requests
 generate `--stream-tokens` tokens while `--long-prompts` prompts of `--long-tokens` tokens arrive one after another
 (prefix caching off, so each is prefilled for real). Reports the streams' inter-token latency (median and p99)
-and the long prompts' time to first token.
+and the long prompts' time to first token. `--baseline-tree` runs each configuration from another checkout too.
 
     python benchmark/chunked_prefill.py --rounds 2 --chunk-tokens 256 512 --json benchmark/results/chunked.json
 """
@@ -69,9 +69,9 @@ async def workload(url: str, args: argparse.Namespace, prompts: list[str]) -> di
             "itl_max_ms": 1000 * max(gaps), "long_ttft_median_ms": 1000 * statistics.median(ttfts)}
 
 
-def run_config(model_dir: Path, tmp: Path, budget: int, args: argparse.Namespace) -> dict:
+def run_config(model_dir: Path, tmp: Path, budget: int, args: argparse.Namespace, tree: Path | None) -> dict:
     extra = ["--no-prefix-caching", "--max-batch-prefill-tokens", str(budget), "--max-concurrent-requests", "64"]
-    with served(model_dir, tmp, extra) as url:
+    with served(model_dir, tmp, extra, *([tree] if tree is not None else [])) as url:
         prompts = [long_prompt(url, args.long_tokens, seed) for seed in range(args.long_prompts)]
         asyncio.run(stream(httpx.AsyncClient(), url, "warm up", 4))
         return asyncio.run(workload(url, args, prompts))
@@ -86,10 +86,16 @@ def main() -> None:
     parser.add_argument("--stream-tokens", type=int, default=200)
     parser.add_argument("--long-prompts", type=int, default=3)
     parser.add_argument("--long-tokens", type=int, default=1900)
+    parser.add_argument("--baseline-tree", type=Path,
+                        help="a checkout of another commit: each configuration also runs from it, in turn")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    configs = {"one prefill": args.long_tokens + 50, **{f"chunks of {c}": c for c in args.chunk_tokens}}
+    budgets = {"one prefill": args.long_tokens + 50, **{f"chunks of {c}": c for c in args.chunk_tokens}}
+    configs = {name: (budget, None) for name, budget in budgets.items()}
+    if args.baseline_tree is not None:
+        configs = {f"{name}{label}": (budget, tree) for name, budget in budgets.items()
+                   for label, tree in (("", None), (", baseline", args.baseline_tree))}
     runs: dict[str, list[dict]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
@@ -99,8 +105,8 @@ def main() -> None:
 
             model_dir = build_tiny_model(tmp / "model", "llama", **BENCHMARK_125M)
         for _ in range(args.rounds):
-            for name, budget in configs.items():
-                runs[name].append(run_config(model_dir, tmp, budget, args))
+            for name, (budget, tree) in configs.items():
+                runs[name].append(run_config(model_dir, tmp, budget, args, tree))
                 print(name, json.dumps(runs[name][-1]), flush=True)
     print(f"\n{args.streams} streams decoding while {args.long_prompts} prompts of {args.long_tokens} tokens "
           f"arrive; medians over {args.rounds} rounds\n")
@@ -113,8 +119,9 @@ def main() -> None:
         print(f"| {name} | {median:.1f} | {p99:.1f} | {p99 / median:.1f}x | {ttft:.0f} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json),
-                                                               "model_dir": str(args.model_dir)}, "runs": runs},
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json), "model_dir": str(args.model_dir),
+                                                               "baseline_tree": str(args.baseline_tree)},
+                                         "runs": runs},
                                         indent=2))
 
 
