@@ -70,7 +70,9 @@ async def workload(url: str, args: argparse.Namespace, prompts: list[str]) -> di
 
 
 def run_config(model_dir: Path, tmp: Path, budget: int, args: argparse.Namespace, tree: Path | None) -> dict:
-    extra = ["--no-prefix-caching", "--max-batch-prefill-tokens", str(budget), "--max-concurrent-requests", "64"]
+    # One decode step per call: the streams' gaps are then one per step, not bursts of several tokens at once.
+    extra = ["--no-prefix-caching", "--max-batch-prefill-tokens", str(budget), "--max-concurrent-requests", "64",
+             "--num-scheduler-steps", "1"]
     with served(model_dir, tmp, extra, *([tree] if tree is not None else [])) as url:
         prompts = [long_prompt(url, args.long_tokens, seed) for seed in range(args.long_prompts)]
         asyncio.run(stream(httpx.AsyncClient(), url, "warm up", 4))
