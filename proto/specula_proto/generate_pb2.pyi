@@ -154,16 +154,16 @@ class Request(_message.Message):
     def __init__(self, id: _Optional[int] = ..., inputs: _Optional[str] = ..., input_ids: _Optional[_Iterable[int]] = ..., truncate: _Optional[int] = ..., parameters: _Optional[_Union[NextTokenChooserParameters, _Mapping]] = ..., stopping_parameters: _Optional[_Union[StoppingCriteriaParameters, _Mapping]] = ..., prefill_logprobs: _Optional[bool] = ..., top_n_tokens: _Optional[int] = ..., blocks: _Optional[_Iterable[int]] = ..., adapter_id: _Optional[str] = ..., speculative_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., prefill_until: _Optional[int] = ..., generated_ids: _Optional[_Iterable[int]] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class Tokens(_message.Message):
-    __slots__ = ("ids", "logprobs", "texts", "is_special")
+    __slots__ = ("ids", "logprobs", "texts", "special")
     IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TEXTS_FIELD_NUMBER: _ClassVar[int]
-    IS_SPECIAL_FIELD_NUMBER: _ClassVar[int]
+    SPECIAL_FIELD_NUMBER: _ClassVar[int]
     ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     texts: _containers.RepeatedScalarFieldContainer[str]
-    is_special: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., texts: _Optional[_Iterable[str]] = ..., is_special: _Optional[_Iterable[bool]] = ...) -> None: ...
+    special: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., texts: _Optional[_Iterable[str]] = ..., special: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class GeneratedText(_message.Message):
     __slots__ = ("text", "generated_tokens", "finish_reason", "seed")

@@ -233,5 +233,5 @@ def _generation(g: pb.Generation) -> GenerationOut:
 
 
 def _tokens(tokens: pb.Tokens) -> list[TokenOut]:
-    columns = zip(tokens.ids, tokens.texts, tokens.logprobs, tokens.is_special)
+    columns = zip(tokens.ids, tokens.texts, tokens.logprobs, tokens.special)
     return [TokenOut(i, t, lp, sp) for i, t, lp, sp in columns]

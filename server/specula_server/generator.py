@@ -47,7 +47,7 @@ from specula_server.speculation.draft_model import DraftModelDrafter
 from specula_server.speculation.drafters import Draft
 from specula_server.speculation.eagle3_drafter import Eagle3Drafter
 from specula_server.speculation.speculator import SpeculationConfig, Speculator
-from specula_server.speculative_step import accept_drafts, keep_aux, place_drafts
+from specula_server.speculative_step import accept_drafts, keep_aux
 from specula_server.step_graphs import StepGraphs, capture_all_or_none, default_graph_batch_sizes, unavailable
 from specula_server.step_outputs import (
     StepResult,
@@ -55,7 +55,7 @@ from specula_server.step_outputs import (
     TokenReports,
     commit_prompts,
     commit_sampled,
-    grammar_masks,
+    first_tokens,
     sample,
     screen,
 )
@@ -278,8 +278,9 @@ class TextGenerator:
                 outputs.append(self._drop(r.id, f"request {r.id}: its {r.capacity} KV positions do not cover "
                                                 f"position {r.num_tokens - 1} of this step"))
         ready = [self.requests[i] for i in self._waiting if self.requests[i].grammar.is_ready]
-        if ready:  # their first token, this step; they decode from the next
-            outputs += self._first_tokens(ready)
+        if ready:  # their first token, this step, from the logits their prefill kept; they decode from the next
+            outputs += first_tokens(ready, [self._waiting.pop(r.id) for r in ready], self.sampler, self.reports,
+                                    self.model.config.vocab_size)
         if decoding or chunks:
             outputs += self._run(decoding, [(self.requests[i], until) for i, until in chunks.items()], timings)
         for out in outputs:
@@ -299,7 +300,7 @@ class TextGenerator:
         """The step's forward: every decode (plain, or verifying the drafts the speculator plans) and every prompt
         chunk in one, or one forward each while the decodes replay a CUDA graph (graphs hold decode shapes only)."""
         start = time.perf_counter_ns()
-        decodes = self._decodes(decoding) if decoding else None
+        decodes = Decodes.of(decoding, self.speculator, self.model.config.vocab_size) if decoding else None
         chunks = PromptChunks.of(items, self.model.config.vocab_size) if items else None
         if decodes is not None and chunks is not None and self.graphs is None and self.one_forward:
             reqs = decodes.reqs + chunks.reqs
@@ -347,12 +348,6 @@ class TextGenerator:
         form a CUDA graph replays when one holds it, else the general one."""
         step = self.graphs.build_step(reqs, counts, trees) if self.graphs is not None else None
         return step or build_step(reqs, [r.num_tokens - 1 for r in reqs], counts, self.device, trees)
-
-    def _decodes(self, reqs: list[RequestState]) -> Decodes:
-        """The decoding requests' rows: each its last token, and the drafts the speculator plans for it."""
-        plan = self.speculator.plan(reqs) if self.speculator is not None else None
-        trees = place_drafts(reqs, plan.drafts) if plan is not None else [None] * len(reqs)
-        return Decodes(reqs, plan, trees, grammar_masks(reqs, self.model.config.vocab_size, plan))
 
     def _decoded(self, d: Decodes, hidden: torch.Tensor, aux: torch.Tensor | None, row_starts: list[int],
                  last_rows: torch.Tensor, start: int, timings: StepTimings, observe: bool) -> list[StepOutput]:
@@ -407,17 +402,6 @@ class TextGenerator:
             return self.model.compute_logits(hidden[row_starts[i] : row_starts[i] + reqs[i].prompt_len - 1])
 
         return commit_prompts(reqs, logits, last_hidden, c.masks, self.sampler, self.reports, prompt_logits)
-
-    @torch.inference_mode()
-    def _first_tokens(self, reqs: list[RequestState]) -> list[StepOutput]:
-        """The first token of prompts that waited for their grammar, from the logits their prefill kept."""
-        rows = [self._waiting.pop(r.id) for r in reqs]
-        logits, last_hidden = torch.stack([row for row, _ in rows]), torch.stack([h for _, h in rows])
-        outputs, kept, logits = screen(reqs, logits, [1] * len(reqs), grammar_masks(reqs, self.model.config.vocab_size))
-        if not kept:
-            return outputs
-        chosen = sample(self.sampler, [reqs[i] for i in kept], logits)
-        return outputs + commit_sampled([reqs[i] for i in kept], chosen, last_hidden[kept], self.reports)
 
     # --- speculative decoding -------------------------------------------------------------------------------
 

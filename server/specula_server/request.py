@@ -22,12 +22,13 @@ from specula_server.tokens import IncrementalDetokenizer, StopChecker
 
 @dataclass(frozen=True)
 class TokenInfo:
-    """A token as reported to the router."""
+    """A token as reported to the router: the fields of the wire's `Tokens` columns and of the router's
+    `TokenOut`, in the same order and with the same names."""
 
     id: int
-    logprob: float
     text: str
-    is_special: bool
+    logprob: float  # NaN where undefined (the first prompt token)
+    special: bool
 
 
 @dataclass(frozen=True)
@@ -277,7 +278,7 @@ class RequestState:
             # falls inside `text`; the held-back bytes `finish()` added come after it and are dropped too.
             text_start = len(self.detokenizer.text) - len(text)
             text = text[: self.text_end - text_start]
-        return TokenInfo(token_id, logprob, text, self.detokenizer.is_special(token_id))
+        return TokenInfo(token_id, text, logprob, self.detokenizer.is_special(token_id))
 
     def commit(self, token_ids: Sequence[int], logprobs: Sequence[float],
                top_tokens: Sequence[list[TokenInfo]]) -> StepOutput:

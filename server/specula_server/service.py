@@ -323,7 +323,7 @@ def tokens_to_pb(tokens: list[TokenInfo]) -> pb.Tokens:
         ids=[t.id for t in tokens],
         logprobs=[t.logprob for t in tokens],
         texts=[t.text for t in tokens],
-        is_special=[t.is_special for t in tokens],
+        special=[t.special for t in tokens],
     )
 
 

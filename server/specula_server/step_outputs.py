@@ -125,6 +125,18 @@ def commit_prompts(reqs: Sequence[RequestState], logits: torch.Tensor, last_hidd
     return outputs
 
 
+def first_tokens(reqs: Sequence[RequestState], rows: Sequence[tuple[torch.Tensor, torch.Tensor]], sampler: Sampler,
+                 reports: TokenReports, vocab_size: int) -> list[StepOutput]:
+    """The first token of prompts that waited for their grammar, from the (logits, final hidden state) of the
+    prompt's last position that their prefill kept."""
+    logits, last_hidden = torch.stack([row for row, _ in rows]), torch.stack([h for _, h in rows])
+    outputs, kept, logits = screen(reqs, logits, [1] * len(reqs), grammar_masks(reqs, vocab_size))
+    if not kept:
+        return outputs
+    chosen = sample(sampler, [reqs[i] for i in kept], logits)
+    return outputs + commit_sampled([reqs[i] for i in kept], chosen, last_hidden[kept], reports)
+
+
 class TokenReports:
     """The `TokenInfo`s a step reports besides its tokens (each with its text and whether it is special): the
     top-n alternatives of a chosen token, and the log-probability of every prompt token."""
@@ -137,7 +149,7 @@ class TokenReports:
 
     def infos(self, ids: Sequence[int], logprobs: Sequence[float]) -> list[TokenInfo]:
         return [
-            TokenInfo(t, lp, self.tokenizer.decode([t], skip_special_tokens=False), t in self.special_ids)
+            TokenInfo(t, self.tokenizer.decode([t], skip_special_tokens=False), lp, t in self.special_ids)
             for t, lp in zip(ids, logprobs)
         ]
 

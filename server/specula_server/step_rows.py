@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from specula_server.grammar import MaskJob
 from specula_server.request import RequestState
 from specula_server.speculation.drafters import Draft
-from specula_server.speculation.speculator import DraftPlan
+from specula_server.speculation.speculator import DraftPlan, Speculator
+from specula_server.speculative_step import place_drafts
 from specula_server.step_outputs import grammar_masks
 
 
@@ -27,6 +28,14 @@ class Decodes:
     @property
     def starts(self) -> list[int]:
         return [r.num_tokens - 1 for r in self.reqs]
+
+    @classmethod
+    def of(cls, reqs: list[RequestState], speculator: Speculator | None, vocab_size: int) -> Decodes:
+        """The decoding requests' rows: each its last token, and the drafts `speculator` plans for it, written
+        after it in its token buffer."""
+        plan = speculator.plan(reqs) if speculator is not None else None
+        trees = place_drafts(reqs, plan.drafts) if plan is not None else [None] * len(reqs)
+        return cls(reqs, plan, trees, grammar_masks(reqs, vocab_size, plan))
 
 
 @dataclass

@@ -8,7 +8,7 @@ import torch
 from test_speculation import PROMPTS
 
 from specula_kernels.paged_attention import GroupedAttentionInputs
-from specula_server import generator as generator_module
+from specula_server import step_rows
 from specula_server.batch import build_step
 from specula_server.params import SamplingParams
 from specula_server.request import RequestUpdate
@@ -133,7 +133,7 @@ def test_eagle3_reads_the_auxiliary_rows_of_its_own_request(llama_dir, tmp_path,
         drafted.append([d.tokens.tolist() for d in drafts])
         return place_drafts(reqs, drafts)
 
-    monkeypatch.setattr(generator_module, "place_drafts", recorded)
+    monkeypatch.setattr(step_rows, "place_drafts", recorded)
     one, one_drafts, _ = mixed_run(generator, one_forward=True)
     one_drafted = list(drafted)
     drafted.clear()
