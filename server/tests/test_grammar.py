@@ -208,10 +208,10 @@ def test_speculative_sampling_under_a_grammar_keeps_the_masked_distribution(llam
 def test_the_masked_distribution_test_detects_an_unmasked_draw(llama_dir, abc_prompt, monkeypatch):
     """Verifying against the unmasked distribution (masks applied only to plain steps) fails the same test:
     drafts the grammar allows are then accepted at the rate of the raw model."""
-    import specula_server.generator as generator_module
+    import specula_server.step_rows as step_rows
 
-    original = generator_module.grammar_masks
-    monkeypatch.setattr(generator_module, "grammar_masks",
+    original = step_rows.grammar_masks
+    monkeypatch.setattr(step_rows, "grammar_masks",
                         lambda reqs, vocab_size, plan=None: None if plan is not None else original(reqs, vocab_size))
     plain = load_test_generator(llama_dir, num_blocks=1024)
     spec = load_test_generator(llama_dir, num_blocks=1024, speculative_tokens=3, speculation_mode="fixed")
