@@ -77,7 +77,7 @@ class Admission:
         if self.adapters.is_ready(entry.adapter):
             self._enqueue(entry)
         else:
-            entry.state = EntryState.WAITING_ADAPTER
+            entry.move(EntryState.WAITING_ADAPTER)
             self.waiting.setdefault(entry.adapter, deque()).append(entry)
             self.adapters.request(entry.adapter, entry.request.adapter_source, entry.request.api_token,
                                   entry.request.merge)
@@ -196,12 +196,12 @@ class Admission:
     def requeue(self, entry: Entry) -> None:
         """A preempted request (blocks freed, tokens kept) goes back to the head of the FIFO. It keeps its
         adapter counted as in use. Several preempted in one step: call from the newest to the oldest."""
-        entry.state = EntryState.PREEMPTED
+        entry.move(EntryState.PREEMPTED)
         self.queue.appendleft(entry)
         self.count_waiting()
 
     def _enqueue(self, entry: Entry) -> None:
-        entry.state = EntryState.QUEUED
+        entry.move(EntryState.QUEUED)
         self.queue.append(entry)
         self.adapters.acquire(entry.adapter)
         self._wake.set()
@@ -213,7 +213,7 @@ class Admission:
                 self._enqueue(entry)
             else:
                 event = ErrorEvent(failure.message, failure.error_type, failure.status)
-                entry.state = EntryState.DONE
+                entry.move(EntryState.DONE)
                 self.metrics.observe_end(entry, event, time.monotonic())
                 entry.events.put_nowait(event)  # at once: no step is needed to answer it
         self.count_waiting()

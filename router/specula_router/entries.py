@@ -71,6 +71,18 @@ class EntryState(enum.IntEnum):
     DONE = 5
 
 
+_NEXT = {  # the life cycle: the states each state may move to (`Entry.move`)
+    EntryState.WAITING_ADAPTER: {EntryState.QUEUED, EntryState.DONE},
+    # A new request starts QUEUED and is queued (again QUEUED) or waits for its adapter.
+    EntryState.QUEUED: {EntryState.QUEUED, EntryState.WAITING_ADAPTER, EntryState.PREFILLING, EntryState.RUNNING,
+                        EntryState.DONE},
+    EntryState.PREFILLING: {EntryState.RUNNING, EntryState.PREEMPTED, EntryState.DONE},
+    EntryState.RUNNING: {EntryState.PREEMPTED, EntryState.DONE},
+    EntryState.PREEMPTED: {EntryState.PREFILLING, EntryState.RUNNING, EntryState.DONE},
+    EntryState.DONE: set(),
+}
+
+
 @dataclass(eq=False)
 class Entry:
     id: int
@@ -97,6 +109,12 @@ class Entry:
     last_token_at: float | None = None
     num_generated: int = 0
     num_skipped: int = 0
+
+    def move(self, state: EntryState) -> None:
+        """The one way a request changes state, along its life cycle: the queue side (`Admission`) moves it into
+        and out of the queue, the planner into the workers, the scheduler to DONE."""
+        assert state in _NEXT[self.state], f"request {self.id} cannot go from {self.state.name} to {state.name}"
+        self.state = state
 
     @property
     def adapter(self) -> str:

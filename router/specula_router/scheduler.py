@@ -95,7 +95,7 @@ class Scheduler:
     def submit(self, request: ValidGenerateRequest) -> Entry:
         entry = Entry(next(self._ids), request)
         if self.failure is not None:
-            entry.state = EntryState.DONE
+            entry.move(EntryState.DONE)
             entry.events.put_nowait(ErrorEvent(self.failure, "unhealthy", 503))
             return entry
         self.admission.add(entry)
@@ -132,7 +132,7 @@ class Scheduler:
             return
         else:
             return
-        entry.state = EntryState.DONE
+        entry.move(EntryState.DONE)
         self.metrics.observe_end(entry, event, time.monotonic())
         if event is not None:
             entry.events.put_nowait(event)
@@ -373,7 +373,7 @@ class Scheduler:
             self.admission.remove(entry)
         elif entry.state is not EntryState.WAITING_ADAPTER:
             self.adapters.release(entry.adapter)
-        entry.state = EntryState.DONE
+        entry.move(EntryState.DONE)
         self.planner.leave(entry)
         if isinstance(event, FinalEvent) and entry.blocks:
             # Every token but the last was fed back to the model: their KV is written and may be reused (a

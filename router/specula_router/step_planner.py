@@ -186,7 +186,7 @@ class StepPlanner:
         context_len = len(entry.context_ids)
         if context_len - entry.prefill_sent <= self.config.max_batch_prefill_tokens:
             self.chunking.popleft()
-            entry.state = EntryState.RUNNING
+            entry.move(EntryState.RUNNING)
             until = 0
         else:
             until = entry.prefill_sent + self.chunk_tokens
@@ -215,7 +215,7 @@ class StepPlanner:
         if admitted.long is not None:
             starts.append((admitted.long, admitted.long.num_cached_tokens + self.chunk_tokens))
         for entry, until in starts:
-            entry.state = EntryState.PREFILLING if until else EntryState.RUNNING
+            entry.move(EntryState.PREFILLING if until else EntryState.RUNNING)
             request = entry.new_request(prefill_until=until)
             try:
                 encode_request(request)

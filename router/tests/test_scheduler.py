@@ -814,3 +814,19 @@ def test_speculation_metrics_count_each_decode_step_of_a_call():
     assert value(m.spec_decode_num_accepted_tokens, "ngram", "") == 4
     assert [value(m.spec_decode_accepted_tokens_per_pos, "ngram", "", str(p)) for p in (1, 2, 3)] == [2, 1, 1]
     assert entry.num_skipped == 4
+
+
+def test_a_request_moves_only_along_its_life_cycle():
+    """`Entry.move` is the one writer of a request's state: the moves of its life cycle pass, others fail."""
+    from specula_router.entries import Entry, EntryState
+
+    entry = Entry(1, make_request())
+    for state in (EntryState.WAITING_ADAPTER, EntryState.QUEUED, EntryState.PREFILLING, EntryState.RUNNING,
+                  EntryState.PREEMPTED, EntryState.RUNNING, EntryState.DONE):
+        entry.move(state)
+        assert entry.state is state
+    for start, illegal in ((EntryState.DONE, EntryState.RUNNING), (EntryState.RUNNING, EntryState.QUEUED),
+                           (EntryState.PREEMPTED, EntryState.WAITING_ADAPTER)):
+        entry.state = start
+        with pytest.raises(AssertionError, match=f"from {start.name} to {illegal.name}"):
+            entry.move(illegal)
