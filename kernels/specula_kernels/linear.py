@@ -16,7 +16,7 @@ On CPUs where PyTorch ships oneDNN (every x86 build), the float layers use oneDN
 kernels read, as torch.compile's CPU backend does for frozen weights): float32 batches run faster on it than on
 the column blocks, and bfloat16 faster than float32 on a CPU with native bfloat16 kernels, where bfloat16 through
 plain `matmul` is slower than float32 (`benchmark/linear_kernels.py`; figures in
-docs/benchmarks.md#float-products-on-onednn-and-bfloat16-on-cpu). oneDNN is used for bfloat16 only where
+docs/benchmarks.md#decode-in-the-worker). oneDNN is used for bfloat16 only where
 it reports native support (`torch.ops.mkldnn._is_mkldnn_bf16_supported()`); elsewhere bfloat16 and float16 keep
 the column blocks.
 
@@ -88,7 +88,7 @@ def onednn_supports(dtype: torch.dtype, device: torch.device) -> bool:
 # The row count oneDNN is told to expect when it picks the packed layout (any row count works with any layout).
 # Told 1, it picks a layout for matrix-vector products that float32 batches and speculative verifies pay for,
 # while a single row costs the same either way (`benchmark/linear_kernels.py --pack-hint 1 64`;
-# docs/benchmarks.md#float-products-on-onednn-and-bfloat16-on-cpu). Every hint from 16 to 256 measured alike;
+# docs/benchmarks.md#decode-in-the-worker). Every hint from 16 to 256 measured alike;
 # bfloat16 did not depend on it.
 PACK_ROWS_HINT = 64
 
