@@ -37,10 +37,11 @@ import torch.nn.functional as F
 
 from specula_kernels import native, triton_paged_attention
 
-# Query rows per sequence up to which the native kernel attends. It reads a sequence's keys once per query row
-# (from cache after the first), where SDPA's blocked kernel computes many rows' scores as one product: prompts
-# stay on SDPA.
-NATIVE_MAX_QUERY = 16
+# Query rows per sequence up to which the native kernel attends, and so up to which a step can run as one native
+# call (`decode_layers.py`): a verification of up to 31 drafts, or a short prompt. It reads a sequence's keys once
+# per query row (from cache after the first), where SDPA's blocked kernel computes many rows' scores as one
+# product: longer prompts stay on SDPA.
+NATIVE_MAX_QUERY = 32
 
 
 @dataclass

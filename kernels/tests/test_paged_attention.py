@@ -128,7 +128,8 @@ def random_cache(gen, slots: int, kv_heads: int, head_dim: int):
 def test_native_matches_dense_reference(heads, kv_heads, head_dim):
     gen = torch.Generator().manual_seed(3)
     k_cache, v_cache = random_cache(gen, 200, kv_heads, head_dim)
-    spans = [(9, 1), (40, 1), (5, 3), (0, 1), (17, 16)]  # decode, verify, a first token, the largest native block
+    largest = paged_attention_module.NATIVE_MAX_QUERY
+    spans = [(9, 1), (40, 1), (5, 3), (0, 1), (17, largest)]  # decode, verify, a first token, the largest native block
     tables = [torch.randperm(200, generator=gen)[: s + c] for s, c in spans]
     inputs = build_inputs(spans, tables)
     assert inputs.query_index.shape[1] <= paged_attention_module.NATIVE_MAX_QUERY
@@ -203,8 +204,9 @@ def test_prompts_and_other_dtypes_take_the_pytorch_path(monkeypatch):
     monkeypatch.setattr(paged_attention_module, "_attend_native", lambda *args: calls.append(args))
     gen = torch.Generator().manual_seed(7)
     k_cache, v_cache = random_cache(gen, 64, 2, 16)
-    prompt = build_inputs([(0, paged_attention_module.NATIVE_MAX_QUERY + 1)], [torch.arange(17)])
-    paged_attention(torch.randn(17, 4, 16, generator=gen), k_cache, v_cache, prompt, scale=0.25)
+    rows = paged_attention_module.NATIVE_MAX_QUERY + 1
+    prompt = build_inputs([(0, rows)], [torch.arange(rows)])
+    paged_attention(torch.randn(rows, 4, 16, generator=gen), k_cache, v_cache, prompt, scale=0.25)
     decode = build_inputs([(5, 1)], [torch.arange(6)])
     paged_attention(torch.randn(1, 4, 16, generator=gen).bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), decode,
                     scale=0.25)

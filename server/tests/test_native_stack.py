@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from specula_kernels import native
-from specula_kernels.decode_layers import NativeStack
+from specula_kernels.decode_layers import NativeStack, _groups
 from specula_server.params import SamplingParams
+from specula_server.speculation.drafters import Draft
 from specula_testing.worker import BlockPool, load_test_generator, make_spec, run_steps
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="native kernels unavailable here")
@@ -19,19 +20,21 @@ REQUESTS = [  # (prompt, max_new_tokens, sampling): prompts that repeat give pro
     ([1] + list(range(200, 240)), 16, SamplingParams(do_sample=True, temperature=0.9, top_k=50, seed=1234)),
 ]
 SETTINGS = {"float32": {}, "int8": {"quantize": "int8"}, "int4": {"quantize": "int4", "quantize_group_size": 32},
-            "gguf": {"quantize": "gguf"}}  # a Q4_1 file's own blocks
+            "gguf": {"quantize": "gguf"},  # a Q4_1 file's own blocks
+            "long drafts": {"speculative_tokens": 24}}  # verifications of more than 16 rows a sequence
 
 
 @pytest.fixture(scope="module", params=sorted(SETTINGS))
 def generator(llama_dir, gguf_files, request):
     model = gguf_files["Q4_1"] if request.param == "gguf" else llama_dir
-    return load_test_generator(model, num_blocks=128, speculative_tokens=4, speculation_mode="fixed",
-                               **SETTINGS[request.param])
+    settings = {"speculative_tokens": 4, **SETTINGS[request.param]}
+    return load_test_generator(model, num_blocks=128, speculation_mode="fixed", **settings)
 
 
 def run_batch(generator) -> dict[int, list[tuple[int, float]]]:
     pool = BlockPool(128, 16)
-    specs = [make_spec(i, prompt, pool, max_new_tokens=new, sampling=sampling, lookahead=4)
+    lookahead = generator.speculation.max_tokens
+    specs = [make_spec(i, prompt, pool, max_new_tokens=new, sampling=sampling, lookahead=lookahead)
              for i, (prompt, new, sampling) in enumerate(REQUESTS)]
     tokens: dict[int, list[tuple[int, float]]] = {}
     for output in run_steps(generator, specs):
@@ -42,11 +45,22 @@ def run_batch(generator) -> dict[int, list[tuple[int, float]]]:
 def test_the_stack_gives_the_layers_bits(generator, monkeypatch):
     stack = generator.model._native_stack()
     assert stack is not None
-    calls = []
+    calls, widest = [], []
     run = NativeStack.run
-    monkeypatch.setattr(NativeStack, "run", lambda self, *args: calls.append(args[0].shape[0]) or run(self, *args))
+
+    def counted(self, hidden, cos, sin, kv_caches, attn):
+        calls.append(hidden.shape[0])
+        widest.append(max(group.query_index.shape[1] for _, group in _groups(attn)))
+        return run(self, hidden, cos, sin, kv_caches, attn)
+
+    monkeypatch.setattr(NativeStack, "run", counted)
+    if generator.speculation.max_tokens > 16:  # drafts as long as allowed: the last token again, k times
+        monkeypatch.setattr(generator.speculation.drafter, "propose", lambda requests, most: [
+            Draft(r.history[-1:].repeat(k)) for r, k in zip(requests, most)])
     fused = run_batch(generator)
     assert calls and max(calls) > len(REQUESTS), "no verification step ran on the stack"
+    if generator.speculation.max_tokens > 16:
+        assert max(widest) > 17, "no verification of more than 16 drafts ran on the stack"
     generator.model._stack = None  # the layer-by-layer path
     try:
         layered = run_batch(generator)
