@@ -42,7 +42,6 @@ from specula_server.models.llama import LlamaForCausalLM
 from specula_server.request import InvalidRequestError, RequestSpec, RequestState, RequestUpdate, StepOutput, StepPlan
 from specula_server.request_checks import block_slots, check_new_request, chunk_end
 from specula_server.sampling import Sampler
-from specula_server.speculation.controller import AcceptancePriors, StepCostModel
 from specula_server.speculation.draft_model import DraftModelDrafter
 from specula_server.speculation.drafters import Draft
 from specula_server.speculation.eagle3_drafter import Eagle3Drafter
@@ -107,22 +106,6 @@ class TextGenerator:
         self.graphs: StepGraphs | None = None
         # Decodes and prompt chunks of a step share one forward (False: one forward each, a benchmark's baseline).
         self.one_forward = True
-
-    @property
-    def step_cost(self) -> StepCostModel:
-        """The adaptive controller's cost model (speculation on)."""
-        assert self.speculator is not None
-        return self.speculator.step_cost
-
-    @step_cost.setter
-    def step_cost(self, cost: StepCostModel) -> None:
-        assert self.speculator is not None
-        self.speculator.step_cost = cost
-
-    @property
-    def acceptance_priors(self) -> AcceptancePriors:
-        assert self.speculator is not None
-        return self.speculator.acceptance_priors
 
     def suffix_cache_size(self) -> tuple[int, int]:
         """(tokens, nodes) of suffix decoding's global trees; (0, 0) without it."""

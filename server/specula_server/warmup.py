@@ -70,7 +70,7 @@ def calibrate_step_cost(generator: TextGenerator, sizes: Sequence[int] = (1, 4, 
             start = time.perf_counter_ns()
             generator.step(StepPlan(new=[spec]))  # one token: it ends in this step
             seconds = generator.agreed_seconds(time.perf_counter_ns() - start)  # the same anchors on every rank
-        generator.step_cost.anchor(size, seconds)
+        generator.speculator.step_cost.anchor(size, seconds)
 
 def _warmup_prefill(generator: TextGenerator, max_input_tokens: int, max_prefill_tokens: int,
                     blocks_per_request: int) -> None:

@@ -82,7 +82,7 @@ def plain(llama_dir):
 def with_draft(llama_dir, draft_dir, mode="fixed", tokens=K, **settings):
     generator = load_test_generator(llama_dir, speculative_tokens=tokens, speculation_mode=mode,
                                     speculator=str(draft_dir), **settings)
-    generator.step_cost = memory_bound_costs()
+    generator.speculator.step_cost = memory_bound_costs()
     return generator
 
 

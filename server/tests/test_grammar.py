@@ -78,7 +78,7 @@ def medusa_dir(llama_dir, tmp_path_factory):
 def speculative(llama_dir, **settings):
     generator = load_test_generator(llama_dir, num_blocks=1024, speculative_tokens=4, speculation_mode="fixed",
                                     **settings)
-    generator.step_cost = memory_bound_costs()
+    generator.speculator.step_cost = memory_bound_costs()
     return generator
 
 
@@ -399,7 +399,7 @@ def test_adapters_and_grammars_share_a_batch(llama_dir, tmp_path_factory):
 
     plain_tokens, _ = batch(generator())
     speculating = generator(speculative_tokens=4, speculation_mode="fixed")
-    speculating.step_cost = memory_bound_costs()
+    speculating.speculator.step_cost = memory_bound_costs()
     tokens, outputs = batch(speculating)
     assert tokens == plain_tokens
     for i in (0, 2):

@@ -223,7 +223,7 @@ def test_tree_drafts_compacted_in_an_fp8_cache_stay_exact(llama_dir, generators,
     name, max_new_tokens = "fp8_e4m3", 24
     expected = {i: token_ids(run(generators[name], p, max_new_tokens)) for i, p in enumerate(PROMPTS)}
     generator = load_test_generator(llama_dir, kv_cache_dtype=name, speculative_tokens=4, speculation_mode="fixed")
-    generator.step_cost = memory_bound_costs()
+    generator.speculator.step_cost = memory_bound_costs()
     generator.speculation = generator.speculator.config = type(generator.speculation)(
         OracleTreeDrafter(expected, generator.model.config.vocab_size), max_tokens=8, mode="fixed")
     moved = []

@@ -137,7 +137,7 @@ def plain(llama_dir):
 @pytest.fixture(scope="module")
 def speculative(llama_dir):
     generator = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="fixed")
-    generator.step_cost = memory_bound_costs()
+    generator.speculator.step_cost = memory_bound_costs()
     return generator
 
 

@@ -33,7 +33,7 @@ def medusa_dir(llama_dir, tmp_path_factory):
 
 def speculative(llama_dir, **settings):
     generator = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="fixed", **settings)
-    generator.step_cost = memory_bound_costs()
+    generator.speculator.step_cost = memory_bound_costs()
     return generator
 
 

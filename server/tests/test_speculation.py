@@ -55,7 +55,7 @@ def memory_bound_costs() -> StepCostModel:
 @pytest.fixture(scope="module", params=["fixed", "adaptive"])
 def speculative(llama_dir, request):
     generator = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode=request.param)
-    generator.step_cost = memory_bound_costs()
+    generator.speculator.step_cost = memory_bound_costs()
     return generator
 
 
@@ -387,12 +387,12 @@ def test_anchors_give_the_slope_that_decode_steps_cannot():
 def test_calibration_anchors_the_cost_model(speculative):
     from specula_server.warmup import calibrate_step_cost
 
-    fixed, speculative.step_cost = speculative.step_cost, StepCostModel()
+    fixed, speculative.speculator.step_cost = speculative.speculator.step_cost, StepCostModel()
     try:
         calibrate_step_cost(speculative, sizes=(1, 8, 32), repeats=1)
-        t0, t1 = speculative.step_cost.coefficients()
+        t0, t1 = speculative.speculator.step_cost.coefficients()
     finally:
-        speculative.step_cost = fixed
+        speculative.speculator.step_cost = fixed
     assert t0 > 0 and t1 > 0
 
 
@@ -523,7 +523,7 @@ def test_repeated_declines_back_off_proposing_drafts(llama_dir, plain):
         cost.anchor(n, 0.004 + 0.0001 * n)
     expensive_verification(cost, 4)  # verifying costs four plain steps: 4 drafts can never pay for it
     cost.learning = False  # and stays so
-    spec.step_cost = cost
+    spec.speculator.step_cost = cost
     proposals = []
 
     def propose(reqs, caps):  # drafts every time it is asked
@@ -549,7 +549,7 @@ def test_while_backing_off_only_requests_at_their_first_decode_step_are_asked(ll
         cost.anchor(n, 0.004 + 0.0001 * n)
     expensive_verification(cost, 4)  # verifying costs four plain steps: 4 drafts can never pay for it
     cost.learning = False
-    spec.step_cost = cost
+    spec.speculator.step_cost = cost
     asked: list[list[int]] = []
 
     def propose(reqs, caps):
@@ -579,7 +579,7 @@ def test_the_back_off_grows_past_eight_steps_only_where_asking_costs_more_than_i
         cost.anchor(n, 0.004 + 0.0001 * n)
     expensive_verification(cost, 4)  # 4 drafts never pay for verifying
     cost.learning = False
-    spec.step_cost = cost
+    spec.speculator.step_cost = cost
     now = [0]
     spec.speculator.clock = lambda: now[0]  # the time asking takes is what the drafter says
     asked = []
@@ -640,7 +640,7 @@ def test_confident_drafts_that_fail_stop_being_asked_for(llama_dir, plain):
     cost = StepCostModel(learning=False)  # a draft costs a tenth of a step: worth it above 10% acceptance
     for n in (1, 4, 16, 64):
         cost.anchor(n, 0.004 + 0.0004 * n)
-    spec.step_cost = cost
+    spec.speculator.step_cost = cost
     proposals = []
 
     def propose(reqs, caps):
@@ -673,7 +673,7 @@ def test_a_cost_fit_that_withholds_every_draft_wears_off(llama_dir, plain):
         cost.observe(1, 0.010)
     for d in (3, 1) * 10:  # read as 12 ms per draft: the bar is 1.2, once the fit has grown to it
         cost.observe_speculative(1, 0.010 + 0.012 * d, d)
-    spec.step_cost = cost
+    spec.speculator.step_cost = cost
     assert drafting_bar(1, cost) > 1.0
     prompt = PROMPTS[3]
     expected = token_ids(run(plain, prompt, max_new_tokens=64))
@@ -712,13 +712,13 @@ def test_the_cost_of_a_verifying_step_includes_choosing_its_tokens(llama_dir, mo
     monkeypatch.setattr(speculator_module, "verify", slow_verify)
     spec = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="fixed")
     reported = []
-    real_observe = spec.step_cost.observe_speculative
+    real_observe = spec.speculator.step_cost.observe_speculative
 
     def observe_speculative(num_sequences, seconds, num_drafts):
         reported.append(seconds)
         real_observe(num_sequences, seconds, num_drafts)
 
-    monkeypatch.setattr(spec.step_cost, "observe_speculative", observe_speculative)
+    monkeypatch.setattr(spec.speculator.step_cost, "observe_speculative", observe_speculative)
     outputs = run(spec, PROMPTS[0], max_new_tokens=24)
     assert sum(o.num_drafted for o in outputs) > 0
     assert reported and min(reported) >= slow_by, reported
