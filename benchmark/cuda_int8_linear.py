@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from specula_kernels.quantized_linear import int8_linear, quantize_int8
-from specula_kernels.triton_int8_linear import int8_linear_triton
+from specula_kernels.triton_int8_linear import int8_linear_triton, tiling
 
 
 def time_call(fn, calls: int, repeats: int) -> float:
@@ -59,8 +59,8 @@ def main() -> None:
               "down": (h, args.intermediate), "lm_head": (args.vocab, h)}
     device = torch.device("cuda")
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    print("| product | rows | bfloat16 us | aten int8 us | Triton int8 us | Triton/aten | Triton/bf16 | "
-          "Triton GB/s |\n|---|---|---|---|---|---|---|---|")
+    print("| product | rows | bfloat16 us | aten int8 us | Triton int8 us, unsplit | Triton int8 us (split) | "
+          "Triton/aten | Triton/bf16 | Triton GB/s |\n|---|---|---|---|---|---|---|---|---|")
     results = []
     for name, (out_features, in_features) in shapes.items():
         weight = torch.randn(out_features, in_features, device=device) / in_features**0.5
@@ -73,12 +73,16 @@ def main() -> None:
                                        rtol=2e-2, atol=2e-2)
             bf16 = time_call(lambda: F.linear(x, w16), args.calls, args.repeats)  # noqa: B023
             aten = time_call(lambda: int8_linear(x, q, scale16), args.calls, args.repeats)  # noqa: B023
+            unsplit = time_call(lambda: int8_linear_triton(x, q, scale16, split_k=1),  # noqa: B023
+                                args.calls, args.repeats)
             triton = time_call(lambda: int8_linear_triton(x, q, scale16), args.calls, args.repeats)  # noqa: B023
+            split = tiling(rows, out_features, in_features, device)[2]
             gbps = q.numel() / triton / 1e3
             results.append(dict(product=name, rows=rows, out=out_features, inputs=in_features, bf16_us=bf16,
-                                aten_int8_us=aten, triton_int8_us=triton, triton_gb_per_s=gbps))
-            print(f"| {name} {out_features}x{in_features} | {rows} | {bf16:.1f} | {aten:.1f} | {triton:.1f} | "
-                  f"{triton / aten:.2f} | {triton / bf16:.2f} | {gbps:.0f} |", flush=True)
+                                aten_int8_us=aten, triton_int8_unsplit_us=unsplit, triton_int8_us=triton,
+                                split_k=split, triton_gb_per_s=gbps))
+            print(f"| {name} {out_features}x{in_features} | {rows} | {bf16:.1f} | {aten:.1f} | {unsplit:.1f} | "
+                  f"{triton:.1f} ({split}) | {triton / aten:.2f} | {triton / bf16:.2f} | {gbps:.0f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, results=results), f,

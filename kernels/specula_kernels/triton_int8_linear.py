@@ -10,8 +10,9 @@ end, in float32. The activations are rounded to bfloat16 first, as PyTorch's int
 
 It replaces `aten._weight_int8pack_mm` on CUDA, which is far slower (docs/benchmarks.md, the GPU section). A decode
 step has few rows, so the output columns are cut finely (`BLOCK_N` 32) to give every streaming multiprocessor a share
-of the weight to read. The inputs are not split across programs, so many rows of a long product read slower than
-bfloat16's: left for when a GPU is at hand to tune it.
+of the weight to read. Where the tiles are still too few for the GPU (a narrow output over long inputs, such as the
+MLP's down product), the inputs are split too (`SPLIT_K`): each program sums its share of them into a float32
+workspace, and the shares are added in a fixed order afterwards (no atomics: the result does not depend on timing).
 
 Tested against `int8_linear_reference` in Triton's interpreter on CPU tensors and compiled for GPU targets without
 one (`kernels/tests/test_triton_int8_linear.py`); triton is imported on first launch.
@@ -29,6 +30,7 @@ import torch
 from specula_kernels.sgmv import cdiv, triton_available
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+BLOCK_K = 128  # inputs per step of a program's loop
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -36,10 +38,12 @@ def supports(x: torch.Tensor) -> bool:
     return x.is_cuda and triton_available() and x.dtype in FLOAT_DTYPES
 
 
-def int8_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int8_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, split_k: int | None = None
+                       ) -> torch.Tensor:
     """`x [m, in] @ (q * scale)^T` -> `[m, out]` in `x`'s dtype; `q` int8 `[out, in]`, `scale` `[out]`.
 
-    CUDA tensors, or CPU tensors under the interpreter (`TRITON_INTERPRET=1`).
+    CUDA tensors, or CPU tensors under the interpreter (`TRITON_INTERPRET=1`). `split_k`: how many programs share
+    each tile's inputs (None: chosen for the GPU's size, `_split_k`).
     """
     if not triton_available():
         raise RuntimeError("int8_linear_triton needs the triton package (pip install triton)")
@@ -64,18 +68,39 @@ def int8_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) ->
         x = x.to(torch.bfloat16)
     if x.stride(1) != 1:
         x = x.contiguous()
+    block_m, block_n, auto_split = tiling(m, n, k, x.device)
+    split = max(1, min(split_k if split_k is not None else auto_split, cdiv(k, BLOCK_K)))
+    k_per_split = cdiv(cdiv(k, split), BLOCK_K) * BLOCK_K  # whole input blocks per program
+    split = cdiv(k, k_per_split)
+    partial = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    grid = (cdiv(m, block_m), cdiv(n, block_n), split)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _kernel()[grid](
+            x, q, scale, partial, m, n, k, k_per_split, x.stride(0), q.stride(0), n, m * n,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, UPCAST=not x.is_cuda, SPLIT=split > 1,
+        )
+    if split > 1:  # the shares in a fixed order, then the rows' scales, as the unsplit kernel applies them
+        out.copy_(partial.sum(0).mul_(scale.float()))
+    return out
+
+
+def tiling(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, split of the inputs) for an `[m, k] x [k, n]` product on `device`."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64  # tl.dot takes 16 rows at least
     # Narrow column tiles give few rows many programs; past 32 rows, wide outputs (gate/up, the LM head) read
     # faster in tiles of 64 (benchmark/cuda_int8_linear.py on an H200).
     block_n = 64 if m > 32 and n >= 8192 else 32
-    block_k = 128
-    grid = (cdiv(m, block_m), cdiv(n, block_n))
-    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _kernel()[grid](
-            x, q, scale, out, m, n, k, x.stride(0), q.stride(0), out.stride(0),
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=not x.is_cuda,
-        )
-    return out
+    if device.type != "cuda":
+        return block_m, block_n, 1
+    # About two programs per multiprocessor, each summing at least four blocks of inputs.
+    tiles = cdiv(m, block_m) * cdiv(n, block_n)
+    programs = 2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return block_m, block_n, max(1, min(programs // tiles, k // (4 * BLOCK_K), 8))
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @functools.cache
@@ -86,17 +111,20 @@ def _kernel() -> Any:
 
     @triton.jit
     def int8_linear_kernel(
-        x_ptr, q_ptr, scale_ptr, out_ptr, m, n, k, stride_xm, stride_qn, stride_om,
+        x_ptr, q_ptr, scale_ptr, out_ptr, m, n, k, k_per_split, stride_xm, stride_qn, stride_om, stride_split,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < m
         col_ok = cols < n
+        k_start = tl.program_id(2) * k_per_split
+        k_end = tl.minimum(k_start + k_per_split, k)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(0, k, BLOCK_K):
+        for start in range(k_start, k_end, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
-            k_ok = ks < k
+            k_ok = ks < k_end
             a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
                         mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             codes = tl.load(q_ptr + cols[:, None].to(tl.int64) * stride_qn + ks[None, :],
@@ -105,9 +133,14 @@ def _kernel() -> Any:
                 acc += tl.dot(a.to(tl.float32), tl.trans(codes.to(tl.float32)), input_precision="ieee")
             else:
                 acc += tl.dot(a.to(tl.bfloat16), tl.trans(codes.to(tl.bfloat16)))
-        scales = tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        result = acc * scales[None, :]
-        tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
-                 result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        ok = row_ok[:, None] & col_ok[None, :]
+        if SPLIT:  # this program's share of the sums, unscaled, in its slice of the float32 workspace
+            tl.store(out_ptr + tl.program_id(2).to(tl.int64) * stride_split + rows[:, None].to(tl.int64) * stride_om
+                     + cols[None, :], acc, mask=ok)
+        else:
+            scales = tl.load(scale_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            result = acc * scales[None, :]
+            tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+                     result.to(out_ptr.dtype.element_ty), mask=ok)
 
     return int8_linear_kernel

@@ -49,6 +49,23 @@ def test_triton_case_matches_reference(m, n, k, dtype):
 
 @pytest.mark.cuda
 @needs_triton_device
+@pytest.mark.parametrize("split", [2, 3])
+def test_triton_case_split_inputs_match_reference(split):
+    """The inputs shared among `split` programs (the last one's share shorter, not a whole number of blocks):
+    the same product, and the same from one call to the next."""
+    gen = torch.Generator().manual_seed(split)
+    m, n, k = 20, 48, 3 * 128 + 40
+    q, scale = quantize_int8(torch.randn(n, k, generator=gen))
+    x = torch.randn(m, k, generator=gen)
+    args = (x.to(TRITON_DEVICE), q.to(TRITON_DEVICE), scale.to(TRITON_DEVICE))
+    out = int8_linear_triton(*args, split_k=split)
+    torch.testing.assert_close(out.cpu(), reference(x, q, scale), rtol=1e-4, atol=1e-3)
+    assert torch.equal(int8_linear_triton(*args, split_k=split), out)
+    torch.testing.assert_close(out, int8_linear_triton(*args, split_k=1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+@needs_triton_device
 def test_triton_case_strided_rows_and_no_rows():
     gen = torch.Generator().manual_seed(1)
     q, scale = quantize_int8(torch.randn(48, 64, generator=gen))
@@ -82,23 +99,25 @@ def test_cpu_activations_are_not_served():
 @pytest.mark.skipif(INTERPRETED, reason="this test starts the interpreter itself")
 def test_triton_interpreter():
     """Runs the `test_triton_case*` tests above on CPU tensors under the interpreter."""
-    run_interpreted(__file__, 7, timeout=600)  # every case ran, none skipped
+    run_interpreted(__file__, 9, timeout=600)  # every case ran, none skipped
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter does not compile")
-@pytest.mark.parametrize("dtype,block_m,block_n,arch", [("bf16", 16, 32, 80), ("fp32", 64, 64, 80),
-                                                        ("bf16", 16, 32, 90), ("fp16", 32, 32, 90)])
-def test_kernel_compiles_for_a_gpu(dtype, block_m, block_n, arch):
+@pytest.mark.parametrize("dtype,block_m,block_n,arch,split", [
+    ("bf16", 16, 32, 80, False), ("fp32", 64, 64, 80, True), ("bf16", 16, 32, 90, True), ("fp16", 32, 32, 90, False)])
+def test_kernel_compiles_for_a_gpu(dtype, block_m, block_n, arch, split):
     """Compiles for sm_80 and sm_90 without a GPU: the type checks and lowering the interpreter skips."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernel = kernel_module._kernel()
-    signature = {"x_ptr": f"*{dtype}", "q_ptr": "*i8", "scale_ptr": "*bf16", "out_ptr": f"*{dtype}"}
-    signature |= {name: "i32" for name in ("m", "n", "k", "stride_xm", "stride_qn", "stride_om")}
-    constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "UPCAST": False}
+    out = "*fp32" if split else f"*{dtype}"  # a split writes its shares to a float32 workspace
+    signature = {"x_ptr": f"*{dtype}", "q_ptr": "*i8", "scale_ptr": "*bf16", "out_ptr": out}
+    signature |= {name: "i32" for name in ("m", "n", "k", "k_per_split", "stride_xm", "stride_qn", "stride_om",
+                                           "stride_split")}
+    constexprs = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 128, "UPCAST": False, "SPLIT": split}
     signature |= {name: "constexpr" for name in constexprs}
     assert list(signature) == kernel.arg_names, kernel.arg_names
     compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", arch, 32))
