@@ -92,10 +92,11 @@ def tiling(m: int, n: int, k: int, device: torch.device) -> tuple[int, int, int]
     block_n = 64 if m > 32 and n >= 8192 else 32
     if device.type != "cuda":
         return block_m, block_n, 1
-    # About two programs per multiprocessor, each summing at least four blocks of inputs.
+    # About two programs per multiprocessor, each summing at least 2,048 inputs: adding the shares up costs a
+    # few microseconds, which only long inputs repay (the MLP's down product; benchmark/cuda_int8_linear.py).
     tiles = cdiv(m, block_m) * cdiv(n, block_n)
     programs = 2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
-    return block_m, block_n, max(1, min(programs // tiles, k // (4 * BLOCK_K), 8))
+    return block_m, block_n, max(1, min(programs // tiles, k // (16 * BLOCK_K), 8))
 
 
 @functools.cache
