@@ -11,7 +11,7 @@ end, in float32. The activations are rounded to bfloat16 first, as PyTorch's int
 It replaces `aten._weight_int8pack_mm` on CUDA, which is far slower (docs/benchmarks.md, the GPU section). A decode
 step has few rows, so the output columns are cut finely (`BLOCK_N` 32) to give every streaming multiprocessor a share
 of the weight to read. Where the tiles are still too few for the GPU (a narrow output over long inputs, such as the
-MLP's down product), the inputs are split too (`SPLIT_K`): each program sums its share of them into a float32
+MLP's down product), the inputs are split too (`split_k`): each program sums its share of them into a float32
 workspace, and the shares are added in a fixed order afterwards (no atomics: the result does not depend on timing).
 
 Tested against `int8_linear_reference` in Triton's interpreter on CPU tensors and compiled for GPU targets without
