@@ -125,6 +125,7 @@ def commit_prompts(reqs: Sequence[RequestState], logits: torch.Tensor, last_hidd
     return outputs
 
 
+@torch.inference_mode()
 def first_tokens(reqs: Sequence[RequestState], rows: Sequence[tuple[torch.Tensor, torch.Tensor]], sampler: Sampler,
                  reports: TokenReports, vocab_size: int) -> list[StepOutput]:
     """The first token of prompts that waited for their grammar, from the (logits, final hidden state) of the

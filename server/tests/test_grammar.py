@@ -448,3 +448,36 @@ def test_a_grammar_that_trips_a_limit_later_fails_its_request_with_a_short_messa
     assert "\n" not in errors[0] and "<state>" not in errors[0] and len(errors[0]) < 300
     assert any("too many expressions" in record.getMessage() for record in caplog.records)
     assert re.fullmatch("x+", next(o.generated_text.text for o in outputs if o.request_id == 1 and o.generated_text))
+
+
+def test_a_prompt_whose_grammar_still_compiles_waits_then_decodes_as_if_it_had_not(plain, monkeypatch):
+    """Its prompt runs and keeps its last logits while the grammar compiles, another request decoding meanwhile;
+    once the grammar is ready its first token comes from those logits: the same tokens, log-probabilities and
+    text as with the grammar ready at once."""
+    from specula_server.grammar import RequestGrammar
+
+    def run(steps_compiling: int) -> dict[int, list[tuple[int, float]]]:
+        pool = BlockPool(1024, 16)
+        specs = [make_spec(0, PROMPT, pool, max_new_tokens=10, grammar=regex_grammar(ABC_REGEX)),
+                 make_spec(1, PROMPT[:5], pool, max_new_tokens=10)]
+        ready = RequestGrammar.is_ready
+        compiling = {"steps": steps_compiling}
+        monkeypatch.setattr(RequestGrammar, "is_ready", property(lambda g: compiling["steps"] <= 0 and ready.fget(g)))
+        got: dict[int, list[tuple[int, float]]] = {0: [], 1: []}
+        outputs = step(plain, new=specs)
+        while True:
+            for out in outputs:
+                assert not out.error, out.error
+                got[out.request_id] += [(t.id, t.logprob) for t in out.tokens]
+            if not plain.requests:
+                return got
+            if steps_compiling and compiling["steps"] > 0:
+                assert not got[0] and 0 in plain._waiting  # no token before its grammar is ready
+            compiling["steps"] -= 1
+            outputs = step(plain)
+
+    expected, waited = run(0), run(3)
+    assert [t for t, _ in waited[0]] == [t for t, _ in expected[0]] and len(expected[0]) > 0
+    assert [lp for _, lp in waited[0]] == pytest.approx([lp for _, lp in expected[0]], abs=1e-5)
+    assert waited[1] == expected[1]
+    assert re.fullmatch(ABC_REGEX, plain.tokenizer.decode([t for t, _ in waited[0]]))
