@@ -43,7 +43,7 @@ def int8_linear_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, sp
     """`x [m, in] @ (q * scale)^T` -> `[m, out]` in `x`'s dtype; `q` int8 `[out, in]`, `scale` `[out]`.
 
     CUDA tensors, or CPU tensors under the interpreter (`TRITON_INTERPRET=1`). `split_k`: how many programs share
-    each tile's inputs (None: chosen for the GPU's size, `_split_k`).
+    each tile's inputs (None: as `tiling` chooses for the GPU's size).
     """
     if not triton_available():
         raise RuntimeError("int8_linear_triton needs the triton package (pip install triton)")
