@@ -10,6 +10,7 @@ calls, in the same order, so the two give the same bits (tested); the model deci
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -108,9 +109,12 @@ class NativeStack:
         return self._array
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches,
-            attn: PagedAttentionInputs) -> None:
+            attn: PagedAttentionInputs, visit: Callable[[int, torch.Tensor], None] | None = None,
+            visit_after: Sequence[int] = ()) -> None:
         """Every layer over `hidden` `[rows, hidden]` (float32, contiguous), updated in place; `cos`, `sin` as
-        `RotaryEmbedding.tables` gives them."""
+        `RotaryEmbedding.tables` gives them. `visit(i, hidden)` is called after the first i layers for each i in
+        `visit_after` (0: before any; the number of layers: after the last): the layers between run as one native
+        call each, on the same inputs, so the residual stream is the same as in one call."""
         rows = hidden.shape[0]
         assert hidden.is_contiguous() and hidden.dtype == torch.float32 and hidden.shape[1] == self.hidden
         layers = self._bind(kv_caches)
@@ -134,8 +138,16 @@ class NativeStack:
         step = Step(rows, self.hidden, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
                     self.eps, self.scale, cos2.data_ptr(), sin2.data_ptr(), slots.data_ptr(),
                     ctypes.addressof(attention), len(groups), *(t.data_ptr() for t in scratch))
-        native.library().specula_decode_layers(ctypes.addressof(layers), len(self.layers), ctypes.addressof(step),
-                                               hidden.data_ptr(), torch.get_num_threads())
+        stops = sorted({i for i in visit_after if 0 <= i <= len(self.layers)} | {len(self.layers)})
+        first = 0
+        for stop in stops:
+            if stop > first:
+                native.library().specula_decode_layers(ctypes.addressof(layers) + first * ctypes.sizeof(Layer),
+                                                       stop - first, ctypes.addressof(step), hidden.data_ptr(),
+                                                       torch.get_num_threads())
+                first = stop
+            if visit is not None and stop in visit_after:
+                visit(stop, hidden)
 
 
 def _groups(attn) -> list[tuple[torch.Tensor | None, PagedAttentionInputs]] | None:

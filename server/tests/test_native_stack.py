@@ -4,10 +4,15 @@ int4 and a GGUF file's own blocks; models it cannot run keep the layer-by-layer 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from specula_kernels import native
 from specula_kernels.decode_layers import NativeStack, _groups
+from specula_server.batch import build_step
+from specula_server.kv_cache import KVCache
 from specula_server.params import SamplingParams
 from specula_server.speculation.drafters import Draft
 from specula_testing.worker import BlockPool, load_test_generator, make_spec, run_steps
@@ -48,10 +53,10 @@ def test_the_stack_gives_the_layers_bits(generator, monkeypatch):
     calls, widest = [], []
     run = NativeStack.run
 
-    def counted(self, hidden, cos, sin, kv_caches, attn):
+    def counted(self, hidden, cos, sin, kv_caches, attn, *keeping):
         calls.append(hidden.shape[0])
         widest.append(max(group.query_index.shape[1] for _, group in _groups(attn)))
-        return run(self, hidden, cos, sin, kv_caches, attn)
+        return run(self, hidden, cos, sin, kv_caches, attn, *keeping)
 
     monkeypatch.setattr(NativeStack, "run", counted)
     if generator.speculation.max_tokens > 16:  # drafts as long as allowed: the last token again, k times
@@ -68,6 +73,38 @@ def test_the_stack_gives_the_layers_bits(generator, monkeypatch):
         generator.model._stack = stack
     assert fused == layered
     assert all(len(fused[i]) == new for i, (_, new, _) in enumerate(REQUESTS))
+
+
+def test_auxiliary_states_from_the_stack_are_the_layers_bits(generator, monkeypatch):
+    """The residual stream after chosen layers, which an EAGLE-3 drafter reads: the stack runs the layers between
+    them as one native call each, and gives the layer-by-layer path's bits for them and for the final state."""
+    model = generator.model
+    stack = model._native_stack()
+    ids = torch.tensor(REQUESTS[0][0])
+    step = build_step([SimpleNamespace(token_ids=ids, slots=torch.arange(len(ids)))], [0], [len(ids)],
+                      torch.device("cpu"))
+    num_layers = len(model.layers)
+    layer_ids = (num_layers - 1, 0, num_layers)  # in the order an EAGLE-3 checkpoint may name them
+    runs = []
+    run = NativeStack.run
+    monkeypatch.setattr(NativeStack, "run", lambda self, *args: runs.append(args[-1]) or run(self, *args))
+
+    def forward():
+        kv = KVCache.allocate(4, 16, num_layers, model.num_kv_heads, model.config.head_dim, torch.float32,
+                              torch.device("cpu"))
+        with torch.inference_mode():
+            return model.forward_with_aux(step.input_ids, step.positions, kv.layers, step.attn, None, layer_ids)
+
+    fused_hidden, fused_aux = forward()
+    assert runs == [layer_ids], "the step did not run on the stack"
+    model._stack = None  # the layer-by-layer path
+    try:
+        hidden, aux = forward()
+    finally:
+        model._stack = stack
+    assert torch.equal(fused_hidden, hidden)
+    assert torch.equal(fused_aux, aux)
+    assert not torch.equal(aux[:, : aux.shape[1] // 3], aux[:, aux.shape[1] // 3 : 2 * aux.shape[1] // 3])
 
 
 def test_models_the_stack_cannot_run_keep_the_layers(model_dirs, monkeypatch):

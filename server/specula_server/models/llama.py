@@ -178,13 +178,14 @@ class LlamaForCausalLM(nn.Module):
         what an EAGLE-3 draft layer reads. None without ids."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.tables(positions)
-        if lora is None and not aux_layer_ids:
+        aux = hidden.new_empty(hidden.shape[0], len(aux_layer_ids) * hidden.shape[1]) if aux_layer_ids else None
+        if lora is None:
             stack = self._native_stack()
             if stack is not None and hidden.dtype == torch.float32 and stack.serves(attn, kv_caches):
                 hidden = hidden.contiguous()
-                stack.run(hidden, cos, sin, kv_caches, attn)
-                return self.norm(hidden), None
-        aux = hidden.new_empty(hidden.shape[0], len(aux_layer_ids) * hidden.shape[1]) if aux_layer_ids else None
+                stack.run(hidden, cos, sin, kv_caches, attn,
+                          lambda index, h: self._keep_aux(aux, aux_layer_ids, index, h), aux_layer_ids)
+                return self.norm(hidden), aux
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             self._keep_aux(aux, aux_layer_ids, index, hidden)  # copied: the layer updates its input in place
             hidden = layer(hidden, cos, sin, kv_cache, attn, lora)
