@@ -12,7 +12,9 @@ prefix caching (on by default in all three) saves nothing.
 Measured per concurrency: aggregate completion tokens/s (sum of `usage.completion_tokens` over the level's wall
 time) and the median time to first token (request sent -> first streamed chunk carrying a choice; at
 concurrency above 1 it includes waiting for a batch slot). Greedy outputs are compared prompt by prompt: the
-table reports the fraction of identical completions.
+table reports the fraction of identical completions. `--request whole` asks for each completion in one response
+(no time to first token then), `--request generate` sends Specula's through TGI's `/generate` and the peer's as
+`whole`: the request path users of each API take.
 
 Scheme (2 cores: never both servers at once). A round is one turn of each server; in a turn the server is
 started, warmed up (a few short requests at every concurrency level, on prompts that are not measured), runs every
@@ -326,7 +328,15 @@ class LevelResult:
     completions: dict[int, Completion] = field(default_factory=dict)
 
 
-async def complete(client: httpx.AsyncClient, server: Server, prompt: str, max_tokens: int) -> Completion:
+REQUESTS = ("stream", "whole", "generate")  # how a prompt is sent (`--request`)
+
+
+async def complete(client: httpx.AsyncClient, server: Server, prompt: str, max_tokens: int,
+                   request: str = "stream") -> Completion:
+    """One completion of `prompt`: `stream`ed from `/v1/completions`, or `whole` (one response, no time to first
+    token), or `generate`: TGI's `/generate` where the server has it (Specula), else as `whole`."""
+    if request != "stream":
+        return await complete_whole(client, server, prompt, max_tokens, request)
     body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, server.eos_field: True}
     start = time.perf_counter()
@@ -355,7 +365,30 @@ async def complete(client: httpx.AsyncClient, server: Server, prompt: str, max_t
     return Completion(ttft or float("nan"), text, usage["prompt_tokens"], usage["completion_tokens"])
 
 
-async def run_level(server: Server, prompts: list[str], concurrency: int, max_tokens: int) -> LevelResult:
+async def complete_whole(client: httpx.AsyncClient, server: Server, prompt: str, max_tokens: int,
+                         request: str) -> Completion:
+    if request == "generate" and server.name == "specula":
+        body = {"inputs": prompt, "parameters": {"max_new_tokens": max_tokens, "details": True,
+                                                 "ignore_eos_token": True}}
+        response = await client.post(f"{server.url}/generate", json=body, timeout=1800)
+        if response.status_code != 200:
+            raise RuntimeError(f"{server.name}: HTTP {response.status_code}: {response.text[:500]!r}")
+        result = response.json()
+        details = result["details"]
+        return Completion(float("nan"), result["generated_text"], len(details.get("prefill") or []) or -1,
+                          details["generated_tokens"])
+    body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": False,
+            server.eos_field: True}
+    response = await client.post(f"{server.url}/v1/completions", json=body, timeout=1800)
+    if response.status_code != 200:
+        raise RuntimeError(f"{server.name}: HTTP {response.status_code}: {response.text[:500]!r}")
+    result = response.json()
+    usage = result["usage"]
+    return Completion(float("nan"), result["choices"][0]["text"], usage["prompt_tokens"], usage["completion_tokens"])
+
+
+async def run_level(server: Server, prompts: list[str], concurrency: int, max_tokens: int,
+                    request: str = "stream") -> LevelResult:
     """`concurrency` clients, each sending its share of `prompts` one after another."""
     per_stream = len(prompts) // concurrency
     done: dict[int, Completion] = {}
@@ -364,7 +397,7 @@ async def run_level(server: Server, prompts: list[str], concurrency: int, max_to
         async def stream(c: int) -> None:
             for k in range(per_stream):
                 i = c * per_stream + k
-                done[i] = await complete(client, server, prompts[i], max_tokens)
+                done[i] = await complete(client, server, prompts[i], max_tokens, request)
 
         start = time.perf_counter()
         await asyncio.gather(*(stream(c) for c in range(concurrency)))
@@ -373,10 +406,10 @@ async def run_level(server: Server, prompts: list[str], concurrency: int, max_to
     return LevelResult(tokens / wall, 1000 * statistics.median(c.ttft for c in done.values()), wall, done)
 
 
-def warm_up(server: Server, prompts: list[str], levels: list[int]) -> None:
+def warm_up(server: Server, prompts: list[str], levels: list[int], request: str = "stream") -> None:
     """Short requests at each concurrency level (batch shapes, compiled graphs, allocator), on unmeasured prompts."""
     for c in levels:
-        asyncio.run(run_level(server, prompts[:c], c, 4))
+        asyncio.run(run_level(server, prompts[:c], c, 4, request))
 
 
 # -- the run --------------------------------------------------------------------------------------------------
@@ -398,10 +431,10 @@ def run_turn(name: str, args: argparse.Namespace, model_dir: Path, work: Path, p
         wait_healthy(server, args.startup_timeout)
         startup = time.perf_counter() - start
         print(f"  {name}: healthy after {startup:.1f} s", flush=True)
-        warm_up(server, warm_prompts, args.concurrency)
+        warm_up(server, warm_prompts, args.concurrency, args.request)
         results = {}
         for c in args.concurrency:
-            r = asyncio.run(run_level(server, prompts[c], c, args.max_tokens))
+            r = asyncio.run(run_level(server, prompts[c], c, args.max_tokens, args.request))
             results[c] = r
             print(f"  {name} c={c}: {r.tokens_per_s:.1f} tok/s, TTFT median {r.ttft_median_ms:.0f} ms "
                   f"({len(r.completions)} requests, {r.wall_s:.1f} s)", flush=True)
@@ -505,6 +538,10 @@ def main() -> None:
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--request", choices=REQUESTS, default="stream",
+                        help="stream: /v1/completions streamed (time to first token measured); whole: "
+                             "/v1/completions in one response; generate: Specula's /generate (TGI's), the peer's "
+                             "/v1/completions in one response")
     parser.add_argument("--startup-timeout", type=float, default=900)
     parser.add_argument("--only", choices=("specula", *PEERS), help="run one server only (a check, no comparison)")
     parser.add_argument("--logs", type=Path, help="keep each turn's server log here (default: discarded)")
