@@ -20,6 +20,7 @@ bytes at the bandwidth of a large sum (`worker_decode.measure_bandwidth`).
     python benchmark/decode_profile.py                          # real model, float32, 2 threads
     python benchmark/decode_profile.py --quantize int8 int4     # several precisions, one after another
     python benchmark/decode_profile.py --quantize gguf          # the file's own Q4_1 / Q8_0 blocks
+    python benchmark/decode_profile.py --quantize --eagle3 DIR  # only what an EAGLE-3 drafter's capture costs
 """
 
 from __future__ import annotations
@@ -120,11 +121,11 @@ def instrument(model, timers: Timers) -> dict[str, int]:
     return bytes_read
 
 
-def decode_steps(generator, prompt: list[int], steps: int, timers: Timers | None = None) -> list[float]:
+def decode_steps(generator, prompt: list[int], steps: int, timers: Timers | None = None, **request) -> list[float]:
     """Prefills `prompt` and decodes `steps` tokens one step at a time; returns each decode step's seconds.
-    `timers` run during the decode steps only."""
+    `timers` run during the decode steps only; `request`: more fields of the request (`RequestSpec`)."""
     spec = make_spec(0, prompt, BlockPool(generator.kv_cache.num_blocks, generator.block_size),
-                     max_new_tokens=steps + 1)
+                     max_new_tokens=steps + 1, **request)
     generator.step(StepPlan(new=[spec]))
     times = []
     if timers is not None:
@@ -180,6 +181,34 @@ def profile(model_path: Path, quantize: str | None, args) -> dict:
             "total_bytes": weight_bytes(model) - weight_bytes(model.embed_tokens)}
 
 
+def capture_cost(model_path: Path, args) -> dict[str, list[float]]:
+    """Decode steps of one stream (float32) without a drafter, and with an EAGLE-3 drafter loaded (`--eagle3`) on a
+    request that drafts nothing, so each step only captures the hidden states the drafter reads: on the native
+    stack (one call between captured layers) and layer by layer (how such a server ran every step before). The
+    three take turns, `--rounds` times; returns each one's step seconds."""
+    num_blocks = -(-(args.prompt_tokens + args.steps + 8) // 16) + 1
+    plain = load_test_generator(model_path, num_blocks=num_blocks, dtype="float32")
+    eagle = load_test_generator(model_path, num_blocks=num_blocks, dtype="float32", speculator=str(args.eagle3),
+                                speculative_tokens=4)
+    stack = eagle.model._native_stack()
+    assert stack is not None, "the model does not run on the native stack here"
+    prompt = [1] + [(7 * i) % 4000 + 3 for i in range(args.prompt_tokens - 1)]
+    settings = {"no drafter": (plain, stack), "EAGLE-3 capture, on the stack": (eagle, stack),
+                "EAGLE-3 capture, layer by layer": (eagle, None)}
+    times: dict[str, list[float]] = {name: [] for name in settings}
+    for round_ in range(args.rounds + 1):  # the first round warms up
+        for name, (generator, native_stack) in settings.items():
+            generator.model._stack = native_stack
+            steps = decode_steps(generator, prompt, args.steps if round_ else 8, speculative_tokens=0)
+            if round_:
+                times[name] += steps
+    eagle.model._stack = stack
+    for name, seconds in times.items():
+        print(f"| {name} | {statistics.median(seconds) * 1e3:.2f} | "
+              f"{statistics.median(times['no drafter']) / statistics.median(seconds):.2f} |")
+    return times
+
+
 def report(label: str, result: dict, bandwidth: float, steps: int) -> None:
     step_ms = statistics.median(result["untimed"]) * 1e3
     timed_ms = statistics.median(result["timed"]) * 1e3
@@ -210,12 +239,16 @@ def report(label: str, result: dict, bandwidth: float, steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=REAL_MODEL, help="GGUF file or model directory")
-    parser.add_argument("--quantize", nargs="+", default=["none"], choices=["none", "int8", "int4", "gguf"])
+    parser.add_argument("--quantize", nargs="*", default=["none"], choices=["none", "int8", "int4", "gguf"],
+                        help="precisions to profile (none: float32; an empty list: none)")
     parser.add_argument("--group-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--eagle3", type=Path, help="an EAGLE-3 drafter for the model: also time what capturing the "
+                        "hidden states it reads costs a decode step (float32), against no drafter")
+    parser.add_argument("--rounds", type=int, default=3, help="turns of each setting with --eagle3")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     bandwidth = measure_bandwidth(torch.device("cpu"))
@@ -224,8 +257,14 @@ def main() -> None:
         q = None if quantize == "none" else quantize
         results[quantize] = profile(args.model, q, args)
         report(f"{args.model.name}, {quantize if q else 'float32'}", results[quantize], bandwidth, args.steps)
+    capture = None
+    if args.eagle3:
+        print(f"\n### {args.model.name}, float32, one stream: an EAGLE-3 drafter's capture, {args.rounds} rounds of "
+              f"{args.steps} steps\n| setting | ms/step (median) | speed against no drafter |\n|---|---|---|")
+        capture = capture_cost(args.model, args)
     if args.json:
-        args.json.write_text(json.dumps({"bandwidth": bandwidth, "results": results}, indent=1))
+        args.json.write_text(json.dumps({"bandwidth": bandwidth, "results": results, "eagle3_capture": capture},
+                                        indent=1))
 
 
 if __name__ == "__main__":
