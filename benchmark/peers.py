@@ -505,7 +505,7 @@ def print_table(summary: dict) -> None:
               " `identical` compares empty strings")
     for r in summary["levels"]:
         seen = r["prompt_tokens_seen"]
-        if seen["specula"] != seen[peer]:
+        if seen["specula"] != seen[peer] and -1 not in seen["specula"] + seen[peer]:  # -1: not reported (/generate)
             print(f"WARNING c={r['concurrency']}: prompt token counts differ: {seen}")
         done = r["completion_tokens_seen"]
         if done["specula"] != done[peer]:

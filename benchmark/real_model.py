@@ -19,7 +19,9 @@ Scheme (2 cores: one server at a time). A round starts each setting in turn, war
 runs every kind at every level, and stops it; the order of the settings is reversed every other round. Reported:
 completion tokens/s per (setting, kind, level), the median over rounds; ratios of Specula's settings to each peer
 setting as the median of per-round ratios (paired); and beside every ratio the share of prompts whose answer is
-identical to the answer of the baseline (`specula`, speculation off, float32).
+identical to the answer of the baseline (`specula`, speculation off, float32). With `--stream` the answers are
+streamed, and each cell also records its median time to first token and decode rate after it (a prompt's prefill
+apart from the decode).
 
     python benchmark/real_model.py --settings specula specula-ngram specula-suffix vllm vllm-ngram \\
         llamacpp-f32 llamacpp-f32-ngram --rounds 2 --json benchmark/results/real_model.json
@@ -296,33 +298,64 @@ def start(setting: str, ctx: Context, max_concurrency: int) -> Server:
 # -- the load ---------------------------------------------------------------------------------------------------
 
 
-async def chat(client: httpx.AsyncClient, server: Server, prompt: str, max_tokens: int) -> tuple[str, int]:
+@dataclass
+class Answer:
+    text: str
+    tokens: int
+    ttft: float = float("nan")  # seconds to the first streamed token (`--stream`)
+    seconds: float = float("nan")  # the whole request
+
+    @property
+    def decode_rate(self) -> float:
+        """Tokens per second after the first (`--stream`): the decode alone, without the prompt's prefill."""
+        return (self.tokens - 1) / (self.seconds - self.ttft) if self.tokens > 1 else float("nan")
+
+
+async def chat(client: httpx.AsyncClient, server: Server, prompt: str, max_tokens: int, stream: bool) -> Answer:
     body = {"model": server.model or "tgi", "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "temperature": 0}
-    response = await client.post(f"{server.url}/v1/chat/completions", json=body, timeout=1800)
-    if response.status_code != 200:
-        raise RuntimeError(f"{server.name}: HTTP {response.status_code}: {response.text[:500]}")
-    data = response.json()
-    return data["choices"][0]["message"]["content"], data["usage"]["completion_tokens"]
+    if not stream:
+        response = await client.post(f"{server.url}/v1/chat/completions", json=body, timeout=1800)
+        if response.status_code != 200:
+            raise RuntimeError(f"{server.name}: HTTP {response.status_code}: {response.text[:500]}")
+        data = response.json()
+        return Answer(data["choices"][0]["message"]["content"], data["usage"]["completion_tokens"])
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    begin, ttft, text, tokens = time.perf_counter(), None, "", 0
+    async with client.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=1800) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{server.name}: HTTP {response.status_code}: {(await response.aread())[:500]!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            event = json.loads(line[5:])
+            delta = (event.get("choices") or [{}])[0].get("delta", {}).get("content")
+            if delta and ttft is None:
+                ttft = time.perf_counter() - begin
+            text += delta or ""
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+    return Answer(text, tokens, ttft if ttft is not None else float("nan"), time.perf_counter() - begin)
 
 
-async def run_level(server: Server, prompts: list[str], concurrency: int, max_tokens: int) -> tuple[float, list[str]]:
+async def run_level(server: Server, prompts: list[str], concurrency: int, max_tokens: int,
+                    stream: bool = False) -> tuple[float, list[Answer]]:
     """`concurrency` clients sending their share of `prompts` one after another: (tokens/s, answers)."""
     per_stream = len(prompts) // concurrency
-    answers: dict[int, str] = {}
-    tokens = 0
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=concurrency + 4)) as client:
-        async def stream(c: int) -> None:
-            nonlocal tokens
+    answers: dict[int, Answer] = {}
+    # Streamed, a connection per request: llama-server may close one after a streamed answer, and a request sent
+    # on it as it closes fails (httpx reuses idle connections).
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0 if stream else None)
+    async with httpx.AsyncClient(limits=limits) as client:
+        async def one_stream(c: int) -> None:
             for k in range(per_stream):
                 i = c * per_stream + k
-                answers[i], n = await chat(client, server, prompts[i], max_tokens)
-                tokens += n
+                answers[i] = await chat(client, server, prompts[i], max_tokens, stream)
 
         begin = time.perf_counter()
-        await asyncio.gather(*(stream(c) for c in range(concurrency)))
+        await asyncio.gather(*(one_stream(c) for c in range(concurrency)))
         wall = time.perf_counter() - begin
-    return tokens / wall, [answers[i] for i in range(len(answers))]
+    return sum(a.tokens for a in answers.values()) / wall, [answers[i] for i in range(len(answers))]
 
 
 SPECULATION_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
@@ -360,17 +393,23 @@ def run_turn(setting: str, ctx: Context, prompts: dict[str, dict[int, list[str]]
     try:
         wait_healthy(server, ctx.args.startup_timeout)
         for c in levels:  # warm-up: short answers at every level
-            asyncio.run(run_level(server, prompts["question"][0][:c], c, 8))
+            asyncio.run(run_level(server, prompts["question"][0][:c], c, 8, ctx.args.stream))
         result: dict = {}
         for kind in ctx.args.kinds:
             for c in levels:
                 before = speculation_counters(server)
-                rate, answers = asyncio.run(run_level(server, prompts[kind][c], c, ctx.args.max_tokens))
+                rate, answers = asyncio.run(run_level(server, prompts[kind][c], c, ctx.args.max_tokens,
+                                                      ctx.args.stream))
                 drafting = speculation_report(before, speculation_counters(server))
-                result[f"{kind}/{c}"] = {"tokens_per_s": rate, "answers": answers, **drafting}
+                result[f"{kind}/{c}"] = {"tokens_per_s": rate, "answers": [a.text for a in answers], **drafting}
                 shown = (f", {drafting['verifying_request_steps']:.0f} request steps verified drafts "
                          f"({drafting['drafts_per_verifying_step']:.2f} drafts, {drafting['accepted_per_draft']:.0%} "
                          "accepted)") if drafting else ""
+                if ctx.args.stream:
+                    result[f"{kind}/{c}"] |= {"ttft_ms": 1e3 * statistics.median(a.ttft for a in answers),
+                                              "decode_tokens_per_s": statistics.median(a.decode_rate for a in answers)}
+                    shown += (f"; first token {result[f'{kind}/{c}']['ttft_ms']:.0f} ms, then "
+                              f"{result[f'{kind}/{c}']['decode_tokens_per_s']:.1f} tok/s a request (medians)")
                 print(f"  {setting} {kind} c={c}: {rate:.1f} tok/s{shown}", flush=True)
     finally:
         stop(server)
@@ -424,6 +463,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--requests-per-stream", type=int, default=1)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--stream", action="store_true", help="stream the answers, and report each cell's median "
+                        "time to first token and decode rate after it (tokens/s a request) beside its tokens/s")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--work", type=Path, help="where the float32 directory and requantized GGUFs are kept "
                                                   "(default: a temporary directory)")
