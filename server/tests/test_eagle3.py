@@ -207,8 +207,8 @@ def recorded_logits(drafter: Eagle3Drafter, requests, lengths) -> tuple[list, li
     seen: list[torch.Tensor] = []
     forward = drafter.model.forward
 
-    def recording(*args):
-        logits, state = forward(*args)
+    def recording(*args, **kwargs):
+        logits, state = forward(*args, **kwargs)
         seen.append(logits)
         return logits, state
 
@@ -229,6 +229,7 @@ def test_draft_logits_match_the_reference(variant, checkpoints, llama_dir, model
     tokens = torch.randint(0, model_config.vocab_size, (11,))
     aux = torch.randn(10, num_aux)
     drafts, seen = recorded_logits(drafter, [fake_request(tokens, aux)], [4])
+    assert seen[0].shape[0] == 1  # the catch-up over 10 rows takes the draft head over the last one only
     expected = reference.chain(aux, tokens[1:], torch.arange(10), 4)
     got = torch.stack([seen[0][-1]] + [logits[0] for logits in seen[1:]])
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)

@@ -267,12 +267,17 @@ class Eagle3Model(nn.Module):
         return nn.functional.linear(aux, self.fc)
 
     def forward(self, tokens: torch.Tensor, state: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], attn: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+                kv_caches: list[KVCache], attn: AttentionInputs, rows: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits and output state of every row, or of `rows` only (a catch-up over many rows drafts from
+        each request's last: the draft vocabulary's head over the others would be wasted)."""
         cos, sin = self.rotary.tables(positions)
         embeds = self.embed(tokens).to(state.dtype)
         hidden = self.first(embeds, state, cos, sin, kv_caches[0], attn)
         for layer, kv_cache in zip(self.rest, kv_caches[1:]):
             hidden = layer(hidden, cos, sin, kv_cache, attn)
+        if rows is not None:
+            hidden = hidden[rows]
         normed = self.norm(hidden)
         logits = nn.functional.linear(normed, self.lm_head).float()
         return logits, normed if self.spec.norm_output else hidden

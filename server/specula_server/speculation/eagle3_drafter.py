@@ -223,11 +223,11 @@ class Eagle3Drafter:
         tokens = torch.cat([r.token_ids[s + 1 : s + 1 + c] for r, s, c in zip(requests, starts, counts)])
         aux = [torch.cat(r.eagle_aux) for r in requests]
         logits, state = model(tokens.to(self.device), model.combine(torch.cat([a[:c] for a, c in zip(aux, counts)])),
-                              step.positions, self.kv_cache.layers, step.attn)
+                              step.positions, self.kv_cache.layers, step.attn, rows=step.last_rows)
         for r, a, s, c in zip(requests, aux, starts, counts):
             r.eagle_aux[:] = [a[c:]] if a.shape[0] > c else []
             r.draft_cached = s + c
-        return logits[step.last_rows], state[step.last_rows]
+        return logits, state
 
     @torch.inference_mode()
     def bound_kept_rows(self, requests: Sequence[RequestState]) -> None:
