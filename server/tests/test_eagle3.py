@@ -432,6 +432,51 @@ def test_incremental_drafts_equal_drafts_from_scratch(llama_dir, checkpoints, pl
         assert again == tokens
 
 
+def test_idle_requests_drop_their_rows_and_draft_again(llama_dir, checkpoints, plain, monkeypatch):
+    """A request that drafts nothing for a while (here: its decode steps 3-10 plan no drafts) keeps its rows up to
+    `IDLE_ROWS`, then drops them without running the draft layer over them (their draft entries zeroed); it drafts
+    again afterwards, and its output is plain decoding's."""
+    monkeypatch.setattr(eagle3_drafter, "IDLE_ROWS", 3)
+    generator = with_eagle(llama_dir, checkpoints["echo"])
+    speculator, resumed = generator.speculator, []
+    plan = speculator.plan
+
+    def plan_with_a_pause(reqs):
+        plan_with_a_pause.calls += 1
+        if 3 <= plan_with_a_pause.calls <= 10:
+            return None
+        planned = plan(reqs)
+        if plan_with_a_pause.calls > 10:
+            resumed.append(planned is not None)
+        return planned
+
+    plan_with_a_pause.calls = 0
+    monkeypatch.setattr(speculator, "plan", plan_with_a_pause)
+    run_over, skipped, skipped_slots = set(), set(), []
+    catch_up, skip = Eagle3Drafter._catch_up, Eagle3Drafter._skip
+
+    def recording_catch_up(self, requests, counts):
+        for r, c in zip(requests, counts):
+            run_over.update(range(r.draft_cached, r.draft_cached + c))
+        return catch_up(self, requests, counts)
+
+    def recording_skip(self, requests, counts):
+        for r, c in zip(requests, counts):
+            skipped.update(range(r.draft_cached, r.draft_cached + c))
+            skipped_slots.append(r.slots[r.draft_cached : r.draft_cached + c].clone())
+        return skip(self, requests, counts)
+
+    monkeypatch.setattr(Eagle3Drafter, "_catch_up", recording_catch_up)
+    monkeypatch.setattr(Eagle3Drafter, "_skip", recording_skip)
+    outputs = run(generator, PROMPTS[1], max_new_tokens=40)
+    assert token_ids(outputs) == token_ids(run(plain, PROMPTS[1], max_new_tokens=40))
+    assert len(skipped) >= 4 and not skipped & run_over  # dropped, never run over
+    assert any(resumed), "no drafts after the pause"
+    slots = torch.cat(skipped_slots)
+    for keys, values in generator.draft_model.kv_cache.layers:
+        assert not keys[slots].any() and not values[slots].any()
+
+
 @pytest.mark.parametrize("width", [1, 3])
 def test_seeded_sampling_matches_no_speculation(llama_dir, checkpoints, width):
     plain_gen = load_test_generator(llama_dir)
