@@ -421,6 +421,33 @@ def test_a_draft_is_priced_apart_from_a_sequence():
     assert math.isclose(v0, 0.004, rel_tol=1e-6) and math.isclose(per_draft, 0.00013, rel_tol=1e-6)
     assert all(k > 0 for k in choose_draft_lengths([16] * 32, [0.5] * 32, cost, "adaptive"))
     assert choose_draft_lengths([16] * 32, [0.2] * 32, cost, "adaptive") == [0] * 32  # v0 is not covered
+    assert not cost.plain_is_stale  # steps that cost what the fit says never ask for a plain step
+
+
+def test_a_plain_cost_fitted_at_a_heavier_load_is_measured_again():
+    """32 streams of long summaries (244 ms plain steps), then open questions: a plain step takes 94 ms, a draft
+    adds 2.2 ms, and every step verifies. The verifying steps, faster than the stale P or fitted below it at 0
+    drafts, ask for plain steps, which bring P down to what it is; the price of a draft is measured all along.
+    With excesses raised to 0 (as before), drafts read as free and were verified at 18% acceptance."""
+    cost = StepCostModel()
+    for n in (1, 4, 16, 64):
+        cost.anchor(n, 0.004 + 0.0015 * n)
+    for _ in range(30):
+        cost.observe(32, 0.244)
+    plain_steps = 0
+    for d in (40, 55, 66, 45, 60) * 6:
+        if cost.plain_is_stale:  # as the speculator does: the next step is plain
+            cost.plain_is_stale = False
+            plain_steps += 1
+            cost.observe(32, 0.094)
+            continue
+        cost.observe_speculative(32, 0.094 + 0.0022 * d, d)
+    assert 1 <= plain_steps <= 5
+    assert math.isclose(cost.plain(32), 0.094, rel_tol=0.05)
+    assert math.isclose(cost.verification_cost()[1], 0.0022, rel_tol=0.05)
+    assert choose_draft_lengths([4] * 32, [0.2] * 32, cost, "adaptive") == [0] * 32
+    assert choose_draft_lengths([4] * 32, [0.5] * 32, cost, "adaptive") == [0] * 32  # 0.5 / 2.2 ms < 32 / 94 ms
+    assert all(k > 0 for k in choose_draft_lengths([4] * 32, [0.9] * 32, cost, "adaptive"))
 
 
 def expensive_verification(cost: StepCostModel, num_drafts: int, steps: int = 20) -> None:
@@ -691,6 +718,31 @@ def test_a_cost_fit_that_withholds_every_draft_wears_off(llama_dir, plain):
     verifying = [i for i, o in enumerate(outputs) if o.num_drafted]
     assert verifying and verifying[0] < 30, verifying
     assert len(verifying) >= 8 and verifying[-1] >= len(outputs) - 2, verifying  # once measured, drafts pay
+
+
+def test_a_stale_plain_cost_makes_the_next_step_plain(llama_dir, plain, monkeypatch):
+    """Every verifying step here reports P as stale: the step after each runs without drafts (and is measured),
+    and output is unchanged."""
+    spec = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="adaptive")
+    prompt = PROMPTS[3]
+    expected = token_ids(run(plain, prompt, max_new_tokens=48))
+
+    def propose(reqs, caps):  # the plain output's next tokens
+        return [Draft(torch.tensor(expected[r.num_generated:r.num_generated + cap])) for r, cap in zip(reqs, caps)]
+
+    spec.speculation.drafter.propose = propose
+    cost = spec.speculator.step_cost
+    real_observe = cost.observe_speculative
+
+    def observe_speculative(num_sequences, seconds, num_drafts):
+        real_observe(num_sequences, seconds, num_drafts)
+        cost.plain_is_stale = True
+
+    monkeypatch.setattr(cost, "observe_speculative", observe_speculative)
+    outputs = run(spec, prompt, max_new_tokens=48)
+    assert token_ids(outputs) == expected
+    verifying = [i for i, o in enumerate(outputs) if o.num_drafted]
+    assert len(verifying) >= 3 and all(b - a >= 2 for a, b in zip(verifying, verifying[1:])), verifying
 
 
 def test_the_cost_of_a_verifying_step_includes_choosing_its_tokens(llama_dir, monkeypatch):

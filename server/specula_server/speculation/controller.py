@@ -54,6 +54,8 @@ ASK_BUDGET = 0.005
 LONGEST_PROPOSAL_BACKOFF = 63
 ASK_COST_DECAY = 0.7  # per fruitless ask of every request, the weight of earlier ones in its measured cost
 RETRY_DRIFT = 0.02  # per step without drafts, the fraction of the evidence forgotten (back toward the prior)
+STALE_PLAIN = 0.9  # a verifying step faster than this share of P(S) says P was fitted at a heavier load...
+STALE_KEEP = 0.1  # ...and the plain steps fitted so far keep this weight beside the next one
 
 
 @dataclass
@@ -219,6 +221,9 @@ class StepCostModel:
     decay: float = 0.95
     prior_ratio: float = 1 / 16
     learning: bool = True  # False: the anchors alone (a fixed cost profile, e.g. for reproducible tests)
+    # The last verifying step took less than `STALE_PLAIN` of P(S): the next step should be a plain one, to
+    # measure P at the present load (see `observe_speculative`).
+    plain_is_stale: bool = False
     _anchors: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, N, T, N*N, N*T
     _plain: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, S, T, S*S, S*T
     # weight, d, T, d*d, d*T, S, d*S over verifying steps (T: the step's seconds as counted, after the caps)
@@ -236,11 +241,22 @@ class StepCostModel:
             self._plain = [self.decay * a + x for a, x in zip(self._plain, _point(num_sequences, min(seconds, cap)))]
 
     def observe_speculative(self, num_sequences: int, seconds: float, num_drafts: int) -> None:
-        """A decode step over `num_sequences` sequences that verified `num_drafts` drafts took `seconds`."""
+        """A decode step over `num_sequences` sequences that verified `num_drafts` drafts took `seconds`.
+
+        A verifying step does a plain step's work and more, so one that took clearly less than P(S) says P was
+        fitted at a heavier load: steps got cheaper (shorter contexts after long ones) while every step verified,
+        and P is only measured on plain steps. So does a fit of the verifying steps whose excess at 0 drafts is
+        clearly below 0 (many drafts can hide a stale P in each step's total, not in the fit's intercept). Then
+        `plain_is_stale` is set (the speculator runs the next step plain) and the plain steps fitted so far keep a
+        tenth of their weight, so that measurement counts. Excesses below 0 are kept as they are: the slope over
+        draft counts (the price of a draft) is measured whatever the offset. Raised to 0, as they were, they read
+        every draft as free once P was stale: at 32 streams of open questions after long summaries, drafts
+        accepted at 15-18% were verified at most steps, 0.58x plain decoding
+        (docs/benchmarks.md#suffix-decoding)."""
         if not self.learning:
             return
         plain = self.plain(num_sequences)
-        extra = min(max(seconds - plain, 0.0), MAX_EXTRA_STEPS * plain)
+        extra = min(seconds - plain, MAX_EXTRA_STEPS * plain)
         prior = self.token_cost()
         # A step timed across a pause would otherwise enter the fit at up to four plain steps and, decaying by
         # VERIFY_DECAY per verifying step, raise the price of every draft for a dozen verifying steps (one pause
@@ -253,6 +269,10 @@ class StepCostModel:
         point = (*_point(num_drafts, plain + extra), float(num_sequences), float(num_drafts) * num_sequences)
         self._verify = [VERIFY_DECAY * a + x for a, x in zip(self._verify, point)]
         self._trust = 1.0
+        intercept = self._fitted_verification(prior, clip=False)[0]
+        if (seconds < STALE_PLAIN * plain or intercept < -(1 - STALE_PLAIN) * plain) and not self.plain_is_stale:
+            self.plain_is_stale = True
+            self._plain = [STALE_KEEP * a for a in self._plain]
 
     def declined(self) -> None:
         """A step that could have verified drafts but was judged not worth it. The verification cost is only
@@ -307,9 +327,9 @@ class StepCostModel:
         v0, c = fitted
         return self._trust * v0, min(c, prior) + self._trust * max(c - prior, 0.0)
 
-    def _fitted_verification(self, prior: float) -> tuple[float, float] | None:
+    def _fitted_verification(self, prior: float, clip: bool = True) -> tuple[float, float] | None:
         """(v0, c) as fitted on the verifying steps, before declines scale it down (`prior`: `token_cost()`);
-        None before any."""
+        None before any. `clip=False`: v0 as fitted, below 0 where P(S) is above what verifying steps took."""
         weight, sum_d, sum_t, sum_dd, sum_dt, sum_s, sum_ds = self._verify
         if weight <= 0:
             return None
@@ -323,8 +343,9 @@ class StepCostModel:
         mean_d, mean_v, slope = line
         # Draft counts that did not vary give no slope: the prior, but never more per draft than the measured
         # excess itself (anchors timed on a slower machine would otherwise keep the bar above every request).
-        c = max(slope, 0.0) if slope == slope else min(prior, mean_v / max(mean_d, 1.0))
-        return max(mean_v - c * mean_d, 0.0), c
+        c = max(slope, 0.0) if slope == slope else max(min(prior, mean_v / max(mean_d, 1.0)), 0.0)
+        v0 = mean_v - c * mean_d
+        return (max(v0, 0.0) if clip else v0), c
 
     @property
     def overhead(self) -> float:

@@ -125,6 +125,9 @@ class Speculator:
         return chosen
 
     def _choose(self, reqs: Sequence[RequestState]) -> DraftPlan | None:
+        if self.adaptive and self.step_cost.plain_is_stale:  # P is measured again at this load first
+            self.step_cost.plain_is_stale = False
+            return None
         forced = self._forced(reqs)
         # While backing off, the drafter is asked only for requests at their first decode step, the one after
         # the prefill sampled their first token (new requests may have drafts that pay; asking everyone
