@@ -221,8 +221,8 @@ class StepCostModel:
     decay: float = 0.95
     prior_ratio: float = 1 / 16
     learning: bool = True  # False: the anchors alone (a fixed cost profile, e.g. for reproducible tests)
-    # The last verifying step took less than `STALE_PLAIN` of P(S): the next step should be a plain one, to
-    # measure P at the present load (see `observe_speculative`).
+    # Verifying steps said P(S) is above what steps cost now: the next step should be a plain one, to measure P
+    # at the present load (see `observe_speculative`).
     plain_is_stale: bool = False
     _anchors: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, N, T, N*N, N*T
     _plain: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, S, T, S*S, S*T

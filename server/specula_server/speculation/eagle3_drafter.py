@@ -24,7 +24,7 @@ keeps stays bounded. A request that turned speculation off keeps none.
 Idle requests. Rows that only decode steps kept pile up past `IDLE_ROWS` when a request has not drafted for that
 many steps: its drafts did not pay (the controller backed off, or its estimate stayed below the bar). Running
 the draft layer over them would cost a layer and the fusion of its inputs for every token the request decodes
-while drafting is off (3-5% of a step on the real model at 32 streams, with nothing drafted), so they are dropped
+while drafting is off (3.8% of the worker's time on the real model at 32 streams, nothing drafted), so they are dropped
 instead, all but the last: their draft entries are zeroed and marked cached. When drafting resumes, the draft
 layer attends over zeros there (a key of zeros, a value of zeros): drafts see less context and may be accepted
 less often; output is unchanged. Prompt rows are always run over (the draft layer needs the prompt most).
@@ -240,10 +240,10 @@ class Eagle3Drafter:
 
     @torch.inference_mode()
     def bound_kept_rows(self, requests: Sequence[RequestState]) -> None:
-        """Bounds the rows each request keeps (steps without drafts: a backing-off controller, a bar a request
-        never clears), all but the last row, whose entry the next draft starts from, leaving: idle requests'
-        (decode rows alone, more than `IDLE_ROWS`) are dropped (`_skip`), the others' are run over by the draft
-        layer once more than `MAX_KEPT_ROWS`. What a request keeps stays bounded, and so does its next catch-up."""
+        """Bounds the rows each request keeps while it does not draft (a backing-off controller, a bar it never
+        clears): an idle request's rows (decode steps' alone, more than `IDLE_ROWS`) are dropped (`_skip`), another
+        request's are run over by the draft layer once more than `MAX_KEPT_ROWS`; both keep the last row, whose
+        entry the next draft starts from. What a request keeps stays bounded, and so does its next catch-up."""
         if self.kv_cache is None:
             return
         kept = {r.id: sum(a.shape[0] for a in r.eagle_aux) for r in requests}
