@@ -249,23 +249,24 @@ class Eagle3Drafter:
         kept = {r.id: sum(a.shape[0] for a in r.eagle_aux) for r in requests}
         # The prompt's last row stays kept after its catch-up: from there on every kept row is a decode step's.
         idle = [r for r in requests if kept[r.id] > IDLE_ROWS and r.draft_cached >= r.prompt_len - 1]
-        over = [r for r in requests if kept[r.id] > MAX_KEPT_ROWS and r not in idle]
+        idle_ids = {r.id for r in idle}
+        over = [r for r in requests if kept[r.id] > MAX_KEPT_ROWS and r.id not in idle_ids]
         if over:
             self._catch_up(over, [kept[r.id] - 1 for r in over])
         if idle:
             self._skip(idle, [kept[r.id] - 1 for r in idle])
 
     def _skip(self, requests: Sequence[RequestState], counts: Sequence[int]) -> None:
-        """Drops the first `counts[i]` kept rows of each request without running the draft layer over them: their
-        slots' draft entries become zeros (whatever they held: an earlier chain's entries, another request's)."""
+        """Drops all but the last kept row of each request (`counts[i]` rows) without running the draft layer over
+        them: their slots' draft entries become zeros (whatever they held: an earlier chain's entries, another
+        request's)."""
         slots = torch.cat([r.slots[r.draft_cached : r.draft_cached + c] for r, c in zip(requests, counts)])
         slots = slots.to(self.device)
         for keys, values in self.kv_cache.layers:
             keys.index_fill_(0, slots, 0)
             values.index_fill_(0, slots, 0)
         for r, c in zip(requests, counts):
-            rows = torch.cat(r.eagle_aux)
-            r.eagle_aux[:] = [rows[c:]]
+            r.eagle_aux[:] = [r.eagle_aux[-1][-1:]]
             r.draft_cached += c
 
 
