@@ -78,3 +78,53 @@ def test_without_native_kernels_the_results_are_the_reference(monkeypatch):
     x, delta, weight = torch.randn(4, 64, generator=gen), torch.randn(4, 64, generator=gen), torch.randn(64)
     total, normed = fused.add_rms_norm(x, delta, weight, 1e-5)
     assert torch.equal(total, x + delta) and torch.equal(normed, fused.rms_norm_reference(x + delta, weight, 1e-5))
+
+
+@needs_native
+@pytest.mark.parametrize("rows,vocab", [(1, 49152), (3, 101), (64, 1000), (2, 5)])  # tails; rows for threads
+def test_logit_rows_match_argmax_and_logsumexp(rows, vocab):
+    gen = torch.Generator().manual_seed(4)
+    wide = torch.randn(rows, vocab + 3, generator=gen) * 6
+    logits = wide[:, :vocab]  # rows a stride apart that is not their width
+    finite, argmax, lse = fused.logit_rows(logits)
+    assert finite.all()
+    assert torch.equal(argmax, logits.argmax(dim=-1))
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)
+    assert fused.logit_rows(logits, normalizer=False)[2] is None
+
+
+@needs_native
+def test_logit_rows_take_the_first_of_equal_largest_values_as_argmax():
+    logits = torch.zeros(4, 70)
+    logits[0, [37, 5, 60]] = 2.0  # in different vector lanes: the smallest index wins
+    logits[1, [3, 19]] = 1.0  # in the same lane
+    logits[2, [8, 69]] = 1.0  # one in the scalar tail
+    logits[3] = -1.0  # every value equal
+    assert fused.logit_rows(logits)[1].tolist() == [5, 3, 8, 0] == logits.argmax(dim=-1).tolist()
+
+
+@needs_native
+def test_logit_rows_say_which_rows_are_not_finite():
+    logits = torch.randn(6, 300)
+    logits[1, 17] = float("nan")
+    logits[2, 299] = float("inf")  # in the scalar tail
+    logits[3, 0] = -float("inf")  # -inf is not finite either
+    logits[4] = -float("inf")
+    logits[5, 150] = float("nan")
+    logits[5, 151] = float("inf")
+    finite, _, lse = fused.logit_rows(logits)
+    assert finite.tolist() == [True, False, False, False, False, False]
+    # -inf weighs 0 in the normaliser (a grammar's masked tokens); NaN, +inf or nothing above -inf give NaN
+    assert torch.isnan(lse[[1, 2, 4, 5]]).all()
+    torch.testing.assert_close(lse[[0, 3]], torch.logsumexp(logits[[0, 3]], dim=-1), rtol=1e-6, atol=1e-5)
+
+
+@needs_native
+def test_logit_rows_normalise_over_the_tokens_a_mask_leaves():
+    logits = torch.randn(2, 1000) * 4
+    logits[:, ::3] = -float("inf")
+    logits[1, 997:] = -float("inf")  # in the scalar tail too
+    finite, argmax, lse = fused.logit_rows(logits)
+    assert not finite.any()
+    assert torch.equal(argmax, logits.argmax(dim=-1))
+    torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)

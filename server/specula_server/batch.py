@@ -43,8 +43,10 @@ def build_step(
     the tree's nodes, stored (tokens and KV) at buffer indices `starts[i] + 1 + node` as a chain would be, but
     each node sits at position `starts[i] + depth` and attends to the context and its own ancestors only.
     """
-    if len(requests) > 1 and all(c == 1 for c in counts):
-        return _single_token_step(requests, starts, device)  # a plain decode step: no per-request tensors
+    if all(c == 1 for c in counts):  # a plain decode step
+        if len(requests) == 1:
+            return _one_decode(requests[0], starts[0], device)
+        return _single_token_step(requests, starts, device)  # no per-request tensors
     return _spans_step(requests, starts, counts, device, trees, split)
 
 
@@ -117,6 +119,17 @@ def _spans_step(
     else:
         attn = _attention_inputs(spans, slot_mapping, device, trees)
     return StepInputs(input_ids, positions, attn, (row_ends - 1).to(device), row_starts, list(counts))
+
+
+def _one_decode(r: RequestState, start: int, device: torch.device) -> StepInputs:
+    """`build_step` for one request decoding one token (one stream): views of its buffers and three small
+    constants, the inputs the general path builds (one sequence's one row sees its whole context: no mask) at a
+    fraction of its cost, which was about 1% of a one-stream step of a 135M model."""
+    attn = PagedAttentionInputs(r.slots[start : start + 1], r.slots[: start + 1].unsqueeze(0),
+                                torch.zeros(1, 1, dtype=torch.long, device=device),
+                                torch.ones(1, 1, dtype=torch.bool, device=device), None)
+    return StepInputs(r.token_ids[start : start + 1].to(device), torch.tensor([start], device=device), attn,
+                      torch.zeros(1, dtype=torch.long, device=device), [0], [1])
 
 
 def _single_token_step(requests: Sequence[RequestState], starts: Sequence[int], device: torch.device) -> StepInputs:

@@ -11,7 +11,7 @@ Inside the forward a request's values stay in its own rows: projections and norm
 read each row's own adapter, and attention reads only slots the sequence wrote itself (see
 `batch._padded_slots` for the one place that once broke this).
 
-Cost: two batched reductions over the logits and one read of a bool per step; the per-request work below
+Cost: one pass over the logits and one read of a bool per step; the per-request work below
 runs only when some row is not finite.
 
 Example: a decode step over requests [a, b, c] whose row 1 holds a NaN: `nonfinite_requests(logits,
@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specula_kernels.fused import logit_rows
 from specula_server.request import RequestState, StepOutput
 
 
@@ -33,10 +34,9 @@ def nonfinite_requests(logits: torch.Tensor, counts: Sequence[int]) -> list[int]
 
     `logits` `[sum(counts), vocab]` holds the requests' rows one request after another, `counts[i]` each.
     """
-    # A row is finite iff its largest and smallest values are: max and min propagate NaN, and an infinity is
-    # an extreme. Two vectorised reductions: `isfinite(logits).all(-1)` materialises a bool per logit, which is
-    # far slower on CPU.
-    finite = torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))  # [num_rows]
+    # One pass per row (`fused.logit_rows`: natively, else a row is finite iff its largest and smallest values
+    # are); `isfinite(logits).all(-1)` materialises a bool per logit, which is far slower on CPU.
+    finite = logit_rows(logits, normalizer=False)[0]  # [num_rows]
     if bool(finite.all()):
         return []
     finite_rows = finite.tolist()

@@ -33,9 +33,10 @@ greedy or not; warpers only on sampling rows (setting a warper makes a row sampl
 cumulative mass is over the top-k survivors. Steps 5-7 match transformers' TopK/TopP/TypicalLogitsWarper
 with min_tokens_to_keep=1.
 
-Cost: a batch of plain greedy rows (no penalties, no bias) is one argmax and one logsumexp. Otherwise each step runs
-once on the rows that need it, with per-row parameters as [m, 1] tensors; only the sort-based steps (top-p,
-typical-p) sort, and only their rows. The one per-row Python loop draws one uniform from each row's generator.
+Cost: a batch of plain greedy rows (no penalties, no bias) is one pass over each row (its argmax and logsumexp).
+Otherwise each step runs once on the rows that need it, with per-row parameters as [m, 1] tensors; only the
+sort-based steps (top-p, typical-p) sort, and only their rows. The one per-row Python loop draws one uniform from
+each row's generator.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from specula_kernels.fused import logit_rows
 
 from .params import SamplingParams
 
@@ -171,9 +174,9 @@ def draw_by_inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.
 
 
 def _plain_greedy(logits: torch.Tensor, num_top: int) -> SampleResult:
-    """The common case without materialising [n, vocab] log-probs: argmax, and logits - logsumexp."""
-    log_normalizer = torch.logsumexp(logits, dim=-1)  # [n]
-    token_ids = logits.argmax(dim=-1)  # [n]
+    """The common case without materialising [n, vocab] log-probs: argmax, and logits - logsumexp (one pass per
+    row, `fused.logit_rows`)."""
+    _, token_ids, log_normalizer = logit_rows(logits)  # [n], [n]
     top = logits.topk(num_top, dim=-1)  # [n, num_top]
     return SampleResult(
         token_ids=token_ids,

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from specula_server.batch import _single_token_step, _spans_step
+from specula_server.batch import _one_decode, _single_token_step, _spans_step
 from specula_server.params import FinishReason, SamplingParams
 from specula_server.request import RequestUpdate
 from specula_testing.worker import (
@@ -156,6 +156,25 @@ def test_a_plain_decode_step_builds_the_inputs_the_general_path_builds(generator
         assert fast.row_starts == general.row_starts and fast.counts == general.counts
         for name in ("slot_mapping", "context_slots", "query_index", "query_valid", "mask"):
             assert torch.equal(getattr(fast.attn, name), getattr(general.attn, name)), name
+    finally:
+        generator.reset()
+
+
+def test_one_decoding_request_builds_the_inputs_the_general_path_builds(generator):
+    """One stream's decode step (views of the request's buffers, no mask) against the per-request construction."""
+    pool = BlockPool(128, BLOCK)
+    step(generator, new=[make_spec(0, REQUESTS[2][0], pool, max_new_tokens=8)])
+    step(generator)
+    try:
+        (r,) = generator.requests.values()
+        start = r.num_tokens - 1
+        fast, general = _one_decode(r, start, generator.device), _spans_step([r], [start], [1], generator.device)
+        for name in ("input_ids", "positions", "last_rows"):
+            assert torch.equal(getattr(fast, name), getattr(general, name)), name
+        assert fast.row_starts == general.row_starts == [0] and fast.counts == general.counts == [1]
+        for name in ("slot_mapping", "context_slots", "query_index", "query_valid"):
+            assert torch.equal(getattr(fast.attn, name), getattr(general.attn, name)), name
+        assert fast.attn.mask is None and general.attn.mask is None
     finally:
         generator.reset()
 
