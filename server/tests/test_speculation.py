@@ -774,3 +774,33 @@ def test_the_cost_of_a_verifying_step_includes_choosing_its_tokens(llama_dir, mo
     outputs = run(spec, PROMPTS[0], max_new_tokens=24)
     assert sum(o.num_drafted for o in outputs) > 0
     assert reported and min(reported) >= slow_by, reported
+
+
+def test_a_plain_step_is_priced_without_the_ask_that_found_nothing_worth_verifying(llama_dir, plain, monkeypatch):
+    """A drafter that takes 50 ms to propose drafts the controller then declines: the ask's time is weighed as an
+    ask (the back-off's measured cost), and the plain cost model sees the step without it. Counted as a plain
+    step, a costly first ask (suffix trees built over 32 new prompts) made P three times what a step costs,
+    and drafts look free beside such a P."""
+    import time
+
+    spec = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="adaptive")
+    cost = StepCostModel()
+    for n in (1, 4, 16, 64):
+        cost.anchor(n, 0.004 + 0.0001 * n)
+    expensive_verification(cost, 4)  # the drafts are always declined
+    spec.speculator.step_cost = cost
+    ask_s = 0.05
+
+    def propose(reqs, caps):
+        time.sleep(ask_s)
+        return [Draft(torch.full((cap,), 7)) for cap in caps]
+
+    spec.speculation.drafter.propose = propose
+    plain_steps = []
+    real_observe = cost.observe
+    monkeypatch.setattr(cost, "observe", lambda n, seconds: (plain_steps.append(seconds), real_observe(n, seconds)))
+    outputs = run(spec, PROMPTS[0], max_new_tokens=24)
+    assert token_ids(outputs) == token_ids(run(plain, PROMPTS[0], max_new_tokens=24))
+    assert sum(o.num_drafted for o in outputs) == 0
+    assert len(plain_steps) >= 20 and max(plain_steps) < ask_s, plain_steps  # the test model's steps take ~ms
+    assert spec.speculator._ask_cost is not None and spec.speculator._ask_cost > 5  # in plain steps of ~1-4 ms

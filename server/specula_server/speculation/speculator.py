@@ -93,6 +93,7 @@ class Speculator:
         self._declined_in_a_row = 0  # adaptive: steps whose drafts were all declined, since one verified
         self._steps_without_proposals = 0  # adaptive: plain steps left before drafts are proposed again
         self._ask_cost: float | None = None  # adaptive: what a fruitless ask costs, in plain steps (decayed)
+        self._asked_ns = 0  # how long this step's ask took, when it verifies nothing (not part of a plain step)
         self.clock = time.perf_counter_ns  # times asking (a test's own clock can stand in)
 
     @property
@@ -118,6 +119,7 @@ class Speculator:
     def plan(self, reqs: Sequence[RequestState]) -> DraftPlan | None:
         """propose → choose lengths → draft pending tokens; None when this step verifies nothing (a plain
         step, at a plain step's cost: each request's acceptance estimate then drifts back to the prior)."""
+        self._asked_ns = 0
         chosen = self._choose(reqs)
         if chosen is None:
             for r in reqs:
@@ -169,12 +171,13 @@ class Speculator:
                                        self.config.mode, realism)
         self._granted_at = {r.id: a for r, a, k in zip(reqs, acceptance, lengths) if k}
         if not any(lengths):  # nothing worth verifying
+            self._asked_ns = self.clock() - asked_at
             if backing_off or any(p.available for p in proposals):
                 self.step_cost.declined()
             # Asking costs time whether or not drafts come back: a step that asked and verified nothing backs
             # off too (else a drafter that proposes nothing on novel text is asked at most steps).
             if any(caps):
-                self._verified_nothing(backing_off, self.clock() - asked_at, len(reqs))
+                self._verified_nothing(backing_off, self._asked_ns, len(reqs))
             return None
         self._declined_in_a_row = self._steps_without_proposals = 0
         try:
@@ -236,8 +239,13 @@ class Speculator:
         return drafts
 
     def observe_plain(self, num_sequences: int, nanoseconds: int) -> None:
-        """A plain decode step over `num_sequences` took `nanoseconds` (up to its chosen tokens)."""
-        self.step_cost.observe(num_sequences, self.agreed_seconds(nanoseconds))
+        """A plain decode step over `num_sequences` took `nanoseconds` (up to its chosen tokens), less what asking
+        the drafter took in it when nothing was verified: that is the ask's cost, which the back-off weighs
+        (`proposal_backoff`), not a plain step's. Counted in P, a drafter's first ask for many new requests at
+        once (suffix trees built over their prompts: 565 ms in a step of 32 streams whose forward took 80) raised
+        P(32) threefold; drafts then looked free beside it, and the next steps verified 60-100 drafts at about
+        three times a plain step's cost (docs/speculation.md#the-adaptive-controller)."""
+        self.step_cost.observe(num_sequences, self.agreed_seconds(max(nanoseconds - self._asked_ns, 0)))
 
     def accept(self, reqs: Sequence[RequestState], plan: DraftPlan, logits: torch.Tensor, row_starts: list[int],
                sampler: Sampler, kv_cache: KVCache, start_ns: int | None, num_sequences: int
