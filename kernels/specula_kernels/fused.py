@@ -1,5 +1,6 @@
 """A decoder layer's small operations, one call each: RMS norm (with the residual add before it), SiLU times
-up, and the rotary embedding (`apply_rotary`) with the KV cache write.
+up, and the rotary embedding (`apply_rotary`) with the KV cache write; and after the LM head, what a greedy step
+reads from each row of logits (`logit_rows`: finite or not, argmax, log-normaliser).
 
 On a CPU where the native kernels build (`native.py`, `csrc/fused.cpp`) and for float32 rows, each is one pass
 in C++; elsewhere (other dtypes, accelerators, `SPECULA_NATIVE_KERNELS=0`) the PyTorch operators they stand for,

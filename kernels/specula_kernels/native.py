@@ -5,7 +5,8 @@ Why by hand: the products of a decode step must stream weights at the memory's p
 (`csrc/float_linear.cpp`, `csrc/tiled_linear.cpp` for int8, int4 and a GGUF file's own blocks;
 docs/benchmarks.md#weight-only-quantization); decode attention must read the paged KV cache where it lies, where
 PyTorch's path gathers a dense copy first (`csrc/paged_attention.cpp`); and a layer's small operators (norms,
-rotary, SiLU) cost their dispatch more than their arithmetic at a few rows (`csrc/fused.cpp`). The sources are
+rotary, SiLU) and a greedy step's reductions over its logits cost their dispatch more than their arithmetic at a
+few rows (`csrc/fused.cpp`). The sources are
 plain C++ with vector extensions and OpenMP, built with `-O3 -march=native` by the system's C++ compiler into one
 library in a cache (`$SPECULA_KERNEL_CACHE`, else `~/.cache/specula/kernels`, else a temporary directory), keyed by
 the sources, the compiler and the CPU's feature flags, so a worker compiles it once per machine (a few seconds).
