@@ -22,6 +22,13 @@ With `--quantized`, also the weight-only formats of `--quantize` (int4 in groups
     python benchmark/linear_kernels.py --rows 1 8 32 256 --rounds 7 --quantized
     python benchmark/linear_kernels.py --rows 1 4 8 32 64 --rounds 15 --pack-hint 1 64
     python benchmark/linear_kernels.py --model smollm2 --rows 1 4 8 32 64 350 --rounds 9
+
+With `--baseline-tree DIR`, also the float32 panel kernel built from another checkout's sources, taking turns with
+this tree's (a change to `csrc/` measured in one process):
+
+    git worktree add /tmp/before HEAD~1
+    python benchmark/linear_kernels.py --model smollm2 --rows 1 8 32 --variants "panels fp32" \
+        "panels fp32 (baseline)" --baseline-tree /tmp/before
 """
 
 from __future__ import annotations
@@ -100,6 +107,28 @@ def quantized_variants() -> dict[str, tuple[torch.dtype, callable, callable]]:
     return out
 
 
+def baseline_variant(tree: Path) -> dict[str, tuple[torch.dtype, callable, callable]]:
+    """`panels fp32 (baseline)`: the float32 panel kernel compiled from another checkout's sources (`tree`, e.g. a
+    `git worktree` of the commit before a change to `csrc/`), taking turns with this tree's in one process."""
+    csrc = tree / "kernels" / "specula_kernels" / "csrc"
+    saved = native._SOURCES, native._HEADERS
+    native._SOURCES = tuple(csrc / source.name for source in saved[0])
+    native._HEADERS = tuple(csrc / header.name for header in saved[1])
+    try:
+        lib = native._load()
+    finally:
+        native._SOURCES, native._HEADERS = saved
+
+    def product(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:  # `panel_linear` on the other library
+        own, native._library = native._library, lib
+        try:
+            return panel_linear(x, panels, panels.shape[0] * panels.shape[2])
+        finally:
+            native._library = own
+
+    return {"panels fp32 (baseline)": (torch.float32, pack_panels, product)}
+
+
 def onednn_pack_for(rows: int):
     return lambda w: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows)
 
@@ -135,6 +164,8 @@ def main() -> None:
     parser.add_argument("--pack-hint", type=int, nargs="*", default=[],
                         help=f"also float32 oneDNN weights packed for these row counts (default {PACK_ROWS_HINT})")
     parser.add_argument("--variants", nargs="+", help="only these variants (names as in the table's header)")
+    parser.add_argument("--baseline-tree", type=Path, help="also `panels fp32 (baseline)`: the float32 panel kernel "
+                        "built from this checkout's kernel sources (a change to them measured in one process)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     global SHAPES
@@ -143,9 +174,14 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(o, i, generator=gen) * 0.02 for o, i in SHAPES]
     kinds = variants(args.quantized, args.pack_hint)
+    if args.baseline_tree:
+        kinds |= baseline_variant(args.baseline_tree)
     if args.variants:
         kinds = {name: kind for name, kind in kinds.items() if name in args.variants}
-    packed = {name: [pack(w.to(dtype)) for w in weights] for name, (dtype, pack, _) in kinds.items()}
+    packed = {name: [pack(w.to(dtype)) for w in weights] for name, (dtype, pack, _) in kinds.items()
+              if name != "panels fp32 (baseline)"}
+    if "panels fp32 (baseline)" in kinds:  # the same tensors: two copies of the weights read at different speeds
+        packed["panels fp32 (baseline)"] = packed.get("panels fp32") or [pack_panels(w) for w in weights]
     results: dict[int, dict[str, float]] = {}
     print(f"{len(SHAPES)} products per token, {args.threads} threads, median of {args.rounds} alternating rounds "
           f"(ms); oneDNN bfloat16 native: {onednn_supports(torch.bfloat16, torch.device('cpu'))}")

@@ -123,8 +123,8 @@ def _spans_step(
 
 def _one_decode(r: RequestState, start: int, device: torch.device) -> StepInputs:
     """`build_step` for one request decoding one token (one stream): views of its buffers and three small
-    constants, the inputs the general path builds (one sequence's one row sees its whole context: no mask) at a
-    fraction of its cost, which was about 1% of a one-stream step of a 135M model."""
+    constants, the inputs the general path builds (one sequence's one row sees its whole context: no mask) in a
+    third of its time: 0.07 ms, where its 0.2 ms were 1-3% of a one-stream step of the 135M real model."""
     attn = PagedAttentionInputs(r.slots[start : start + 1], r.slots[: start + 1].unsqueeze(0),
                                 torch.zeros(1, 1, dtype=torch.long, device=device),
                                 torch.ones(1, 1, dtype=torch.bool, device=device), None)

@@ -26,13 +26,20 @@ namespace {
 constexpr int kPanel = 2 * kLanes;           // weight rows per panel: two vectors of outputs
 constexpr int kRows = kLanes == 16 ? 12 : 6;  // x rows per register block
 constexpr int64_t kChunk = 96;               // x rows per pass over the panels
+constexpr int kPrefetchRows = 3;             // blocks of fewer rows leave the weights' stream to the hardware
 
-// MB rows of x against one panel; `cols` of its kPanel outputs are stored.
+// MB rows of x against one panel; `cols` of its kPanel outputs are stored. `ahead`: the panel's input k + ... of
+// weights to prefetch at input k (see `float_panel_rows`).
 template <int MB>
-void block(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t N, int64_t cols) {
+void block(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t N, int64_t cols,
+           const float* ahead) {
   vfloat lo[MB], hi[MB];
   for (int i = 0; i < MB; ++i) lo[i] = hi[i] = vfloat{};
   for (int64_t k = 0; k < K; ++k) {
+    if (MB >= kPrefetchRows) {  // an input's kPanel weights: one line with AVX2, two with AVX-512
+      __builtin_prefetch(ahead + k * kPanel);
+      if (kLanes == 16) __builtin_prefetch(ahead + k * kPanel + kLanes);
+    }
     const vfloat w0 = vload(panel + k * kPanel), w1 = vload(panel + k * kPanel + kLanes);
     for (int i = 0; i < MB; ++i) {
       const vfloat xv = vsplat(x[i * K + k]);
@@ -52,20 +59,31 @@ void block(const float* x, int64_t K, const float* panel, const float* bias, flo
 
 template <int MB = kRows>
 void rows(int64_t mb, const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
-          int64_t cols) {
+          int64_t cols, const float* ahead) {
   if constexpr (MB > 1) {
-    if (mb < MB) return rows<MB - 1>(mb, x, K, panel, bias, y, N, cols);
+    if (mb < MB) return rows<MB - 1>(mb, x, K, panel, bias, y, N, cols, ahead);
   }
-  block<MB>(x, K, panel, bias, y, N, cols);
+  block<MB>(x, K, panel, bias, y, N, cols, ahead);
 }
 
 }  // namespace
 
-// Rows x [M, K] against one panel [K][kPanel]: `cols` outputs of each row, at y + row * N.
+// Rows x [M, K] against one panel [K][kPanel]: `cols` outputs of each row, at y + row * N; `next_panel`: the one
+// this thread reads next from memory, or null.
+//
+// Prefetching: the first block of rows reads the panel from memory and prefetches its own lines kAhead inputs on;
+// the later blocks read it again from the caches and meanwhile prefetch `next_panel`, so that a batch's weights
+// stream while the blocks after the first compute.
+// Without it a step of 8 rows took about the memory's time plus the multiply-adds' (docs/benchmarks.md).
 void float_panel_rows(const float* x, int64_t M, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
-                      int64_t cols) {
-  for (int64_t m0 = 0; m0 < M; m0 += kRows) rows(M - m0 < kRows ? M - m0 : kRows, x + m0 * K, K, panel, bias,
-                                                  y + m0 * N, N, cols);
+                      int64_t cols, const float* next_panel) {
+  constexpr int64_t kAhead = 32;  // inputs (2 KB with AVX2)
+  // One row, its own call: inlined into the loop below, a decode step's one row ran 3-5% slower (the same code).
+  if (M == 1) return block<1>(x, K, panel, bias, y, N, cols, nullptr);
+  for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+    const float* ahead = m0 == 0 || !next_panel ? panel + kAhead * kPanel : next_panel;
+    rows(M - m0 < kRows ? M - m0 : kRows, x + m0 * K, K, panel, bias, y + m0 * N, N, cols, ahead);
+  }
 }
 
 // x [M, K]; panels [ceil(N / kPanel)][K][kPanel]; bias [N] or null -> y [M, N]; float32, rows contiguous.
@@ -79,7 +97,8 @@ void float_linear_team(const float* x, int64_t M, int64_t K, const float* panels
       const int64_t n0 = p * kPanel, cols = N - n0 < kPanel ? N - n0 : kPanel;
       const float* panel = panels + p * K * kPanel;
       const float* b = bias ? bias + n0 : nullptr;
-      float_panel_rows(x + chunk * K, end - chunk, K, panel, b, y + chunk * N + n0, N, cols);
+      float_panel_rows(x + chunk * K, end - chunk, K, panel, b, y + chunk * N + n0, N, cols,
+                       p + 1 < num_panels ? panel + K * kPanel : nullptr);
     }
   }
 }

@@ -14,8 +14,9 @@
 //                           and the log of the softmax's normaliser (what greedy decoding reports a token with)
 //
 // The last is not a layer's but the step's: after the LM head a greedy step ran five PyTorch reductions over each
-// row of logits (the finite check's max and min, argmax, logsumexp, a gather), 0.3-0.4 ms a step at one row of a
-// 49,152-token vocabulary, where one pass here takes a few tens of microseconds.
+// row of logits (the finite check's max and min, argmax, logsumexp, a gather), about 0.5 ms of a one-stream step
+// on a 49,152-token vocabulary with the calls around them and 2.7 ms for 32 rows, where one pass here takes
+// 0.08 ms and 0.6 ms (docs/benchmarks.md#the-steps-work-around-the-model).
 //
 // Rounding: the rotary embedding is the same multiplies and add as `fused.apply_rotary`, bit for bit
 // (this file is compiled without fused multiply-adds of the compiler's making, by the pragmas below); the norm's

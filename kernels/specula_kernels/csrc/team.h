@@ -22,7 +22,7 @@ void paged_attention_team(const float* query, int64_t query_stride, const float*
 void float_linear_team(const float* x, int64_t M, int64_t K, const float* panels, const float* bias, int64_t N,
                        float* y);
 void float_panel_rows(const float* x, int64_t M, int64_t K, const float* panel, const float* bias, float* y, int64_t N,
-                      int64_t cols);
+                      int64_t cols, const float* next_panel);
 void int8_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int64_t N, float* y);
 void q4_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int32_t bias, int64_t group, int64_t N,
                     float* y);

@@ -232,7 +232,8 @@ void tiles_team(const float* x, int64_t M, int64_t K, int64_t N, float* y, const
         const int64_t p = 2 * t + q;
         if (!cols(p)) continue;
         decode_panel(panel(t, q), K, w.data());
-        float_panel_rows(x + chunk * K, rows, K, w.data(), nullptr, y + chunk * N + p * kPanel, N, cols(p));
+        float_panel_rows(x + chunk * K, rows, K, w.data(), nullptr, y + chunk * N + p * kPanel, N, cols(p),
+                         nullptr);
       }
     }
   }
