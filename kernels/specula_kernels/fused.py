@@ -105,23 +105,24 @@ def rotary_and_cache(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_
     return qkv[:, :q_size].view(tokens, num_heads, head_dim)
 
 
-def logit_rows(logits: torch.Tensor, normalizer: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """`[rows, vocab]` logits -> `(finite, argmax, log_normalizer)`, each `[rows]`: whether the row has no NaN nor
-    infinity (bool), the first index of its largest value (long, as `argmax`; meaningful for finite rows) and,
-    when `normalizer`, `logsumexp` of the row (float32; -inf values, a grammar's masked tokens, weigh 0; NaN where
-    the row has a NaN or a +inf or nothing above -inf), else None.
+def logit_rows(logits: torch.Tensor, finite: bool = True, argmax: bool = True, normalizer: bool = True
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """`[rows, vocab]` logits -> `(finite, argmax, log_normalizer)`, each `[rows]` where asked for, else None:
+    whether the row has no NaN nor infinity (bool), the first index of its largest value (long, as `argmax`;
+    meaningful for finite rows) and `logsumexp` of the row (float32; -inf values, a grammar's masked tokens, weigh 0;
+    NaN where the row has a NaN or a +inf or nothing above -inf).
 
-    One native pass per row where the kernels serve the logits (CPU, float32), else the PyTorch reductions."""
+    One native pass per row where the kernels serve the logits (CPU, float32), else the PyTorch reductions of what
+    is asked for (on an accelerator, no more kernels than the caller needs)."""
     lib = _library(logits) if logits.dim() == 2 else None
     if lib is None:
-        finite = torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1))
-        lse = torch.logsumexp(logits.float(), dim=-1) if normalizer else None
-        return finite, logits.argmax(dim=-1), lse
+        return (torch.isfinite(logits.amax(dim=-1)) & torch.isfinite(logits.amin(dim=-1)) if finite else None,
+                logits.argmax(dim=-1) if argmax else None,
+                torch.logsumexp(logits.float(), dim=-1) if normalizer else None)
     rows, vocab = logits.shape
-    finite = torch.empty(rows, dtype=torch.bool)
-    argmax = torch.empty(rows, dtype=torch.long)
-    lse = torch.empty(rows, dtype=torch.float32) if normalizer else None
-    lib.specula_logit_rows(logits.data_ptr(), logits.stride(0), rows, vocab, finite.data_ptr(), argmax.data_ptr(),
-                           None if lse is None else lse.data_ptr(), torch.get_num_threads())
-    return finite, argmax, lse
+    out = (torch.empty(rows, dtype=torch.bool) if finite else None,
+           torch.empty(rows, dtype=torch.long) if argmax else None,
+           torch.empty(rows, dtype=torch.float32) if normalizer else None)
+    lib.specula_logit_rows(logits.data_ptr(), logits.stride(0), rows, vocab,
+                           *(None if t is None else t.data_ptr() for t in out), torch.get_num_threads())
+    return out

@@ -90,7 +90,8 @@ def test_logit_rows_match_argmax_and_logsumexp(rows, vocab):
     assert finite.all()
     assert torch.equal(argmax, logits.argmax(dim=-1))
     torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)
-    assert fused.logit_rows(logits, normalizer=False)[2] is None
+    only_finite = fused.logit_rows(logits, argmax=False, normalizer=False)  # the others not written
+    assert only_finite[0].all() and only_finite[1] is None and only_finite[2] is None
 
 
 @needs_native
@@ -128,3 +129,13 @@ def test_logit_rows_normalise_over_the_tokens_a_mask_leaves():
     assert not finite.any()
     assert torch.equal(argmax, logits.argmax(dim=-1))
     torch.testing.assert_close(lse, torch.logsumexp(logits, dim=-1), rtol=1e-6, atol=1e-5)
+
+
+def test_without_native_kernels_logit_rows_reduce_only_what_is_asked(monkeypatch):
+    monkeypatch.setattr(native, "library", lambda: None)
+    logits = torch.randn(3, 50)
+    logits[1, 7] = float("nan")
+    finite, argmax, lse = fused.logit_rows(logits, argmax=False)
+    assert finite.tolist() == [True, False, True] and argmax is None
+    assert torch.allclose(lse, torch.logsumexp(logits, dim=-1), rtol=0, atol=0, equal_nan=True)
+    assert fused.logit_rows(logits, finite=False, normalizer=False)[::2] == (None, None)

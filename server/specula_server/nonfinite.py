@@ -36,7 +36,7 @@ def nonfinite_requests(logits: torch.Tensor, counts: Sequence[int]) -> list[int]
     """
     # One pass per row (`fused.logit_rows`: natively, else a row is finite iff its largest and smallest values
     # are); `isfinite(logits).all(-1)` materialises a bool per logit, which is far slower on CPU.
-    finite = logit_rows(logits, normalizer=False)[0]  # [num_rows]
+    finite = logit_rows(logits, argmax=False, normalizer=False)[0]  # [num_rows]
     if bool(finite.all()):
         return []
     finite_rows = finite.tolist()

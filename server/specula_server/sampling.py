@@ -176,7 +176,7 @@ def draw_by_inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor) -> torch.
 def _plain_greedy(logits: torch.Tensor, num_top: int) -> SampleResult:
     """The common case without materialising [n, vocab] log-probs: argmax, and logits - logsumexp (one pass per
     row, `fused.logit_rows`)."""
-    _, token_ids, log_normalizer = logit_rows(logits)  # [n], [n]
+    _, token_ids, log_normalizer = logit_rows(logits, finite=False)  # [n], [n]
     top = logits.topk(num_top, dim=-1)  # [n, num_top]
     return SampleResult(
         token_ids=token_ids,

@@ -98,8 +98,9 @@ void rotary_cache_team(float* qkv, int64_t qkv_stride, int64_t tokens, int64_t n
   }
 }
 
-// Row r of `logits` (`stride` apart, `vocab` wide): finite[r] (no NaN, no infinity), argmax[r] (the first index of
-// the largest value, as torch.argmax; meaningful only for finite rows) and, where `log_normalizer` is given,
+// Row r of `logits` (`stride` apart, `vocab` wide), each output written where its pointer is given: finite[r] (no
+// NaN, no infinity), argmax[r] (the first index of the largest value, as torch.argmax; meaningful only for finite
+// rows) and log_normalizer[r],
 // log(sum(exp(x))) as max + log(sum(exp(x - max))), where -inf values (tokens a grammar masked) weigh exactly 0
 // and a NaN, a +inf or a row of -inf alone give NaN.
 void logit_rows_team(const float* logits, int64_t stride, int64_t rows, int64_t vocab, uint8_t* finite,
@@ -132,8 +133,8 @@ void logit_rows_team(const float* logits, int64_t stride, int64_t rows, int64_t 
       has_nan |= x[i] != x[i];
       if (x[i] > top) top = x[i], at = i;
     }
-    finite[r] = nonfinite == 0.0f;
-    argmax[r] = at;
+    if (finite) finite[r] = nonfinite == 0.0f;
+    if (argmax) argmax[r] = at;
     if (!log_normalizer) continue;
     if (has_nan || !std::isfinite(top)) {
       log_normalizer[r] = NAN;

@@ -90,7 +90,7 @@ def verify(
     ]
     plain = all(row.params.is_plain_greedy for row in rows)
     logprobs = None if plain else sampler.process(logits.float(), rows)  # [n, vocab]
-    argmax = (logit_rows(logits, normalizer=False)[1] if plain else logprobs.argmax(dim=-1)).tolist()
+    argmax = (logit_rows(logits, finite=False, normalizer=False)[1] if plain else logprobs.argmax(dim=-1)).tolist()
 
     # Every request emits at least the root's token: those draws are made together, as a plain step makes
     # them (each with the request's own generator, so still one draw per emitted token, in order).
@@ -140,7 +140,7 @@ def _fill_logprobs(verdicts: list[Verdict], logits: torch.Tensor, logprobs: torc
     all_tokens = torch.tensor([t for v in verdicts for t in v.token_ids], device=logits.device)
     if logprobs is None:
         chosen = logits[all_rows].float()
-        values = chosen.gather(1, all_tokens[:, None]).squeeze(1) - logit_rows(chosen)[2]
+        values = chosen.gather(1, all_tokens[:, None]).squeeze(1) - logit_rows(chosen, finite=False, argmax=False)[2]
     else:
         values = logprobs[all_rows, all_tokens]
     flat = values.tolist()
