@@ -23,8 +23,8 @@ With `--quantized`, also the weight-only formats of `--quantize` (int4 in groups
     python benchmark/linear_kernels.py --rows 1 4 8 32 64 --rounds 15 --pack-hint 1 64
     python benchmark/linear_kernels.py --model smollm2 --rows 1 4 8 32 64 350 --rounds 9
 
-With `--baseline-tree DIR`, also the float32 panel kernel built from another checkout's sources, taking turns with
-this tree's (a change to `csrc/` measured in one process):
+With `--baseline-tree DIR`, also the native kernels (float32 panels, int8, int4) built from another checkout's
+sources, taking turns with this tree's on the same weights (a change to `csrc/` measured in one process):
 
     git worktree add /tmp/before HEAD~1
     python benchmark/linear_kernels.py --model smollm2 --rows 1 8 32 --variants "panels fp32" \
@@ -108,8 +108,9 @@ def quantized_variants() -> dict[str, tuple[torch.dtype, callable, callable]]:
 
 
 def baseline_variant(tree: Path) -> dict[str, tuple[torch.dtype, callable, callable]]:
-    """`panels fp32 (baseline)`: the float32 panel kernel compiled from another checkout's sources (`tree`, e.g. a
-    `git worktree` of the commit before a change to `csrc/`), taking turns with this tree's in one process."""
+    """`panels fp32 (baseline)`, `int8 native (baseline)` and `int4 native (baseline)`: the native kernels compiled
+    from another checkout's sources (`tree`, e.g. a `git worktree` of the commit before a change to `csrc/`), taking
+    turns with this tree's in one process, on the same packed weights."""
     csrc = tree / "kernels" / "specula_kernels" / "csrc"
     saved = native._SOURCES, native._HEADERS
     native._SOURCES = tuple(csrc / source.name for source in saved[0])
@@ -126,7 +127,9 @@ def baseline_variant(tree: Path) -> dict[str, tuple[torch.dtype, callable, calla
         finally:
             native._library = own
 
-    return {"panels fp32 (baseline)": (torch.float32, pack_panels, product)}
+    return {"panels fp32 (baseline)": (torch.float32, pack_panels, product),
+            "int8 native (baseline)": (torch.float32, None, lambda x, p: int8_linear_native(lib, x, *p)),
+            "int4 native (baseline)": (torch.float32, None, lambda x, p: int4_linear_native(lib, x, p[0], GROUP, p[1]))}
 
 
 def onednn_pack_for(rows: int):
@@ -164,8 +167,9 @@ def main() -> None:
     parser.add_argument("--pack-hint", type=int, nargs="*", default=[],
                         help=f"also float32 oneDNN weights packed for these row counts (default {PACK_ROWS_HINT})")
     parser.add_argument("--variants", nargs="+", help="only these variants (names as in the table's header)")
-    parser.add_argument("--baseline-tree", type=Path, help="also `panels fp32 (baseline)`: the float32 panel kernel "
-                        "built from this checkout's kernel sources (a change to them measured in one process)")
+    parser.add_argument("--baseline-tree", type=Path, help="also `panels fp32 (baseline)`, `int8 native (baseline)` "
+                        "and `int4 native (baseline)`: the native kernels built from this checkout's sources (a "
+                        "change to them measured in one process)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     global SHAPES
@@ -178,10 +182,15 @@ def main() -> None:
         kinds |= baseline_variant(args.baseline_tree)
     if args.variants:
         kinds = {name: kind for name, kind in kinds.items() if name in args.variants}
+    # A baseline multiplies its variant's tensors: two copies of the weights read at different speeds.
+    twins = {f"{name} (baseline)": name for name in ("panels fp32", "int8 native", "int4 native")}
     packed = {name: [pack(w.to(dtype)) for w in weights] for name, (dtype, pack, _) in kinds.items()
-              if name != "panels fp32 (baseline)"}
-    if "panels fp32 (baseline)" in kinds:  # the same tensors: two copies of the weights read at different speeds
-        packed["panels fp32 (baseline)"] = packed.get("panels fp32") or [pack_panels(w) for w in weights]
+              if name not in twins}
+    for baseline, twin in twins.items():
+        if baseline in kinds and twin not in packed:
+            packed[twin] = [variants(True)[twin][1](w) for w in weights]
+        if baseline in kinds:
+            packed[baseline] = packed[twin]
     results: dict[int, dict[str, float]] = {}
     print(f"{len(SHAPES)} products per token, {args.threads} threads, median of {args.rounds} alternating rounds "
           f"(ms); oneDNN bfloat16 native: {onednn_supports(torch.bfloat16, torch.device('cpu'))}")

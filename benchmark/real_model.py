@@ -52,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -215,14 +216,18 @@ def level_size(c: int, per_stream: int) -> int:
     return max(3, c * per_stream)
 
 
-def make_prompts(levels: list[int], per_stream: int) -> dict[str, dict[int, list[str]]]:
-    """Distinct prompts per kind and level, and at level 0 the warm-up prompts no level uses."""
+def make_prompts(levels: list[int], per_stream: int, kinds: Sequence[str] = KINDS
+                 ) -> dict[str, dict[int, list[str]]]:
+    """Distinct prompts per kind (of `kinds`) and level, and at level 0 the warm-up prompts no level uses."""
     total = sum(level_size(c, per_stream) for c in levels) + max(levels)
-    every = {"rewrite": rewrite_prompts(total), "summary": summary_prompts(total),
-             "question": (QUESTIONS * (total // len(QUESTIONS) + 1))[:total]}
-    if total > len(QUESTIONS):  # repeated questions would hit prefix caches: make each distinct
+    every = {}
+    if "rewrite" in kinds:
+        every["rewrite"] = rewrite_prompts(total)
+    if "summary" in kinds:
+        every["summary"] = summary_prompts(total)
+    if "question" in kinds:  # repeated questions would hit prefix caches: each is made distinct
         every["question"] = [q if i < len(QUESTIONS) else f"{q} Answer as if to a child of {5 + i // len(QUESTIONS)}."
-                             for i, q in enumerate(every["question"])]
+                             for i, q in enumerate((QUESTIONS * (total // len(QUESTIONS) + 1))[:total])]
     prompts: dict[str, dict[int, list[str]]] = {}
     for kind, texts in every.items():
         prompts[kind], base = {0: texts[-max(levels):]}, 0  # level 0: the warm-up prompts
@@ -393,7 +398,7 @@ def run_turn(setting: str, ctx: Context, prompts: dict[str, dict[int, list[str]]
     try:
         wait_healthy(server, ctx.args.startup_timeout)
         for c in levels:  # warm-up: short answers at every level
-            asyncio.run(run_level(server, prompts["question"][0][:c], c, 8, ctx.args.stream))
+            asyncio.run(run_level(server, prompts[ctx.args.kinds[-1]][0][:c], c, 8, ctx.args.stream))
         result: dict = {}
         for kind in ctx.args.kinds:
             for c in levels:
@@ -494,7 +499,7 @@ def main() -> None:
         float_dir = write_float_dir(gguf, work / "float32") if any(
             SETTINGS[s][0] == "vllm" for s in args.settings) else work
         ctx = Context(args, gguf, float_dir, work)
-        prompts = make_prompts(args.concurrency, args.requests_per_stream)
+        prompts = make_prompts(args.concurrency, args.requests_per_stream, args.kinds)
         rounds: list[dict[str, dict]] = []
         for r in range(args.rounds):
             order = args.settings if r % 2 == 0 else list(reversed(args.settings))
