@@ -355,7 +355,8 @@ class TextGenerator:
             self.speculator.observe_plain(len(reqs), time.perf_counter_ns() - start)
         outputs += commit_sampled([reqs[i] for i in kept], chosen, last_hidden[kept], self.reports)
         if self.eagle is not None:
-            self.eagle.bound_kept_rows([r for r in reqs if not r.is_finished])
+            live = [r for r in reqs if not r.is_finished]
+            self.eagle.bound_kept_rows(live, self.speculator.could_draft(live) if self.speculator else None)
         return outputs
 
     def _prefilled(self, c: PromptChunks, hidden: torch.Tensor, aux: torch.Tensor | None, row_starts: list[int],

@@ -61,7 +61,8 @@ def accept_drafts(reqs: list[RequestState], plan: DraftPlan, counts: list[int], 
                                                                                  len(out.tokens)), method
         outputs.append(out)
     if eagle is not None:
-        eagle.bound_kept_rows([r for r in reqs if not r.is_finished])
+        live = [r for r in reqs if not r.is_finished]
+        eagle.bound_kept_rows(live, speculator.could_draft(live))
     return outputs
 
 

@@ -477,6 +477,53 @@ def test_idle_requests_drop_their_rows_and_draft_again(llama_dir, checkpoints, p
         assert not keys[slots].any() and not values[slots].any()
 
 
+def test_could_draft_follows_the_controllers_bar(llama_dir, checkpoints):
+    """`Speculator.could_draft`: in adaptive mode a request could be granted drafts when its acceptance estimate
+    clears the bar of the batch's size (`S * c / P(S)`); in fixed mode always."""
+    from specula_server.speculation.controller import AcceptanceEstimate
+
+    likely, unlikely = (SimpleNamespace(acceptance=AcceptanceEstimate(successes=s, failures=f),
+                                        spec=SimpleNamespace(adapter_id="")) for s, f in
+                        ((9.0, 1.0), (1.0, 9.0)))  # estimates 0.82 and 0.18 (the prior weighs two trials)
+    speculator = with_eagle(llama_dir, checkpoints["echo"], mode="adaptive").speculator
+    for c, expected in ((0.0, [True, True]), (0.5 * speculator.step_cost.plain(2) / 2, [True, False])):
+        speculator.step_cost.verification_cost = lambda c=c: (0.0, c)  # bar 0, then 0.5
+        assert speculator.could_draft([likely, unlikely]) == expected
+    assert with_eagle(llama_dir, checkpoints["echo"]).speculator.could_draft([unlikely]) == [True]
+
+
+def test_rows_of_requests_that_could_not_draft_are_dropped_not_run_over(llama_dir, checkpoints, plain, monkeypatch):
+    """While the controller could not grant a request drafts at the batch's load (`Speculator.could_draft`), the
+    rows it keeps past `MAX_KEPT_ROWS`, its prompt's included, are dropped (entries zeroed), never run over by the
+    draft layer; once it could, it drafts again over what it keeps, and its output is plain decoding's."""
+    monkeypatch.setattr(eagle3_drafter, "MAX_KEPT_ROWS", 4)
+    generator = with_eagle(llama_dir, checkpoints["echo"])
+    speculator, steps = generator.speculator, []
+    plan, could_draft = speculator.plan, speculator.could_draft
+    monkeypatch.setattr(speculator, "plan", lambda reqs: plan(reqs) if len(steps) > 8 else None)
+
+    def could_not_at_first(reqs):
+        steps.append(None)
+        return [False] * len(reqs) if len(steps) <= 8 else could_draft(reqs)
+
+    monkeypatch.setattr(speculator, "could_draft", could_not_at_first)
+    run_over, skipped = [], []
+    catch_up, skip = Eagle3Drafter._catch_up, Eagle3Drafter._skip
+    monkeypatch.setattr(Eagle3Drafter, "_catch_up", lambda self, requests, counts: run_over.append(
+        (len(steps), requests[0].draft_cached)) or catch_up(self, requests, counts))
+    monkeypatch.setattr(Eagle3Drafter, "_skip", lambda self, requests, counts: skipped.append(
+        (requests[0].draft_cached, counts[0], requests[0].slots[requests[0].draft_cached:][: counts[0]].clone()))
+        or skip(self, requests, counts))
+    outputs = run(generator, PROMPTS[1], max_new_tokens=24)
+    assert token_ids(outputs) == token_ids(run(plain, PROMPTS[1], max_new_tokens=24))
+    assert skipped and skipped[0][0] == 0 and skipped[0][1] >= 4  # the prompt's rows, from its first
+    assert all(step > 8 for step, _ in run_over), "run over while it could not draft"
+    assert sum(o.num_drafted for o in outputs) > 0, "no drafts once it could"
+    for keys, values in generator.draft_model.kv_cache.layers:
+        for _, _, slots in skipped:
+            assert not keys[slots].any() and not values[slots].any()
+
+
 @pytest.mark.parametrize("width", [1, 3])
 def test_seeded_sampling_matches_no_speculation(llama_dir, checkpoints, width):
     plain_gen = load_test_generator(llama_dir)

@@ -27,7 +27,9 @@ the draft layer over them would cost a layer and the fusion of its inputs for ev
 while drafting is off (3.8% of the worker's time on the real model at 32 streams, nothing drafted), so they are dropped
 instead, all but the last: their draft entries are zeroed and marked cached. When drafting resumes, the draft
 layer attends over zeros there (a key of zeros, a value of zeros): drafts see less context and may be accepted
-less often; output is unchanged. Prompt rows are always run over (the draft layer needs the prompt most).
+less often; output is unchanged. A prompt's rows are run over (the draft layer needs the prompt most) unless,
+when the request's rows pass `MAX_KEPT_ROWS`, the controller could not grant it drafts at that load (its
+acceptance estimate below the bar of the batch's size): then they are dropped as an idle request's are.
 
 The chain's entries (slots N - 1 ..) are never marked cached: after verification the next catch-up rewrites
 them from the target's states for the tokens it accepted. Drafts are the draft layer's argmax for every
@@ -239,22 +241,28 @@ class Eagle3Drafter:
         return logits, state
 
     @torch.inference_mode()
-    def bound_kept_rows(self, requests: Sequence[RequestState]) -> None:
+    def bound_kept_rows(self, requests: Sequence[RequestState], could_draft: Sequence[bool] | None = None) -> None:
         """Bounds the rows each request keeps while it does not draft (a backing-off controller, a bar it never
         clears): an idle request's rows (decode steps' alone, more than `IDLE_ROWS`) are dropped (`_skip`), another
-        request's are run over by the draft layer once more than `MAX_KEPT_ROWS`; both keep the last row, whose
-        entry the next draft starts from. What a request keeps stays bounded, and so does its next catch-up."""
+        request's are run over by the draft layer once more than `MAX_KEPT_ROWS`, unless the controller could not
+        grant it drafts at this load (`could_draft[i]` false, `Speculator.could_draft`): then they are dropped too,
+        prompt rows included. Both keep the last row, whose entry the next draft starts from. What a request keeps
+        stays bounded, and so does its next catch-up."""
         if self.kv_cache is None:
             return
         kept = {r.id: sum(a.shape[0] for a in r.eagle_aux) for r in requests}
+        could = {r.id: True for r in requests} if could_draft is None else {
+            r.id: c for r, c in zip(requests, could_draft)}
         # The prompt's last row stays kept after its catch-up: from there on every kept row is a decode step's.
         idle = [r for r in requests if kept[r.id] > IDLE_ROWS and r.draft_cached >= r.prompt_len - 1]
         idle_ids = {r.id for r in idle}
         over = [r for r in requests if kept[r.id] > MAX_KEPT_ROWS and r.id not in idle_ids]
-        if over:
-            self._catch_up(over, [kept[r.id] - 1 for r in over])
-        if idle:
-            self._skip(idle, [kept[r.id] - 1 for r in idle])
+        run_over = [r for r in over if could[r.id]]
+        dropped = idle + [r for r in over if not could[r.id]]
+        if run_over:
+            self._catch_up(run_over, [kept[r.id] - 1 for r in run_over])
+        if dropped:
+            self._skip(dropped, [kept[r.id] - 1 for r in dropped])
 
     def _skip(self, requests: Sequence[RequestState], counts: Sequence[int]) -> None:
         """Drops all but the last kept row of each request (`counts[i]` rows) without running the draft layer over

@@ -116,6 +116,16 @@ class Speculator:
         room = min(r.capacity, self.max_positions) - r.num_tokens
         return max(0, min(cap, remaining, room))
 
+    def could_draft(self, reqs: Sequence[RequestState]) -> list[bool]:
+        """Per request of a batch of `reqs`, whether the controller could grant it drafts at this batch size: its
+        acceptance estimate clears the bar (`drafting_bar`), as `_ask_caps` asks; always in fixed mode. What a
+        drafter keeps for later drafts (EAGLE-3's rows) need not be worked on for requests that could not."""
+        if not self.adaptive:
+            return [True] * len(reqs)
+        bar = drafting_bar(len(reqs), self.step_cost)
+        drafter = self.config.drafter
+        return [r.acceptance.estimate(self.acceptance_priors.value(drafter.method_for(r))) > bar for r in reqs]
+
     def plan(self, reqs: Sequence[RequestState]) -> DraftPlan | None:
         """propose → choose lengths → draft pending tokens; None when this step verifies nothing (a plain
         step, at a plain step's cost: each request's acceptance estimate then drifts back to the prior)."""
