@@ -181,6 +181,7 @@ class RequestState:
     # EAGLE-3: the target's auxiliary hidden states (`[n, A * hidden]` tensors, in order) of the positions from
     # draft_cached on that the draft layer has not run over yet (see speculation/eagle3_drafter.py).
     eagle_aux: list[torch.Tensor] = field(default_factory=list)
+    eagle_kept: int = 0  # their rows in all
     # Positions whose KV the target holds, while the prompt (and any tokens recomputed after a preemption) is
     # being prefilled; None once that prefill chose its first token and the request decodes.
     prefilled: int | None = 0

@@ -191,7 +191,7 @@ def fake_request(tokens: torch.Tensor, aux: torch.Tensor, blocks: list[int] | No
     blocks = blocks or torch.randperm(capacity // block_size + 1).tolist()
     slots = torch.tensor(blocks)[:, None] * block_size + torch.arange(block_size)
     return SimpleNamespace(token_ids=buffer, slots=slots.flatten()[:capacity], num_tokens=tokens.numel(),
-                           draft_cached=0, eagle_aux=[aux])
+                           draft_cached=0, eagle_aux=[aux], eagle_kept=aux.shape[0])
 
 
 def drafter_for(checkpoint: Path, llama_dir: Path, model_config) -> Eagle3Drafter:

@@ -120,11 +120,12 @@ class Eagle3Drafter:
         """
         if r.spec.speculative_tokens == 0:
             return
-        kept = sum(rows.shape[0] for rows in r.eagle_aux)
-        if first_position != r.draft_cached + kept:
+        if first_position != r.draft_cached + r.eagle_kept:
             r.eagle_aux.clear()
+            r.eagle_kept = 0
             r.draft_cached = first_position
         r.eagle_aux.append(aux)
+        r.eagle_kept += aux.shape[0]
 
     # --- the Drafter interface ------------------------------------------------------------------------------
 
@@ -138,7 +139,7 @@ class Eagle3Drafter:
         empty = torch.empty(0, dtype=torch.long)
         drafts = []
         for r, k in zip(requests, max_tokens):
-            ready = r.draft_cached + sum(rows.shape[0] for rows in r.eagle_aux) >= r.num_tokens - 1
+            ready = r.draft_cached + r.eagle_kept >= r.num_tokens - 1
             drafts.append(Draft(empty, pending=max(0, min(k, limit - r.num_tokens + 2)) if ready else 0))
         return drafts
 
@@ -237,6 +238,7 @@ class Eagle3Drafter:
                               step.positions, self.kv_cache.layers, step.attn, rows=step.last_rows)
         for r, a, s, c in zip(requests, aux, starts, counts):
             r.eagle_aux[:] = [a[c:]] if a.shape[0] > c else []
+            r.eagle_kept = a.shape[0] - c
             r.draft_cached = s + c
         return logits, state
 
@@ -250,7 +252,7 @@ class Eagle3Drafter:
         stays bounded, and so does its next catch-up."""
         if self.kv_cache is None:
             return
-        kept = {r.id: sum(a.shape[0] for a in r.eagle_aux) for r in requests}
+        kept = {r.id: r.eagle_kept for r in requests}
         could = {r.id: True for r in requests} if could_draft is None else {
             r.id: c for r, c in zip(requests, could_draft)}
         # The prompt's last row stays kept after its catch-up: from there on every kept row is a decode step's.
@@ -275,6 +277,7 @@ class Eagle3Drafter:
             values.index_fill_(0, slots, 0)
         for r, c in zip(requests, counts):
             r.eagle_aux[:] = [r.eagle_aux[-1][-1:]]
+            r.eagle_kept = 1
             r.draft_cached += c
 
 
