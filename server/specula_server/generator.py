@@ -356,7 +356,9 @@ class TextGenerator:
         outputs += commit_sampled([reqs[i] for i in kept], chosen, last_hidden[kept], self.reports)
         if self.eagle is not None:
             live = [r for r in reqs if not r.is_finished]
-            self.eagle.bound_kept_rows(live, self.speculator.could_draft(live) if self.speculator else None)
+            speculator = self.speculator
+            self.eagle.bound_kept_rows(live, None if speculator is None else (
+                lambda over: speculator.could_draft(over, len(live))))
         return outputs
 
     def _prefilled(self, c: PromptChunks, hidden: torch.Tensor, aux: torch.Tensor | None, row_starts: list[int],

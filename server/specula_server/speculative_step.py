@@ -62,7 +62,7 @@ def accept_drafts(reqs: list[RequestState], plan: DraftPlan, counts: list[int], 
         outputs.append(out)
     if eagle is not None:
         live = [r for r in reqs if not r.is_finished]
-        eagle.bound_kept_rows(live, speculator.could_draft(live))
+        eagle.bound_kept_rows(live, lambda over: speculator.could_draft(over, len(live)))
     return outputs
 
 

@@ -488,8 +488,8 @@ def test_could_draft_follows_the_controllers_bar(llama_dir, checkpoints):
     speculator = with_eagle(llama_dir, checkpoints["echo"], mode="adaptive").speculator
     for c, expected in ((0.0, [True, True]), (0.5 * speculator.step_cost.plain(2) / 2, [True, False])):
         speculator.step_cost.verification_cost = lambda c=c: (0.0, c)  # bar 0, then 0.5
-        assert speculator.could_draft([likely, unlikely]) == expected
-    assert with_eagle(llama_dir, checkpoints["echo"]).speculator.could_draft([unlikely]) == [True]
+        assert speculator.could_draft([likely, unlikely], 2) == expected
+    assert with_eagle(llama_dir, checkpoints["echo"]).speculator.could_draft([unlikely], 1) == [True]
 
 
 def test_rows_of_requests_that_could_not_draft_are_dropped_not_run_over(llama_dir, checkpoints, plain, monkeypatch):
@@ -500,11 +500,15 @@ def test_rows_of_requests_that_could_not_draft_are_dropped_not_run_over(llama_di
     generator = with_eagle(llama_dir, checkpoints["echo"])
     speculator, steps = generator.speculator, []
     plan, could_draft = speculator.plan, speculator.could_draft
-    monkeypatch.setattr(speculator, "plan", lambda reqs: plan(reqs) if len(steps) > 8 else None)
 
-    def could_not_at_first(reqs):
+    def no_plan_at_first(reqs):  # decode steps 1-8 plan nothing
         steps.append(None)
-        return [False] * len(reqs) if len(steps) <= 8 else could_draft(reqs)
+        return plan(reqs) if len(steps) > 8 else None
+
+    def could_not_at_first(reqs, batch_size):
+        return [False] * len(reqs) if len(steps) <= 8 else could_draft(reqs, batch_size)
+
+    monkeypatch.setattr(speculator, "plan", no_plan_at_first)
 
     monkeypatch.setattr(speculator, "could_draft", could_not_at_first)
     run_over, skipped = [], []

@@ -46,7 +46,7 @@ drafted that far); acceptance may be lower, output is unchanged.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
 import torch
@@ -243,28 +243,28 @@ class Eagle3Drafter:
         return logits, state
 
     @torch.inference_mode()
-    def bound_kept_rows(self, requests: Sequence[RequestState], could_draft: Sequence[bool] | None = None) -> None:
+    def bound_kept_rows(self, requests: Sequence[RequestState],
+                        could_draft: Callable[[Sequence[RequestState]], list[bool]] | None = None) -> None:
         """Bounds the rows each request keeps while it does not draft (a backing-off controller, a bar it never
         clears): an idle request's rows (decode steps' alone, more than `IDLE_ROWS`) are dropped (`_skip`), another
         request's are run over by the draft layer once more than `MAX_KEPT_ROWS`, unless the controller could not
-        grant it drafts at this load (`could_draft[i]` false, `Speculator.could_draft`): then they are dropped too,
-        prompt rows included. Both keep the last row, whose entry the next draft starts from. What a request keeps
-        stays bounded, and so does its next catch-up."""
+        grant it drafts at this load (`could_draft(those requests)` false for it, `Speculator.could_draft`): then
+        they are dropped too, prompt rows included. Both keep the last row, whose entry the next draft starts from.
+        What a request keeps stays bounded, and so does its next catch-up."""
         if self.kv_cache is None:
             return
-        kept = {r.id: r.eagle_kept for r in requests}
-        could = {r.id: True for r in requests} if could_draft is None else {
-            r.id: c for r, c in zip(requests, could_draft)}
-        # The prompt's last row stays kept after its catch-up: from there on every kept row is a decode step's.
-        idle = [r for r in requests if kept[r.id] > IDLE_ROWS and r.draft_cached >= r.prompt_len - 1]
-        idle_ids = {r.id for r in idle}
-        over = [r for r in requests if kept[r.id] > MAX_KEPT_ROWS and r.id not in idle_ids]
-        run_over = [r for r in over if could[r.id]]
-        dropped = idle + [r for r in over if not could[r.id]]
+        def is_idle(r: RequestState) -> bool:  # after the prompt's catch-up every kept row is a decode step's
+            return r.eagle_kept > IDLE_ROWS and r.draft_cached >= r.prompt_len - 1
+
+        idle = [r for r in requests if is_idle(r)]
+        over = [r for r in requests if r.eagle_kept > MAX_KEPT_ROWS and not is_idle(r)]
+        could = could_draft(over) if over and could_draft is not None else [True] * len(over)
+        run_over = [r for r, c in zip(over, could) if c]
+        dropped = idle + [r for r, c in zip(over, could) if not c]
         if run_over:
-            self._catch_up(run_over, [kept[r.id] - 1 for r in run_over])
+            self._catch_up(run_over, [r.eagle_kept - 1 for r in run_over])
         if dropped:
-            self._skip(dropped, [kept[r.id] - 1 for r in dropped])
+            self._skip(dropped, [r.eagle_kept - 1 for r in dropped])
 
     def _skip(self, requests: Sequence[RequestState], counts: Sequence[int]) -> None:
         """Drops all but the last kept row of each request (`counts[i]` rows) without running the draft layer over

@@ -116,13 +116,14 @@ class Speculator:
         room = min(r.capacity, self.max_positions) - r.num_tokens
         return max(0, min(cap, remaining, room))
 
-    def could_draft(self, reqs: Sequence[RequestState]) -> list[bool]:
-        """Per request of a batch of `reqs`, whether the controller could grant it drafts at this batch size: its
-        acceptance estimate clears the bar (`drafting_bar`), as `_ask_caps` asks; always in fixed mode. What a
-        drafter keeps for later drafts (EAGLE-3's rows) need not be worked on for requests that could not."""
+    def could_draft(self, reqs: Sequence[RequestState], batch_size: int) -> list[bool]:
+        """Per request of `reqs` (some of a batch of `batch_size`), whether the controller could grant it drafts at
+        this batch size: its acceptance estimate clears the bar (`drafting_bar`), the rule `_ask_caps` applies to
+        drafters whose drafts carry no confidence (EAGLE-3's); always in fixed mode. What a drafter keeps for later
+        drafts (EAGLE-3's rows) need not be worked on for requests that could not."""
         if not self.adaptive:
             return [True] * len(reqs)
-        bar = drafting_bar(len(reqs), self.step_cost)
+        bar = drafting_bar(batch_size, self.step_cost)
         drafter = self.config.drafter
         return [r.acceptance.estimate(self.acceptance_priors.value(drafter.method_for(r))) > bar for r in reqs]
 
