@@ -187,9 +187,10 @@ def main() -> None:
     packed = {name: [pack(w.to(dtype)) for w in weights] for name, (dtype, pack, _) in kinds.items()
               if name not in twins}
     for baseline, twin in twins.items():
-        if baseline in kinds and twin not in packed:
-            packed[twin] = [variants(True)[twin][1](w) for w in weights]
         if baseline in kinds:
+            if twin not in packed:  # the twin not timed itself: its packing alone
+                dtype, pack, _ = variants(True)[twin]
+                packed[twin] = [pack(w.to(dtype)) for w in weights]
             packed[baseline] = packed[twin]
     results: dict[int, dict[str, float]] = {}
     print(f"{len(SHAPES)} products per token, {args.threads} threads, median of {args.rounds} alternating rounds "
