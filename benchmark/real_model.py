@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import inspect
+import itertools
 import json
 import statistics
 import subprocess
@@ -136,9 +137,34 @@ TRAINING_SUBJECTS = [
     "a rain forest", "a tide pool", "an octopus", "a chameleon", "a bat's sonar", "a beehive", "an ant colony",
     "a tree's roots", "a seed", "yeast", "cheese", "chocolate", "coffee", "tea", "salt", "sugar", "a kidney",
     "the liver", "the lungs", "blood", "a bone", "a muscle", "a tooth", "hair", "skin", "a fingerprint",
+    "a river delta", "a cave", "a sand dune", "a mountain range", "a coral atoll", "quicksand", "a waterfall",
+    "fog", "hail", "lightning", "a tornado", "a monsoon", "the jet stream", "a comet", "an asteroid", "Mars",
+    "Jupiter", "Saturn's rings", "the sun", "a solar eclipse", "a meteor shower", "the Milky Way", "a neutron star",
+    "a microscope", "an X-ray machine", "an MRI scanner", "a stethoscope", "an antibiotic", "a virus",
+    "a bacterium", "DNA", "a cell membrane", "the heart's valves", "the brain", "a nerve", "the stomach",
+    "the skeleton", "an allergy", "a fever", "a scab", "a spider", "a shark", "a whale", "a penguin",
+    "an owl", "a bat", "a snake", "a frog", "a butterfly", "a firefly", "a jellyfish", "a starfish", "a mushroom",
+    "moss", "a cactus", "a sunflower", "a Venus flytrap", "bamboo", "a lichen", "a pearl", "a diamond",
+    "gold", "iron", "copper wire", "rubber", "plastic", "concrete", "steel", "a brick", "paper", "soap",
+    "a candle", "a match", "fireworks", "a light bulb", "an LED", "a transistor", "a computer chip",
+    "a hard drive", "a keyboard", "a touch screen", "a QR code", "a barcode scanner", "Wi-Fi", "Bluetooth",
+    "a search engine", "email", "a password", "encryption", "a spreadsheet", "a database", "a web browser",
+    "a radio", "a television", "a telephone", "a loudspeaker", "a microphone", "a typewriter", "a sewing machine",
+    "a washing machine", "a dishwasher", "a toaster", "a kettle", "a pressure cooker", "an oven thermostat",
+    "a lock and key", "a zipper", "a parachute", "a seatbelt", "an airbag", "a traffic light", "a roundabout",
+    "a train signal", "a tunnel", "a skyscraper", "an escalator", "a windmill", "a water wheel", "a well",
+    "a water tower", "a sewer", "a recycling plant", "compost", "a greenhouse", "a beekeeper's smoker",
+    "a farm tractor", "irrigation", "crop rotation", "bread yeast", "pasteurization", "a vaccine trial",
+    "a census", "a tax", "a loan", "interest on savings", "an insurance policy", "a budget", "a market price",
+    "a trade union", "an election", "a court trial", "a constitution", "a map", "a time zone", "a calendar",
+    "a leap year", "the metric system", "a museum", "a newspaper", "a dictionary", "an orchestra",
+    "a choir", "a drum", "a guitar", "a painting", "a sculpture", "a photograph", "a film camera", "animation",
+    "a board game", "chess", "a marathon", "swimming", "a bicycle helmet", "a yoga class", "meditation",
 ]
 TRAINING_FORMS = ["How does {} work?", "Explain {} to a beginner.", "What is special about {}?",
-                  "Describe {} in a few sentences.", "What would happen without {}?"]
+                  "Describe {} in a few sentences.", "What would happen without {}?", "Why does {} matter?",
+                  "What is {} made of?", "What are the main parts of {}?", "How did people first come up with {}?",
+                  "What are some common misconceptions about {}?"]
 
 
 def _modules(names):
@@ -190,25 +216,26 @@ def summary_prompts(count: int, modules=SUMMARY_MODULES, exclude: frozenset[str]
     return [f"Summarize this in two sentences:\n\n{paragraphs[i * step]}" for i in range(count)]
 
 
-def training_prompts(count: int, gguf: Path) -> list[str]:
-    """`count` chat prompts of each kind from sources the benchmark does not use, rendered as the server renders
-    chats (the model's chat template, the generation prompt added)."""
+def training_prompts(count: int, gguf: Path, questions: int | None = None) -> list[str]:
+    """`count` chat prompts of each kind (`questions` open questions, if given) from sources the benchmark does
+    not use, rendered as the server renders chats (the model's chat template, the generation prompt added),
+    the kinds taking turns."""
     from transformers import AutoTokenizer
 
     from specula_server.hub import resolve_model_dir
 
-    questions = [form.format(subject) for form in TRAINING_FORMS for subject in TRAINING_SUBJECTS]
-    questions = [q for q in questions if q not in QUESTIONS]
-    if len(questions) < count:
-        raise SystemExit(f"only {len(questions)} training questions; asked for {count}")
-    kinds = {"rewrite": rewrite_prompts(count, TRAINING_REWRITE_MODULES),
-             "summary": summary_prompts(count, TRAINING_SUMMARY_MODULES,
-                                        frozenset(docstring_paragraphs(SUMMARY_MODULES))),
-             "question": questions[:: len(questions) // count][:count]}
+    questions = count if questions is None else questions
+    asked = [form.format(subject) for subject in TRAINING_SUBJECTS for form in TRAINING_FORMS]
+    asked = [q for q in asked if q not in QUESTIONS]
+    if len(asked) < questions:
+        raise SystemExit(f"only {len(asked)} training questions; asked for {questions}")
+    kinds = [rewrite_prompts(count, TRAINING_REWRITE_MODULES),
+             summary_prompts(count, TRAINING_SUMMARY_MODULES, frozenset(docstring_paragraphs(SUMMARY_MODULES))),
+             [asked[i * len(asked) // questions] for i in range(questions)]]  # spread over subjects and forms
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(str(gguf)))
+    mixed = [text for row in itertools.zip_longest(*kinds) for text in row if text is not None]
     return [tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                          add_generation_prompt=True)
-            for texts in zip(*kinds.values()) for text in texts]
+                                          add_generation_prompt=True) for text in mixed]
 
 
 def level_size(c: int, per_stream: int) -> int:
@@ -482,13 +509,15 @@ def main() -> None:
     parser.add_argument("--write-training-prompts", type=Path, metavar="FILE",
                         help="write EAGLE-3 training prompts (JSON lines) and exit")
     parser.add_argument("--training-prompts", type=int, default=160, help="training prompts of each kind")
+    parser.add_argument("--training-questions", type=int, help="open questions among them (default: "
+                                                               "--training-prompts)")
     args = parser.parse_args()
 
     from specula_testing.real_model import fetch_smollm2
 
     gguf = fetch_smollm2()
     if args.write_training_prompts:
-        texts = training_prompts(args.training_prompts, gguf)
+        texts = training_prompts(args.training_prompts, gguf, args.training_questions)
         args.write_training_prompts.parent.mkdir(parents=True, exist_ok=True)
         args.write_training_prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
         print(f"{len(texts)} prompts in {args.write_training_prompts}")

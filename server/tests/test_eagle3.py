@@ -738,7 +738,9 @@ def test_a_speculators_checkpoint_loads_and_decodes_exactly(package_checkpoint, 
 
 def test_the_training_forward_is_the_served_forward(llama_dir, plain, tmp_path):
     """The trainee's step s at position t (teacher-forced tokens) equals the chain drafted after t, fed the
-    same tokens, as the reference computes it on the checkpoint the trainee saves."""
+    same tokens, as the reference computes it on the checkpoint the trainee saves: in a batch of samples of
+    different lengths whose learned positions start at different places (the prompt's last token), where the
+    steps run over a window of positions, not the whole padded batch."""
     from specula_server.training.data import TrainingBatch
     from specula_server.training.eagle3 import Eagle3Trainee
 
@@ -749,15 +751,23 @@ def test_the_training_forward_is_the_served_forward(llama_dir, plain, tmp_path):
         for weight in trainee.norms.values():
             weight.add_(0.2 * torch.randn_like(weight))
     trainee.save(tmp_path / "trainee", llama_dir, str(llama_dir), torch.float32)
-    torch.manual_seed(3)
-    n, t = 14, 10
-    tokens, aux = torch.randint(0, 512, (n,)), torch.randn(n, 192)
-    batch = TrainingBatch(aux[None], tokens[None], torch.ones(1, n, dtype=torch.bool), torch.tensor([n]))
-    with torch.no_grad():
-        got = torch.stack([logits[0, t] for logits in trainee.step_logits(aux[None], batch)])
     reference = ReferenceDraft(tmp_path / "trainee", embed=model.embed_tokens.weight.detach().clone())
-    expected = reference.chain(aux[: t + 1], tokens[1 : t + 2], torch.arange(t + 1), 3, fed=tokens[t + 2 :])
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.manual_seed(3)
+    n, lengths, firsts = 16, [16, 11, 14], [0, 6, 3]
+    tokens, aux = torch.randint(0, 512, (3, n)), torch.randn(3, n, 192)
+    valid = torch.zeros(3, n, dtype=torch.bool)
+    for i, (length, first) in enumerate(zip(lengths, firsts)):
+        tokens[i, length:], aux[i, length:] = 0, 0
+        valid[i, first:length] = True
+    batch = TrainingBatch(aux, tokens, valid, torch.tensor(lengths))
+    with torch.no_grad():
+        window, logits = trainee.step_logits(aux, batch)
+    assert window.shape == (3, 16) and window[1, 0] == 6 and window[2, 0] == 3
+    for i, t in [(0, 10), (0, 2), (1, 6), (1, 7), (2, 3), (2, 10)]:
+        got = torch.stack([step[i, t - firsts[i]] for step in logits])
+        expected = reference.chain(aux[i, : t + 1], tokens[i, 1 : t + 2], torch.arange(t + 1), 3,
+                                   fed=tokens[i, t + 2 : lengths[i]])
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def write_prompts(path: Path, count: int) -> Path:

@@ -62,6 +62,9 @@ def _common(  # the options every command shares (see `_command`)
     batch_size: int = typer.Option(16, envvar="BATCH_SIZE", min=1, help="Samples per training step."),
     lr: float = typer.Option(1e-3, envvar="LR", min=0.0, help="Peak learning rate (AdamW, cosine decay)."),
     seed: int = typer.Option(0, envvar="SEED", help="Seeds the split, the shuffling and the initialisation."),
+    states_cache_gb: float = typer.Option(1.0, envvar="STATES_CACHE_GB", min=0.0,
+                                          help="Memory (GiB) keeping the base model's hidden states over the "
+                                               "training samples between epochs; past it they are recomputed."),
     samples_cache: Path | None = typer.Option(
         None, envvar="SAMPLES_CACHE", dir_okay=False,
         help="File keeping the generated continuations: reused when it exists and was made with the same model, "
@@ -127,7 +130,7 @@ def _prepare(args: dict):
     held_out = max(1, int(len(samples) * args["eval_fraction"]))
     model = generator.model
     longest = max(s.token_ids.numel() for s in samples)
-    hidden_states = HiddenStates(model, longest * args["batch_size"])
+    hidden_states = HiddenStates(model, longest * args["batch_size"], cache_bytes=int(args["states_cache_gb"] * 2**30))
     hidden_size = model.config.hidden_size
     eye = torch.eye(hidden_size, dtype=model.norm.weight.dtype, device=model.norm.weight.device)
     with torch.inference_mode():

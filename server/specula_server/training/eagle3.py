@@ -111,66 +111,103 @@ class Eagle3Trainee(nn.Module):
 
         self.register_buffer("inv_freq", inverse_frequencies(d, cfg.rope_theta, cfg.rope_scaling).float())
 
-    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [b, n, heads, d]
-        freqs = positions.float()[:, None] * self.inv_freq[None]
-        cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of `x [b, n, heads, d]` at `positions` (`[n]`, or `[b, n]` per sample)."""
+        freqs = positions.float()[..., None] * self.inv_freq
+        cos, sin = torch.cat([freqs, freqs], -1).cos()[..., None, :], torch.cat([freqs, freqs], -1).sin()[..., None, :]
         half = x.shape[-1] // 2
         return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
 
-    def step_logits(self, aux: torch.Tensor, batch: TrainingBatch) -> list[torch.Tensor]:
-        """Per step s, `[b, n, draft_vocab]` guesses of the token at t + 2 + s (see the module docstring)."""
+    def step_states(self, aux: torch.Tensor, batch: TrainingBatch
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The draft layer's final-normed output of each step (see the module docstring) at the positions learned
+        from only: a window of `m` positions per sample from its first learned one (`batch.valid`'s first), the
+        longest sample's continuation wide. Returns the window's positions `[b, m]`, whether each is inside its
+        sample `[b, m]`, and per step s `[b, m, hidden]`.
+
+        Only step 0's keys and values cover the whole sample (every step attends to them); its queries, the later
+        steps and the LM head run over the window alone, so a long prompt costs one key/value projection per
+        position, not the whole layer and a vocabulary-wide head three times."""
         cfg, eps = self.config, self.config.rms_norm_eps
         b, n = batch.tokens.shape
         heads, kv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         rep = heads // kv
         positions = torch.arange(n, device=aux.device)
-        causal = positions[None, :] <= positions[:, None]  # [query, key]
-        seen = causal[None] & (positions[None, None, :] < batch.lengths[:, None, None])  # [b, query, key]
-        state = nn.functional.linear(aux, self.fc)
-        keys: list[tuple[torch.Tensor, torch.Tensor]] = []  # each step's keys and values [b, n, kv, d]
+        first = torch.where(batch.valid.any(1), batch.valid.int().argmax(1), batch.lengths)  # [b]
+        m = max(1, int((batch.lengths - first).max()))
+        window = first[:, None] + torch.arange(m, device=aux.device)[None]  # [b, m]
+        inside = window < batch.lengths[:, None]
+        window = window.clamp(max=n - 1)
+
+        def at_window(x: torch.Tensor) -> torch.Tensor:  # [b, n, ...] -> [b, m, ...]
+            return x.gather(1, window.view(b, m, *([1] * (x.dim() - 2))).expand(b, m, *x.shape[2:]))
+
+        def embed(ahead: int) -> torch.Tensor:  # the (frozen) embedding of the token at window + ahead
+            with torch.no_grad():
+                ids = at_window(batch.shifted_tokens(ahead))
+                return self._embed[0](ids.flatten()).view(b, m, -1).float()
+
+        # Step 0's keys and values over every position of the sample.
+        state = nn.functional.linear(aux, self.fc)  # [b, n, hidden]
+        with torch.no_grad():
+            embeds = self._embed[0](batch.shifted_tokens(1).flatten()).view(b, n, -1).float()
+        normed = _rms(state, self.norms["hidden_norm"], eps)
+        x = torch.cat([_rms(embeds, self.norms["input_layernorm"], eps), normed], -1)
+        k0 = self._rotate(nn.functional.linear(x, self.k).view(b, n, kv, d), positions).repeat_interleave(rep, 2)
+        v0 = nn.functional.linear(x, self.v).view(b, n, kv, d).repeat_interleave(rep, 2)
+        seen = positions[None, None, :] <= window[:, :, None]  # [b, query, key]: causal over step 0's entries
+        x, residual = at_window(x), at_window(normed if self.norm_before_residual else state)
+        own: list[tuple[torch.Tensor, torch.Tensor]] = []  # steps 1.. keys and values at the window [b, m, heads, d]
         out = []
         for s in range(self.steps):
-            with torch.no_grad():
-                embeds = self._embed[0](batch.shifted_tokens(1 + s).flatten()).view(b, n, -1).float()
-            normed = _rms(state, self.norms["hidden_norm"], eps)
-            residual = normed if self.norm_before_residual else state
-            x = torch.cat([_rms(embeds, self.norms["input_layernorm"], eps), normed], -1)
-            q = self._rotate(nn.functional.linear(x, self.q).view(b, n, heads, d), positions + s)
-            k = self._rotate(nn.functional.linear(x, self.k).view(b, n, kv, d), positions + s)
-            v = nn.functional.linear(x, self.v).view(b, n, kv, d)
-            keys.append((k, v))
-            k0, v0 = (t.repeat_interleave(rep, 2) for t in keys[0])
-            first = torch.einsum("bqhd,bkhd->bhqk", q, k0) / d**0.5  # step-0 entries, causal
-            first = first.masked_fill(~seen[:, None], float("-inf"))
-            own = [torch.einsum("bqhd,bqhd->bhq", q, kk.repeat_interleave(rep, 2)) / d**0.5 for kk, _ in keys[1:]]
-            weights = torch.cat([first] + [o.unsqueeze(-1) for o in own], -1).softmax(-1)
+            if s > 0:
+                normed = _rms(state, self.norms["hidden_norm"], eps)
+                residual = normed if self.norm_before_residual else state
+                x = torch.cat([_rms(embed(1 + s), self.norms["input_layernorm"], eps), normed], -1)
+                own.append((self._rotate(nn.functional.linear(x, self.k).view(b, m, kv, d), window + s)
+                            .repeat_interleave(rep, 2),
+                            nn.functional.linear(x, self.v).view(b, m, kv, d).repeat_interleave(rep, 2)))
+            q = self._rotate(nn.functional.linear(x, self.q).view(b, m, heads, d), window + s)
+            scores = torch.einsum("bqhd,bkhd->bhqk", q, k0) / d**0.5
+            scores = scores.masked_fill(~seen[:, None], float("-inf"))
+            diagonal = [torch.einsum("bqhd,bqhd->bhq", q, k).unsqueeze(-1) / d**0.5 for k, _ in own]
+            weights = torch.cat([scores] + diagonal, -1).softmax(-1)
             attended = torch.einsum("bhqk,bkhd->bqhd", weights[..., :n], v0)
-            for j, (_, vv) in enumerate(keys[1:]):
-                attended = attended + weights[..., n + j].permute(0, 2, 1).unsqueeze(-1) * vv.repeat_interleave(rep, 2)
-            hidden = residual + nn.functional.linear(attended.reshape(b, n, heads * d), self.o)
-            m = _rms(hidden, self.norms["post_attention_layernorm"], eps)
+            for j, (_, v) in enumerate(own):
+                attended = attended + weights[..., n + j].permute(0, 2, 1).unsqueeze(-1) * v
+            hidden = residual + nn.functional.linear(attended.reshape(b, m, heads * d), self.o)
+            mlp_in = _rms(hidden, self.norms["post_attention_layernorm"], eps)
             hidden = hidden + nn.functional.linear(
-                nn.functional.silu(nn.functional.linear(m, self.gate)) * nn.functional.linear(m, self.up), self.down)
-            out.append(nn.functional.linear(_rms(hidden, self.norms["norm"], eps), self.lm_head))
+                nn.functional.silu(nn.functional.linear(mlp_in, self.gate)) * nn.functional.linear(mlp_in, self.up),
+                self.down)
+            out.append(_rms(hidden, self.norms["norm"], eps))
             state = hidden
-        return out
+        return window, inside, out
+
+    def step_logits(self, aux: torch.Tensor, batch: TrainingBatch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The window's positions `[b, m]` (`step_states`) and per step s `[b, m, draft_vocab]` guesses of the
+        token at window + 2 + s."""
+        window, _, states = self.step_states(aux, batch)
+        return window, [nn.functional.linear(h, self.lm_head) for h in states]
 
     def loss(self, batch: TrainingBatch, decay: float = 1.0) -> tuple[torch.Tensor, HeadScores]:
-        logits = self.step_logits(batch.hidden, batch)
+        window, inside, states = self.step_states(batch.hidden, batch)
         losses, correct, chained, total = [], [], [], []
-        all_right = torch.ones_like(batch.valid)
-        for s, step_logits in enumerate(logits):
-            mask = batch.target_mask(2 + s)
-            labels = self.to_draft[batch.shifted_tokens(2 + s)]
+        all_right = inside.clone()
+        for s, hidden in enumerate(states):
+            mask = batch.target_mask(2 + s).gather(1, window) & inside
+            labels = self.to_draft[batch.shifted_tokens(2 + s).gather(1, window)]
             learnable = mask & (labels >= 0)
-            if learnable.any():
-                losses.append(decay**s * nn.functional.cross_entropy(step_logits[learnable], labels[learnable]))
-            right = (step_logits.argmax(-1) == labels) & learnable
+            right = torch.zeros_like(mask)
+            if learnable.any():  # the head over the rows learned from only
+                logits = nn.functional.linear(hidden[learnable], self.lm_head)
+                losses.append(decay**s * nn.functional.cross_entropy(logits, labels[learnable]))
+                right[learnable] = logits.argmax(-1) == labels[learnable]
             all_right = all_right & right
             correct.append(right.sum())
             chained.append(all_right.sum())
             total.append(mask.sum())
-        loss = torch.stack(losses).sum() if losses else logits[0].sum() * 0
+        loss = torch.stack(losses).sum() if losses else states[0].sum() * 0
         return loss, HeadScores(torch.stack(correct).cpu(), torch.stack(chained).cpu(), torch.stack(total).cpu())
 
     def save(self, out_dir: Path, verifier_dir: Path | None, base_model: str, dtype: torch.dtype) -> None:
