@@ -10,7 +10,8 @@ token at t + 2. Training runs the draft layer `steps` times, as `speculators` do
               token: at inference, the accepted draft), attending to the step-0 entries j <= t and to its own
               entries of steps 1 .. s at t (the chain's own KV at inference); it guesses the token at t + 2 + s
 
-Only positions from the last prompt token on are learned from (`Sample.first_position`). The draft vocabulary is
+Only positions from the last prompt token on are learned from (`Sample.first_position`), and only there do step
+0's queries, the later steps and the head run (`Eagle3Trainee.step_states`). The draft vocabulary is
 the `draft_vocab_size` tokens most frequent in the continuations (`choose_draft_vocabulary`); a label outside it
 counts as a miss and takes no part in the loss. The embedding and the LM head rows are the target's, frozen (as
 `speculators` trains, and saved with the drafter as it saves them); fc, the draft layer and its norms are trained.
