@@ -72,6 +72,9 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
     "specula-ngram": ("specula", ["--speculative-tokens", str(DRAFTS)]),
     "specula-suffix": ("specula", ["--speculative-tokens", str(DRAFTS), "--speculator", "suffix"]),
     "specula-eagle3": ("specula", ["--speculative-tokens", str(DRAFTS), "--speculator", "{eagle3}"]),
+    # EAGLE-3 with its draft layer, fc and head in int8 (a third of the bytes a draft).
+    "specula-eagle3-int8": ("specula", ["--speculative-tokens", str(DRAFTS), "--speculator", "{eagle3}",
+                                        "--speculator-quantize", "int8"]),
     # EAGLE-3 drafting trees (top-3 expansion), the best 6 nodes verified.
     "specula-eagle3-tree": ("specula", ["--speculative-tokens", "6", "--speculator", "{eagle3}",
                                         "--draft-tree-width", "3"]),

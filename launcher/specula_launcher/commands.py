@@ -47,7 +47,7 @@ SHARD_ENV_SETTINGS = frozenset({"master_addr", "master_port", "log_level"})
 ROUTER_ENV_SETTINGS = frozenset({"api_key"})
 # Shard settings that only matter with another one: int4's group size, and what drafts when speculation is on.
 SPECULATION_SETTINGS = frozenset({"speculative_tokens", "speculation_mode", "ngram_min", "ngram_max", "ngram_match",
-                                  "speculator", "draft_tree_width", "suffix_cache_tokens"})
+                                  "speculator", "speculator_quantize", "draft_tree_width", "suffix_cache_tokens"})
 
 
 def shard_command(config: LauncherConfig) -> list[str]:
@@ -69,7 +69,7 @@ def _shard_needs(config: LauncherConfig, name: str) -> bool:
     if name == "model_id" or name in SHARD_ENV_SETTINGS:
         return False  # the positional argument; the environment
     if name == "quantize_group_size":
-        return config.quantize is not None
+        return config.quantize is not None or (config.speculator_quantize is not None and config.speculative_tokens > 0)
     if name == "suffix_cache_tokens":
         return config.speculative_tokens > 0 and config.speculator == "suffix"
     return name not in SPECULATION_SETTINGS or config.speculative_tokens > 0

@@ -24,6 +24,7 @@ from specula_proto.choices import (
     StrEnum,
     parse_choice,
     quantize_method,
+    speculator_quantize_method,
 )
 from specula_proto.setting import Process
 from specula_proto.settings import check_bounds
@@ -64,6 +65,7 @@ class LauncherConfig:
     ngram_match: NgramMatch = NgramMatch.LATEST
     speculator: str | None = None
     suffix_cache_tokens: int = 100_000  # --speculator suffix: output tokens the global suffix trees keep
+    speculator_quantize: str | None = None  # int8 or int4: an EAGLE-3 speculator's products
     draft_tree_width: int = 1
     adapter_source: AdapterSource = AdapterSource.HUB
     adapter_dir: tuple[str, ...] = ()  # directories whose subdirectories are the `local` adapters
@@ -152,6 +154,10 @@ def _check_choices(c: LauncherConfig) -> None:
     if c.quantize == "gguf" and not c.model_id.lower().endswith(".gguf"):
         raise ValueError(f"--quantize gguf serves a GGUF file's own blocks; --model-id {c.model_id} is not a .gguf "
                          "file (for a float checkpoint use --quantize int8 or int4)")
+    if c.speculator_quantize is not None:
+        object.__setattr__(c, "speculator_quantize", speculator_quantize_method(c.speculator_quantize))
+        if not c.speculator or c.speculator == "suffix":
+            raise ValueError("--speculator-quantize quantizes an EAGLE-3 speculator; no --speculator names one")
     if c.quantize_group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"--quantize-group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}; "
                          f"got {c.quantize_group_size}")

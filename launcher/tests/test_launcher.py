@@ -288,6 +288,14 @@ def test_shard_command_and_environment(tmp_path: Path) -> None:
                                                         "--draft-tree-width": ("3",)}.items()
     c = build_config(model_id=model, speculative_tokens=4, speculator="suffix", suffix_cache_tokens=500, **NO_GPU)
     assert flags(shard_command(claimed(c)))["--suffix-cache-tokens"] == ("500",)
+    c = build_config(model_id=model, speculative_tokens=4, speculator="/m/eagle", speculator_quantize="int4",
+                     quantize_group_size=32, **NO_GPU)  # int4 takes its group size along, though --quantize is off
+    assert flags(shard_command(claimed(c))).items() >= {"--speculator-quantize": ("int4",),
+                                                        "--quantize-group-size": ("32",)}.items()
+    with pytest.raises(ValueError, match="--speculator-quantize gguf is not supported"):
+        build_config(model_id=model, speculative_tokens=4, speculator="/m/eagle", speculator_quantize="gguf", **NO_GPU)
+    with pytest.raises(ValueError, match="no --speculator names one"):
+        build_config(model_id=model, speculative_tokens=4, speculator_quantize="int8", **NO_GPU)
     c = build_config(model_id=model, ngram_max=4, speculator="/m/heads", **NO_GPU)  # speculation off
     assert not set(flags(shard_command(claimed(c)))) & {*speculation, "--speculator"}
     with pytest.raises(ValueError, match="--speculation-mode"):

@@ -127,6 +127,14 @@ def quantize_method(value: str) -> QuantizeMethod:
     return QuantizeMethod(value)
 
 
+def speculator_quantize_method(value: str) -> QuantizeMethod:
+    """--speculator-quantize's value as its member (int8 or int4); otherwise a ValueError naming the flag."""
+    if value not in (QuantizeMethod.INT8, QuantizeMethod.INT4):
+        raise ValueError(f"--speculator-quantize {value} is not supported; supported: int8, int4 (weight-only, "
+                         "quantized at load time)")
+    return QuantizeMethod(value)
+
+
 def parse_choice(choices: type[Choice], value: str, name: str) -> Choice:
     """`value` as a member of `choices`; a ValueError naming `name` (a flag, a field) and the choices otherwise.
 

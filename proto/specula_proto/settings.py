@@ -124,6 +124,10 @@ SETTINGS: tuple[Setting, ...] = (
                         help="With --speculator suffix: output tokens of finished requests the global suffix trees "
                              "keep for drafting (per shard, all adapters together; the oldest request's leave "
                              "first).")),
+    Setting("speculator_quantize", str | None, None, LAUNCHER | WORKER,
+            "Weight-only quantization of an EAGLE-3 speculator's products (draft layer, fc, head): int8, or int4 "
+            "with --quantize-group-size. A draft only proposes, so the output stays exact whatever its precision; "
+            "a smaller drafter costs less a draft. Default: none (the speculator's own dtype)."),
     Setting("draft_tree_width", int, 1, LAUNCHER | WORKER,
             "Candidates per Medusa head, MLP speculator stage or EAGLE-3 depth: 1 verifies the top-1 chain, more "
             "verify a tree of the best nodes.",

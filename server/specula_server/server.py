@@ -29,6 +29,7 @@ from specula_proto.choices import (
     NgramMatch,
     SpeculationMode,
     parse_choice,
+    speculator_quantize_method,
     values,
 )
 from specula_server.adapters.medusa import MedusaHeads, load_medusa
@@ -86,6 +87,7 @@ class ServerConfig:
     max_active_adapters: int = 8
     speculator: str | None = None  # Medusa heads or an MLP speculator for every request: a directory or Hub id
     draft_tree_width: int = 1  # candidates per Medusa head / MLP speculator stage (1: the top-1 chain only)
+    speculator_quantize: str | None = None  # an EAGLE-3 speculator's products: int8, int4 or None (its dtype)
     instance_id: str = ""  # the launcher run this shard belongs to (reported in Info); "" when started alone
     quantize: str | None = None  # weight-only quantization of the linear layers: int8, int4 or None (float)
     quantize_group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per scale and zero
@@ -118,6 +120,10 @@ class ServerConfig:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min ({self.ngram_min}) <= ngram_max ({self.ngram_max})")
         object.__setattr__(self, "ngram_match", parse_choice(NgramMatch, self.ngram_match, "--ngram-match"))
+        if self.speculator_quantize is not None:
+            object.__setattr__(self, "speculator_quantize", speculator_quantize_method(self.speculator_quantize))
+            if not self.speculator or self.speculator == SUFFIX:
+                raise ValueError("--speculator-quantize quantizes an EAGLE-3 speculator; no --speculator names one")
         if self.draft_tree_width < 1:
             raise ValueError(f"draft tree width must be at least 1, got {self.draft_tree_width}")
         if self.suffix_cache_tokens < 0:
@@ -218,8 +224,11 @@ def load_speculator(config: ServerConfig, model_config: ModelConfig, dtype: torc
     if eagle_path is not None:
         eagle = load_eagle3(eagle_path, config.model_id, model_config,
                             target.embed_tokens if target is not None else None, dtype=dtype, device=device,
-                            speculator_id=config.speculator)
+                            speculator_id=config.speculator,
+                            quantization=Quantization.parse(config.speculator_quantize, config.quantize_group_size))
         return Eagle3Drafter(eagle, device, config.speculator, config.draft_tree_width)
+    if config.speculator_quantize is not None:
+        raise ValueError(f"--speculator-quantize quantizes an EAGLE-3 speculator; {config.speculator} is not one")
     mlp_path = find_mlp_speculator(config.speculator, config.hub_cache)
     if mlp_path is not None:
         return load_mlp_speculator(mlp_path, model_config, dtype=dtype, device=device,

@@ -225,7 +225,7 @@ def test_draft_logits_match_the_reference(variant, checkpoints, llama_dir, model
     torch.manual_seed(0)
     drafter = drafter_for(checkpoints[variant], llama_dir, model_config)
     reference = ReferenceDraft(checkpoints[variant])
-    num_aux = drafter.model.fc.shape[1]
+    num_aux = drafter.model.aux_size
     tokens = torch.randint(0, model_config.vocab_size, (11,))
     aux = torch.randn(10, num_aux)
     drafts, seen = recorded_logits(drafter, [fake_request(tokens, aux)], [4])
@@ -240,7 +240,7 @@ def test_batched_drafts_equal_drafts_alone(checkpoints, llama_dir, model_config)
     """Requests of different lengths and draft counts, drafted together, as each alone (padding, grouping)."""
     torch.manual_seed(1)
     drafter = drafter_for(checkpoints["two-layers"], llama_dir, model_config)
-    num_aux = drafter.model.fc.shape[1]
+    num_aux = drafter.model.aux_size
     specs = [(torch.randint(0, 512, (n,)), torch.randn(n - 1, num_aux), k) for n, k in ((7, 3), (2, 1), (20, 4))]
     alone = [drafter.draft([fake_request(t, a)], [k])[0].tokens.tolist() for t, a, k in specs]
     blocks = [[3, 0], [5, 1], [2, 7, 4]]  # the requests' own blocks, out of order
@@ -381,6 +381,33 @@ def test_greedy_output_is_identical(llama_dir, checkpoints, plain, variant, widt
     assert drafted > 0
     if variant == "echo":
         assert 0 < accepted < drafted  # both acceptance and rejection were exercised
+
+
+@pytest.mark.parametrize("method,kind", [("int8", "Int8Linear"), ("int4", "Int4Linear")])
+def test_a_quantized_speculator_drafts_and_decodes_exactly(llama_dir, checkpoints, plain, method, kind):
+    """`--speculator-quantize`: the draft layer's products, fc and head in int8 or int4; drafts still accepted
+    (the echo drafter's guesses survive quantization) and the output still the target's own."""
+    generator = with_eagle(llama_dir, checkpoints["echo"], speculator_quantize=method, quantize_group_size=32)
+    model = generator.eagle.model
+    assert {type(m).__name__ for m in (model.fc, model.lm_head, model.first.self_attn.qkv_proj.linear,
+                                       model.first.mlp.down_proj.linear)} == {kind}
+    drafted = accepted = 0
+    for got in assert_same_greedy_output(plain, generator, PROMPTS, run, max_new_tokens=24):
+        drafted += sum(o.num_drafted for o in got)
+        accepted += sum(o.num_accepted for o in got)
+    assert 0 < accepted < drafted
+
+
+def test_speculator_quantize_is_checked(llama_dir, checkpoints, tmp_path):
+    with pytest.raises(ValueError, match="--speculator-quantize gguf is not supported; supported: int8, int4"):
+        with_eagle(llama_dir, checkpoints["echo"], speculator_quantize="gguf")
+    with pytest.raises(ValueError, match="--speculator-quantize quantizes an EAGLE-3 speculator; no --speculator"):
+        load_test_generator(llama_dir, speculative_tokens=2, speculator="suffix", speculator_quantize="int8")
+    from specula_testing.adapters import build_medusa_adapter
+
+    medusa = build_medusa_adapter(llama_dir, tmp_path / "medusa")
+    with pytest.raises(ValueError, match=f"--speculator-quantize quantizes an EAGLE-3 speculator; {medusa} is not"):
+        load_test_generator(llama_dir, speculative_tokens=2, speculator=str(medusa), speculator_quantize="int8")
 
 
 @pytest.mark.parametrize("width", [1, 2])
@@ -618,7 +645,7 @@ def test_the_original_layout_drafts_as_its_speculators_conversion(variant, check
     original = to_original_layout(checkpoints[variant], tmp_path / "original")
     drafters = [drafter_for(path, llama_dir, model_config) for path in (checkpoints[variant], original)]
     tokens = torch.randint(0, model_config.vocab_size, (11,), generator=torch.Generator().manual_seed(4))
-    aux = torch.randn(10, drafters[0].model.fc.shape[1], generator=torch.Generator().manual_seed(5))
+    aux = torch.randn(10, drafters[0].model.aux_size, generator=torch.Generator().manual_seed(5))
     results = [recorded_logits(drafter, [fake_request(tokens, aux)], [K]) for drafter in drafters]
     (drafts, logits), (original_drafts, original_logits) = results
     assert drafts[0].tokens.tolist() == original_drafts[0].tokens.tolist()
@@ -709,7 +736,7 @@ def test_draft_logits_match_speculators_forward(package_checkpoint, llama_dir, m
                       torch.device("cpu"))
     drafter.allocate_kv_cache(16, 16)
     tokens = torch.randint(0, model_config.vocab_size, (13,))
-    aux = torch.randn(12, drafter.model.fc.shape[1])
+    aux = torch.randn(12, drafter.model.aux_size)
     drafts, seen = recorded_logits(drafter, [fake_request(tokens, aux)], [K])
     ours = torch.stack([seen[0][-1]] + [logits[0] for logits in seen[1:]])
     chain = drafts[0].tokens[:-1]
@@ -844,7 +871,7 @@ def test_tree_drafts_are_the_top_w_expansion(checkpoints, llama_dir, model_confi
     tree = Eagle3Drafter(model, torch.device("cpu"), tree_width=3)
     tree.allocate_kv_cache(16, 16)
     reference = ReferenceDraft(checkpoints["two-layers"])
-    specs = [(torch.randint(0, 512, (n,)), torch.randn(n - 1, model.fc.shape[1])) for n in (9, 5)]
+    specs = [(torch.randint(0, 512, (n,)), torch.randn(n - 1, model.aux_size)) for n in (9, 5)]
     drafts = tree.draft([fake_request(t, a, b) for (t, a), b in zip(specs, ([0, 1], [2, 3]))], [budget, 2])
     for (tokens, aux), draft, k in zip(specs, drafts, (budget, 2)):
         expected_tokens, expected_parents = reference_tree(reference, aux, tokens[1:], 3, k)
@@ -860,7 +887,7 @@ def test_leaves_only_trees_when_scratch_runs_out(checkpoints, llama_dir, model_c
     chain = drafter_for(checkpoints["two-layers"], llama_dir, model_config)
     tree = Eagle3Drafter(chain.model, torch.device("cpu"), tree_width=3)
     tree.allocate_kv_cache(16, 16)
-    tokens, aux = torch.randint(0, 512, (9,)), torch.randn(8, chain.model.fc.shape[1])
+    tokens, aux = torch.randint(0, 512, (9,)), torch.randn(8, chain.model.aux_size)
     line = chain.draft([fake_request(tokens, aux)], [8])[0].tokens.tolist()
     for budget in (1, 4, 8):
         draft = tree.draft([fake_request(tokens, aux)], [budget])[0]
@@ -893,7 +920,7 @@ def test_the_original_layout_reads_as_the_speculators_converter_converts_it(pack
          "eagle_aux_hidden_state_layer_ids": config["eagle_aux_hidden_state_layer_ids"]}))
     drafters = [drafter_for(path, llama_dir, model_config) for path in (tmp_path / "converted", original)]
     tokens = torch.randint(0, model_config.vocab_size, (11,), generator=torch.Generator().manual_seed(6))
-    aux = torch.randn(10, drafters[0].model.fc.shape[1], generator=torch.Generator().manual_seed(7))
+    aux = torch.randn(10, drafters[0].model.aux_size, generator=torch.Generator().manual_seed(7))
     (drafts, logits), (original_drafts, original_logits) = [
         recorded_logits(drafter, [fake_request(tokens, aux)], [K]) for drafter in drafters]
     assert drafts[0].tokens.tolist() == original_drafts[0].tokens.tolist()

@@ -40,6 +40,7 @@ from torch import nn
 
 from specula_kernels.fused import rms_norm
 from specula_server.distributed import ShardGroup
+from specula_server.layers.quantization import build_linear
 from specula_server.models.config import ModelConfig
 from specula_server.models.llama import (
     MLP,
@@ -231,7 +232,10 @@ class Eagle3Model(nn.Module):
         self.layer_ids = tuple(layer_ids)
         cfg = spec.layer
         self.embed = embed
-        self.fc = weights.get_tensor("fc.weight")  # [hidden, A * target_hidden]
+        fc = weights.get_tensor("fc.weight")  # [hidden, A * target_hidden]
+        self.aux_size, self.dtype = fc.shape[1], fc.dtype
+        # The products as the target's are built (`--quantize` of the drafter's own: `Weights.quantization`).
+        self.fc = build_linear(fc, weights.quantization, "fc")
         self.input_norm = weights.get_tensor("input_norm.weight") if spec.norm_before_fc else None
         self.fc_norms = [weights.get_tensor(f"fc_norm.{a}.weight") for a in range(len(self.layer_ids))] \
             if spec.fc_norm else []
@@ -239,13 +243,13 @@ class Eagle3Model(nn.Module):
         self.rest = nn.ModuleList(DecoderLayer(cfg, weights, f"layers.{i}", ShardGroup(), i)
                                   for i in range(1, cfg.num_layers))
         self.norm = RMSNorm(weights.get_tensor("norm.weight"), cfg.rms_norm_eps)
-        self.lm_head = weights.get_tensor("lm_head.weight")  # [draft_vocab, hidden]
+        self.lm_head = build_linear(weights.get_tensor("lm_head.weight"), weights.quantization, "lm_head")
         d2t = weights.get_tensor("d2t") if weights.has("d2t") else torch.zeros(spec.draft_vocab_size, dtype=torch.long)
         self.draft_to_target = (torch.arange(spec.draft_vocab_size) + d2t.long().cpu()).to(device)
         from specula_server.layers.rotary import RotaryEmbedding  # here: rotary imports the models package
 
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-                                      device=device, dtype=self.lm_head.dtype)
+                                      device=device, dtype=self.dtype)
 
     @property
     def num_layers(self) -> int:
@@ -258,13 +262,13 @@ class Eagle3Model(nn.Module):
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         """The input state from the target's auxiliary hidden states `[n, A * target_hidden]`."""
         eps = self.spec.layer.rms_norm_eps
-        aux = aux.to(self.fc.dtype)
+        aux = aux.to(self.dtype)
         if self.input_norm is not None:
             aux = rms_norm(aux, self.input_norm, eps)
         elif self.fc_norms:
             aux = torch.cat([rms_norm(chunk.contiguous(), w, eps)
                              for chunk, w in zip(aux.chunk(len(self.fc_norms), dim=-1), self.fc_norms)], dim=-1)
-        return nn.functional.linear(aux, self.fc)
+        return self.fc(aux)
 
     def forward(self, tokens: torch.Tensor, state: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn: AttentionInputs, rows: torch.Tensor | None = None
@@ -279,7 +283,7 @@ class Eagle3Model(nn.Module):
         if rows is not None:
             hidden = hidden[rows]
         normed = self.norm(hidden)
-        logits = nn.functional.linear(normed, self.lm_head).float()
+        logits = self.lm_head(normed).float()
         return logits, normed if self.spec.norm_output else hidden
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from specula_server.layers.quantization import Quantization
 from specula_server.models.config import ModelConfig
 from specula_server.speculation.eagle3 import (
     CONFIG_FILE,
@@ -111,9 +112,10 @@ def find_eagle3(speculator_id: str, cache_dir: Path | None = None, revision: str
 
 def load_eagle3(path: Path, model_id: str, config: ModelConfig, target_embed: nn.Module | None, *,
                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                speculator_id: str | None = None) -> Eagle3Model:
+                speculator_id: str | None = None, quantization: Quantization | None = None) -> Eagle3Model:
     """Reads the EAGLE-3 checkpoint in `path` whole (every tensor-parallel rank holds it), checked against the
-    served model `model_id` (`config`) before any weight is read, then every tensor's shape.
+    served model `model_id` (`config`) before any weight is read, then every tensor's shape. `quantization`: the
+    format of the draft layer's products, fc and head (None: float), as `--quantize` builds the target's.
 
     Raises:
         Eagle3Error: no or bad config, a verifier other than the served model, unreadable weights, a tensor
@@ -133,7 +135,7 @@ def load_eagle3(path: Path, model_id: str, config: ModelConfig, target_embed: nn
         raise refuse(name, "its weights are a PyTorch pickle (.bin), and Specula reads safetensors only: convert "
                            "it with `speculators convert`, or save its tensors as model.safetensors")
     try:
-        weights = Weights(weight_files(path), device, dtype)
+        weights = Weights(weight_files(path), device, dtype, quantization=quantization)
     except Exception as error:  # no files, a damaged file, a tensor in two shards
         raise refuse(name, f"cannot read its weights: {error}") from error
     if is_original_layout(raw):

@@ -81,7 +81,7 @@ class Eagle3Drafter:
         self.tree_width = tree_width
         self.device = device
         self.model_name = model_name
-        self.dtype = model.lm_head.dtype
+        self.dtype = model.dtype
         self.kv_cache: KVCache | None = None
 
     @property
