@@ -75,6 +75,9 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
     # EAGLE-3 with its draft layer, fc and head in int8 (a third of the bytes a draft).
     "specula-eagle3-int8": ("specula", ["--speculative-tokens", str(DRAFTS), "--speculator", "{eagle3}",
                                         "--speculator-quantize", "int8"]),
+    # The same, every request drafting 3 tokens at every step (no adaptive controller): what the drafter can give.
+    "specula-eagle3-int8-fixed": ("specula", ["--speculative-tokens", "3", "--speculator", "{eagle3}",
+                                              "--speculator-quantize", "int8", "--speculation-mode", "fixed"]),
     # EAGLE-3 drafting trees (top-3 expansion), the best 6 nodes verified.
     "specula-eagle3-tree": ("specula", ["--speculative-tokens", "6", "--speculator", "{eagle3}",
                                         "--draft-tree-width", "3"]),
