@@ -213,7 +213,8 @@ class StepCostModel:
     varied lately the slope comes from the anchors (warmup forwards over 1..64 tokens of one sequence, which
     also stand in for `P` before any decode step). `V` is fitted the same way on the steps that verify, over
     their excess `seconds - P(S)`, with `P` as it is fitted when the cost is used, not when the step ran (capped
-    at a few plain steps, so a pause does not read as a cost). When draft
+    at a few plain steps, so a pause does not read as a cost), or over each excess as a share of the P(S) it was
+    measured beside, times today's P(S), whichever fit is lower (steps in a slow spell of the machine). When draft
     counts have not varied, `c` is the anchors' cost of a token and the rest of the excess is `v0`; before any
     verifying step, the same prior with `v0 = 0`.
     """
@@ -228,6 +229,9 @@ class StepCostModel:
     _plain: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, S, T, S*S, S*T
     # weight, d, T, d*d, d*T, S, d*S over verifying steps (T: the step's seconds as counted, after the caps)
     _verify: list[float] = field(default_factory=lambda: [0.0] * 7)
+    # weight, d, d*d, r, d*r, r*S, d*r*S over the same steps since P was last found stale (r: the step's excess as
+    # a share of the plain step it was measured beside)
+    _shares: list[float] = field(default_factory=lambda: [0.0] * 7)
     _trust: float = 1.0  # decays on declined steps, back to 1 on a measured one
 
     def anchor(self, num_tokens: int, seconds: float) -> None:
@@ -236,8 +240,8 @@ class StepCostModel:
 
     def observe(self, num_sequences: int, seconds: float) -> None:
         """A plain decode step over `num_sequences` sequences took `seconds`."""
-        if self.learning:
-            cap = (1 + MAX_EXTRA_STEPS) * self.plain(num_sequences) if self._plain[0] else seconds
+        if self.learning:  # the first plain step is capped by the anchors' cost (a cold or paused step)
+            cap = (1 + MAX_EXTRA_STEPS) * self.plain(num_sequences) if self._plain[0] or self._anchors[0] else seconds
             self._plain = [self.decay * a + x for a, x in zip(self._plain, _point(num_sequences, min(seconds, cap)))]
 
     def observe_speculative(self, num_sequences: int, seconds: float, num_drafts: int) -> None:
@@ -268,11 +272,19 @@ class StepCostModel:
         extra = min(extra, OUTLIER_FACTOR * (v0 + c * num_drafts) + OUTLIER_SLACK * plain)
         point = (*_point(num_drafts, plain + extra), float(num_sequences), float(num_drafts) * num_sequences)
         self._verify = [VERIFY_DECAY * a + x for a, x in zip(self._verify, point)]
+        r, d = extra / plain, float(num_drafts)
+        shares = (1.0, d, d * d, r, d * r, r * num_sequences, d * r * num_sequences)
+        self._shares = [VERIFY_DECAY * a + x for a, x in zip(self._shares, shares)]
         self._trust = 1.0
         intercept = self._fitted_verification(prior, clip=False)[0]
         if (seconds < STALE_PLAIN * plain or intercept < -(1 - STALE_PLAIN) * plain) and not self.plain_is_stale:
             self.plain_is_stale = True
             self._plain = [STALE_KEEP * a for a in self._plain]
+            # The verifying steps before this one were measured while P was wrong too, perhaps in a slow spell
+            # of the machine (a cold start, another process on the cores: seconds that would weigh as excess):
+            # they keep as much weight as the plain steps do, and their shares of that P none.
+            self._verify = [STALE_KEEP * (a - x) + x for a, x in zip(self._verify, point)]
+            self._shares = [0.0] * len(self._shares)
 
     def declined(self) -> None:
         """A step that could have verified drafts but was judged not worth it. The verification cost is only
@@ -338,9 +350,19 @@ class StepCostModel:
         # heavier load after a lighter one), and their whole error stayed in v0, above a plain step, until enough
         # declines wore it down (dozens of steps without drafts).
         p0, p1 = self.coefficients()
-        line = _line((weight, sum_d, sum_t - p0 * weight - p1 * sum_s, sum_dd, sum_dt - p0 * sum_d - p1 * sum_ds),
-                     0.5)
-        mean_d, mean_v, slope = line
+        now = _line((weight, sum_d, sum_t - p0 * weight - p1 * sum_s, sum_dd, sum_dt - p0 * sum_d - p1 * sum_ds),
+                    0.5)
+        # The other way round when the machine, not the load, changed: steps measured while everything ran slower
+        # (a cold start, another process on the cores: plain steps of 1.2 s, verifying ones of 1.5) have seconds
+        # of excess over the plain step of today, and that excess, put in v0, declined every draft for hundreds
+        # of steps. As a share of the plain step each was measured beside, times today's P(S), they count for what
+        # they showed. Of the two fits, the lower excess: one that is too high stops speculation for hundreds of
+        # steps, one that is too low is measured again at the next verifying step. Shares below 0 were measured
+        # beside a stale P, which only the excess over today's P corrects; they are dropped when P is found stale
+        # (`observe_speculative`).
+        w, d, dd, r, dr, rs, drs = self._shares
+        shares = _line((w, d, p0 * r + p1 * rs, dd, p0 * dr + p1 * drs), 0.5) if w > 0 else None
+        mean_d, mean_v, slope = shares if shares is not None and 0 <= shares[1] < now[1] else now
         # Draft counts that did not vary give no slope: the prior, but never more per draft than the measured
         # excess itself (anchors timed on a slower machine would otherwise keep the bar above every request).
         c = max(slope, 0.0) if slope == slope else max(min(prior, mean_v / max(mean_d, 1.0)), 0.0)
