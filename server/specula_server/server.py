@@ -225,7 +225,8 @@ def load_speculator(config: ServerConfig, model_config: ModelConfig, dtype: torc
         eagle = load_eagle3(eagle_path, config.model_id, model_config,
                             target.embed_tokens if target is not None else None, dtype=dtype, device=device,
                             speculator_id=config.speculator,
-                            quantization=Quantization.parse(config.speculator_quantize, config.quantize_group_size))
+                            quantization=Quantization.parse(config.speculator_quantize, config.quantize_group_size,
+                                                            "--speculator-quantize"))
         return Eagle3Drafter(eagle, device, config.speculator, config.draft_tree_width)
     if config.speculator_quantize is not None:
         raise ValueError(f"--speculator-quantize quantizes an EAGLE-3 speculator; {config.speculator} is not one")

@@ -401,6 +401,9 @@ def test_a_quantized_speculator_drafts_and_decodes_exactly(llama_dir, checkpoint
 def test_speculator_quantize_is_checked(llama_dir, checkpoints, tmp_path):
     with pytest.raises(ValueError, match="--speculator-quantize gguf is not supported; supported: int8, int4"):
         with_eagle(llama_dir, checkpoints["echo"], speculator_quantize="gguf")
+    # The drafter's inputs (64 wide) are not whole groups of 128: the error names the drafter's flag.
+    with pytest.raises(ValueError, match="--speculator-quantize int4 with --quantize-group-size 128 needs every"):
+        with_eagle(llama_dir, checkpoints["echo"], speculator_quantize="int4", quantize_group_size=128)
     with pytest.raises(ValueError, match="--speculator-quantize quantizes an EAGLE-3 speculator; no --speculator"):
         load_test_generator(llama_dir, speculative_tokens=2, speculator="suffix", speculator_quantize="int8")
     from specula_testing.adapters import build_medusa_adapter

@@ -67,20 +67,23 @@ _QUANTIZED_TENSOR_SUFFIXES = (".qweight", ".qzeros", ".g_idx", ".weight_scale", 
 
 @dataclass(frozen=True)
 class Quantization:
-    """Weight-only quantization of the model's linear layers; `group_size`: inputs per int4 scale and zero."""
+    """Weight-only quantization of the model's linear layers; `group_size`: inputs per int4 scale and zero;
+    `flag`: the setting that asked for it, as errors name it (`--speculator-quantize` for an EAGLE-3 drafter's)."""
 
     method: str
     group_size: int = DEFAULT_GROUP_SIZE
+    flag: str = "--quantize"
 
     def __post_init__(self) -> None:
         quantize_method(self.method)  # a ValueError naming the supported methods
         _check_group_size(self.group_size)
 
     @classmethod
-    def parse(cls, value: str | None, group_size: int = DEFAULT_GROUP_SIZE) -> Quantization | None:
-        """The `--quantize` flag: None or "" for float weights, else a validated setting."""
+    def parse(cls, value: str | None, group_size: int = DEFAULT_GROUP_SIZE, flag: str = "--quantize"
+              ) -> Quantization | None:
+        """The `--quantize` flag (or `flag`): None or "" for float weights, else a validated setting."""
         _check_group_size(group_size)
-        return cls(value.strip().lower(), group_size) if value and value.strip() else None
+        return cls(value.strip().lower(), group_size, flag) if value and value.strip() else None
 
 
 def _check_group_size(group_size: int) -> None:
@@ -199,11 +202,12 @@ def build_linear(weight: torch.Tensor | GGUFBlocks, quantization: Quantization |
     in_features = weight.shape[1]
     if quantization.method == "int8":
         if in_features % INT8_IN_MULTIPLE:
-            raise ValueError(f"--quantize int8 needs every linear's inputs to be a multiple of {INT8_IN_MULTIPLE}; "
+            raise ValueError(f"{quantization.flag} int8 needs every linear's inputs to be a multiple of "
+                             f"{INT8_IN_MULTIPLE}; "
                              f"{name} has {in_features}")
         return Int8Linear(weight)
     if in_features % quantization.group_size:
-        raise ValueError(f"--quantize int4 with --quantize-group-size {quantization.group_size} needs every "
+        raise ValueError(f"{quantization.flag} int4 with --quantize-group-size {quantization.group_size} needs every "
                          f"linear's inputs to be whole groups; {name} has {in_features}")
     return Int4Linear(weight, quantization.group_size)
 
