@@ -173,13 +173,7 @@ TRAINING_SUBJECTS = [
 TRAINING_FORMS = ["How does {} work?", "Explain {} to a beginner.", "What is special about {}?",
                   "Describe {} in a few sentences.", "What would happen without {}?", "Why does {} matter?",
                   "What is {} made of?", "What are the main parts of {}?", "How did people first come up with {}?",
-                  "What are some common misconceptions about {}?", "Why is {} important?", "How is {} made?",
-                  "What does {} do?", "Why do people need {}?", "How do people use {}?", "Where does {} come from?",
-                  "What problems can {} cause?", "Give me three interesting facts about {}.",
-                  "How would you explain {} to a child?", "What is {}, and why does it matter?",
-                  "Can you tell me how {} works, in simple words?", "What is the history of {}?"]
-# Comparisons pair each subject with one further down the list.
-TRAINING_PAIR_FORMS = ["What is the difference between {} and {}?", "How are {} and {} alike?"]
+                  "What are some common misconceptions about {}?"]
 
 
 def _modules(names):
@@ -240,13 +234,8 @@ def training_prompts(count: int, gguf: Path, questions: int | None = None) -> li
     from specula_server.hub import resolve_model_dir
 
     questions = count if questions is None else questions
-    n = len(TRAINING_SUBJECTS)
     asked = [form.format(subject) for subject in TRAINING_SUBJECTS for form in TRAINING_FORMS]
-    asked += [form.format(subject, TRAINING_SUBJECTS[(i * 7 + 3) % n]) for i, subject in enumerate(TRAINING_SUBJECTS)
-              for form in TRAINING_PAIR_FORMS]
-    # Every third question asks for a child's answer, as the benchmark's later questions do.
-    asked = [q if i % 3 else f"{q} Answer as if to a child of {5 + i % 8}." for i, q in enumerate(asked)
-             if q not in QUESTIONS]
+    asked = [q for q in asked if q not in QUESTIONS]
     if len(asked) < questions:
         raise SystemExit(f"only {len(asked)} training questions; asked for {questions}")
     kinds = [rewrite_prompts(count, TRAINING_REWRITE_MODULES),
