@@ -155,9 +155,7 @@ def _check_choices(c: LauncherConfig) -> None:
         raise ValueError(f"--quantize gguf serves a GGUF file's own blocks; --model-id {c.model_id} is not a .gguf "
                          "file (for a float checkpoint use --quantize int8 or int4)")
     if c.speculator_quantize is not None:
-        object.__setattr__(c, "speculator_quantize", speculator_quantize_method(c.speculator_quantize))
-        if not c.speculator or c.speculator == "suffix":
-            raise ValueError("--speculator-quantize quantizes an EAGLE-3 speculator; no --speculator names one")
+        object.__setattr__(c, "speculator_quantize", speculator_quantize_method(c.speculator_quantize, c.speculator))
     if c.quantize_group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"--quantize-group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}; "
                          f"got {c.quantize_group_size}")

@@ -127,11 +127,15 @@ def quantize_method(value: str) -> QuantizeMethod:
     return QuantizeMethod(value)
 
 
-def speculator_quantize_method(value: str) -> QuantizeMethod:
-    """--speculator-quantize's value as its member (int8 or int4); otherwise a ValueError naming the flag."""
+def speculator_quantize_method(value: str, speculator: str | None) -> QuantizeMethod:
+    """--speculator-quantize's value as its member (int8 or int4), with `speculator` (--speculator) naming a
+    drafter it could quantize; otherwise a ValueError naming the flag. (Whether that drafter is an EAGLE-3 one is
+    known once it is found: the worker checks that when it loads it.)"""
     if value not in (QuantizeMethod.INT8, QuantizeMethod.INT4):
         raise ValueError(f"--speculator-quantize {value} is not supported; supported: int8, int4 (weight-only, "
                          "quantized at load time)")
+    if not speculator or speculator == "suffix":
+        raise ValueError("--speculator-quantize quantizes an EAGLE-3 speculator; no --speculator names one")
     return QuantizeMethod(value)
 
 

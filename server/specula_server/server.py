@@ -121,9 +121,8 @@ class ServerConfig:
             raise ValueError(f"need 1 <= ngram_min ({self.ngram_min}) <= ngram_max ({self.ngram_max})")
         object.__setattr__(self, "ngram_match", parse_choice(NgramMatch, self.ngram_match, "--ngram-match"))
         if self.speculator_quantize is not None:
-            object.__setattr__(self, "speculator_quantize", speculator_quantize_method(self.speculator_quantize))
-            if not self.speculator or self.speculator == SUFFIX:
-                raise ValueError("--speculator-quantize quantizes an EAGLE-3 speculator; no --speculator names one")
+            object.__setattr__(self, "speculator_quantize",
+                               speculator_quantize_method(self.speculator_quantize, self.speculator))
         if self.draft_tree_width < 1:
             raise ValueError(f"draft tree width must be at least 1, got {self.draft_tree_width}")
         if self.suffix_cache_tokens < 0:
