@@ -507,18 +507,116 @@ def test_idle_requests_drop_their_rows_and_draft_again(llama_dir, checkpoints, p
         assert not keys[slots].any() and not values[slots].any()
 
 
+def test_chains_carry_the_draft_layers_probabilities_and_stop_where_told(llama_dir, checkpoints, plain,
+                                                                        monkeypatch):
+    """Each chain token carries the draft layer's probability of it (softmax of the row's logits at the drafted
+    token), and a chain ends where `extend` says another token is not worth drafting; output is unchanged."""
+    generator = with_eagle(llama_dir, checkpoints["reduced-vocab"])
+    drafter = generator.eagle
+    rows, drafts = [], []
+    forward, draft = drafter.model.forward, drafter.draft
+
+    def recording_forward(*args, **kwargs):
+        logits, state = forward(*args, **kwargs)
+        rows.append(logits.clone())
+        return logits, state
+
+    def two_at_most(requests, lengths, extend=None):
+        rows.clear()
+        got = draft(requests, lengths, lambda i, confidences: len(confidences) < 2)
+        drafts.append((got[0], min(lengths[0], 2), torch.cat(rows)))
+        return got
+
+    monkeypatch.setattr(drafter.model, "forward", recording_forward)
+    monkeypatch.setattr(drafter, "draft", two_at_most)
+    outputs = run(generator, PROMPTS[0], max_new_tokens=24)
+    assert token_ids(outputs) == token_ids(run(plain, PROMPTS[0], max_new_tokens=24))
+    assert len(drafts) > 5 and all(len(d) == most for d, most, _ in drafts)  # K = 3 granted, two drafted
+    for d, _, logits in drafts:
+        probabilities = logits.softmax(dim=-1)
+        best = probabilities.argmax(dim=-1)
+        assert drafter.model.to_target(best).tolist() == d.tokens.tolist()
+        assert d.confidences == pytest.approx(probabilities.gather(-1, best[:, None])[:, 0].tolist(), rel=1e-5)
+
+
+def test_rated_chains_are_verified_by_their_tokens_probabilities(llama_dir, checkpoints, plain, monkeypatch):
+    """Adaptive mode drafts a rated chain before choosing its length, and prices each token by what tokens of
+    its probability were accepted at, whatever the request's own record (held at 0 here): chains whose tokens the
+    draft layer gives 0.95 (always right) are verified whole; those it gives 0.05 (always wrong) end at their
+    first token and are declined. Output is the plain one."""
+    from specula_server.speculation.controller import AcceptanceEstimate, StepCostModel
+    from specula_server.speculation.drafters import Draft
+
+    generator = with_eagle(llama_dir, checkpoints["echo"], mode="adaptive")
+    cost = StepCostModel(learning=False)  # a draft costs about a tenth of a step
+    for n in (1, 4, 16, 64):
+        cost.anchor(n, 0.004 + 0.0004 * n)
+    generator.speculator.step_cost = cost
+
+    class NeverAccepted(AcceptanceEstimate):  # the request's own record
+        def estimate(self, prior: float) -> float:
+            return 0.0
+
+    plan = generator.speculator.plan
+
+    def planned(requests):
+        for r in requests:
+            r.acceptance = NeverAccepted()
+        return plan(requests)
+
+    monkeypatch.setattr(generator.speculator, "plan", planned)
+    prompt = PROMPTS[3]
+    expected = token_ids(run(plain, prompt, max_new_tokens=48))
+    chains = []  # (right, tokens drafted) per call
+
+    def draft(requests, lengths, extend=None):
+        out = []
+        for i, (r, k) in enumerate(zip(requests, lengths)):
+            right = len(chains) % 2 == 0
+            tokens, confidences = [], []
+            for j in range(k):
+                token = expected[r.num_generated + j]
+                tokens.append(token if right else (token + 1) % 64)
+                confidences.append(0.95 if right else 0.05)
+                r.token_ids[r.num_tokens + j] = tokens[-1]
+                if extend is not None and not extend(i, confidences):
+                    break
+            chains.append((right, len(tokens)))
+            out.append(Draft(torch.tensor(tokens), confidences=tuple(confidences)))
+        return out
+
+    monkeypatch.setattr(generator.eagle, "draft", draft)
+    outputs = run(generator, prompt, max_new_tokens=48)
+    assert token_ids(outputs) == expected
+    verified = [(o.num_drafted, o.num_accepted) for o in outputs if o.num_drafted]
+    right = [n for ok, n in chains if ok]
+    assert len(right) >= 5 and all(n == K for n in right[:-1]), chains  # the last may be cut by max_new_tokens
+    assert verified == [(n, n) for n in right], (verified, chains)
+    assert {n for ok, n in chains if not ok} == {1}, chains
+
+
 def test_could_draft_follows_the_controllers_bar(llama_dir, checkpoints):
-    """`Speculator.could_draft`: in adaptive mode a request could be granted drafts when its acceptance estimate
-    clears the bar of the batch's size (`S * c / P(S)`); in fixed mode always."""
+    """`Speculator.could_draft`: in adaptive mode a request could be granted drafts at the bar of the batch's
+    size (`S * c / P(S)`) when its own acceptance estimate clears it or, for chains (whose tokens carry the draft
+    layer's probabilities), when tokens of some probability have lately been accepted above it; in fixed mode
+    always."""
     from specula_server.speculation.controller import AcceptanceEstimate
 
     likely, unlikely = (SimpleNamespace(acceptance=AcceptanceEstimate(successes=s, failures=f),
                                         spec=SimpleNamespace(adapter_id="")) for s, f in
                         ((9.0, 1.0), (1.0, 9.0)))  # estimates 0.82 and 0.18 (the prior weighs two trials)
-    speculator = with_eagle(llama_dir, checkpoints["echo"], mode="adaptive").speculator
-    for c, expected in ((0.0, [True, True]), (0.5 * speculator.step_cost.plain(2) / 2, [True, False])):
-        speculator.step_cost.verification_cost = lambda c=c: (0.0, c)  # bar 0, then 0.5
-        assert speculator.could_draft([likely, unlikely], 2) == expected
+    trees = with_eagle(llama_dir, checkpoints["echo"], mode="adaptive", draft_tree_width=3).speculator
+    chains = with_eagle(llama_dir, checkpoints["echo"], mode="adaptive").speculator
+    for speculator in (trees, chains):
+        speculator.step_cost.verification_cost = lambda s=speculator: (0.0, 0.5 * s.step_cost.plain(2) / 2)  # 0.5
+    assert trees.could_draft([likely, unlikely], 2) == [True, False]
+    assert chains.could_draft([likely, unlikely], 2) == [True, True]  # nothing known of its tokens yet
+    for _ in range(50):  # tokens the draft layer gave 0.3 and 0.9 were accepted at 20% and 40%
+        for q, accepted in ((0.3, 0), (0.3, 0), (0.3, 0), (0.3, 0), (0.3, 1), (0.9, 0), (0.9, 1), (0.9, 0)):
+            chains.calibration.observe("eagle3", q, 1, accepted)
+    assert chains.could_draft([likely, unlikely], 2) == [True, False]  # as trees: by their own estimates
+    chains.step_cost.verification_cost = lambda: (0.0, 0.3 * chains.step_cost.plain(2) / 2)  # bar 0.3
+    assert chains.could_draft([likely, unlikely], 2) == [True, True]
     assert with_eagle(llama_dir, checkpoints["echo"]).speculator.could_draft([unlikely], 1) == [True]
 
 

@@ -16,6 +16,7 @@ from specula_server.speculation.controller import (
     StepCostModel,
     choose_draft_lengths,
     drafting_bar,
+    expected_accepted,
 )
 from specula_server.speculation.drafters import Draft, PromptLookupDrafter
 from specula_testing.worker import (
@@ -448,6 +449,18 @@ def test_a_plain_cost_fitted_at_a_heavier_load_is_measured_again():
     assert choose_draft_lengths([4] * 32, [0.2] * 32, cost, "adaptive") == [0] * 32
     assert choose_draft_lengths([4] * 32, [0.5] * 32, cost, "adaptive") == [0] * 32  # 0.5 / 2.2 ms < 32 / 94 ms
     assert all(k > 0 for k in choose_draft_lengths([4] * 32, [0.9] * 32, cost, "adaptive"))
+
+
+def test_tokens_priced_one_by_one_are_granted_while_their_chain_pays():
+    """Acceptance given per token (a model drafter's rated chain): a chain is granted up to the token whose
+    chance of being reached and accepted no longer pays for its row, and not at all when its first token does
+    not; the expected tokens are the products along the chain."""
+    cost = fitted(0.020, 0.002)  # a draft pays above 9% (`drafting_bar`)
+    assert choose_draft_lengths([3, 3, 3], [[0.9, 0.8, 0.05], [0.05, 0.99, 0.99], [0.9, 0.9, 0.9]], cost,
+                                "adaptive") == [2, 0, 3]
+    assert choose_draft_lengths([1], [[0.9, 0.8]], cost, "adaptive") == [1]  # never past what is available
+    assert expected_accepted([0.5, 0.5, 0.2], 3) == pytest.approx(0.5 + 0.25 + 0.05)
+    assert expected_accepted(0.5, 2) == pytest.approx(0.75)
 
 
 def expensive_verification(cost: StepCostModel, num_drafts: int, steps: int = 20) -> None:

@@ -402,12 +402,31 @@ def proposal_backoff(declined_in_a_row: int, ask_cost: float = 0.0) -> int:
     return min(2 ** max(declined_in_a_row - 1, 0), longest + 1) - 1
 
 
+Acceptance = float | Sequence[float]  # one `a` for every draft token, or one per token (given the ones before)
+
+
+def token_acceptance(acceptance: Acceptance, k: int) -> float:
+    """The chance that draft token k (from 0) is accepted given the ones before it were."""
+    return acceptance if isinstance(acceptance, float | int) else acceptance[k]
+
+
+def expected_accepted(acceptance: Acceptance, num_drafts: int) -> float:
+    """Expected accepted tokens of `num_drafts` drafts: `a + a^2 + ...`, or the products along the chain."""
+    total, path = 0.0, 1.0
+    for k in range(num_drafts):
+        path *= token_acceptance(acceptance, k)
+        total += path
+    return total
+
+
 def choose_draft_lengths(
-    available: Sequence[int], acceptance: Sequence[float], cost: StepCostModel, mode: SpeculationMode,
+    available: Sequence[int], acceptance: Sequence[Acceptance], cost: StepCostModel, mode: SpeculationMode,
     realism: Sequence[float] | None = None,
 ) -> list[int]:
-    """Draft tokens each request verifies; `available[i]` is how many its drafter proposed (already capped).
-    `realism[i]` (1 when not given) scales request i's expected accepted tokens (`RealizedAcceptance`)."""
+    """Draft tokens each request verifies; `available[i]` is how many its drafter proposed (already capped), and
+    `acceptance[i]` the request's `a`, or per token the chance of its acceptance given the ones before
+    (`Acceptance`). `realism[i]` (1 when not given) scales request i's expected accepted tokens
+    (`RealizedAcceptance`)."""
     if mode == SpeculationMode.FIXED:
         return list(available)
     realism = realism or [1.0] * len(available)
@@ -417,7 +436,8 @@ def choose_draft_lengths(
     plain = cost.plain(num_sequences)
     num_drafts = 0
     expected = float(num_sequences)  # every request emits at least its own token
-    heap = [(-acceptance[i] * realism[i], i) for i in range(num_sequences) if available[i] > 0 and acceptance[i] > 0]
+    heap = [(-token_acceptance(acceptance[i], 0) * realism[i], i) for i in range(num_sequences)
+            if available[i] > 0 and token_acceptance(acceptance[i], 0) > 0]
     heapq.heapify(heap)
     while heap:
         neg_gain, i = heapq.heappop(heap)
@@ -430,7 +450,7 @@ def choose_draft_lengths(
         expected += gain
         num_drafts += 1
         if lengths[i] < available[i]:
-            heapq.heappush(heap, (-gain * acceptance[i], i))
+            heapq.heappush(heap, (-gain * token_acceptance(acceptance[i], lengths[i]), i))
     # Verifying anything at all has a fixed cost: draft only when the whole step still beats a plain one.
     if num_drafts and expected / (plain + per_draft * num_drafts + v0) <= num_sequences / plain:
         return [0] * num_sequences

@@ -41,6 +41,9 @@ class Draft:
     # (suffix decoding's, from how often its continuations followed); None: the drafter has none. The adaptive
     # controller trusts it where the request's measured acceptance is lower.
     confidence: float | None = None
+    # A model drafter's probability of each token of a chain, given the ones before it (EAGLE-3's draft layer):
+    # the controller prices each token by what tokens of that probability were accepted at (`token_acceptance`).
+    confidences: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.q is not None and self.parents is not None:
@@ -65,7 +68,8 @@ class Draft:
         if k >= len(self):
             return self
         return Draft(self.tokens[:k], None if self.parents is None else self.parents[:k],
-                     None if self.q is None else self.q[:k], confidence=self.confidence)
+                     None if self.q is None else self.q[:k], confidence=self.confidence,
+                     confidences=None if self.confidences is None else self.confidences[:k])
 
     def subtree(self, keep: Sequence[int]) -> Draft:
         """The nodes `keep` (ascending; every kept node's parent kept too), renumbered."""

@@ -79,6 +79,9 @@ class Eagle3Drafter:
             raise ValueError(f"the draft tree width must be at least 1, got {tree_width}")
         self.model = model
         self.tree_width = tree_width
+        # Chains carry the draft layer's probability of each token (`Draft.confidences`): the controller drafts
+        # first and verifies the tokens those probabilities make worth it (speculator.py, `_draft_rated`).
+        self.confident = tree_width == 1
         self.device = device
         self.model_name = model_name
         self.dtype = model.dtype
@@ -144,9 +147,12 @@ class Eagle3Drafter:
         return drafts
 
     @torch.inference_mode()
-    def draft(self, requests: Sequence[RequestState], lengths: Sequence[int]) -> list[Draft]:
-        """Exactly `lengths[i] >= 1` draft tokens for request i (see the module docstring), written into each
-        request's token buffer past its tokens, where verification reads them."""
+    def draft(self, requests: Sequence[RequestState], lengths: Sequence[int],
+              extend: Callable[[int, Sequence[float]], bool] | None = None) -> list[Draft]:
+        """`lengths[i] >= 1` draft tokens for request i (see the module docstring), written into each request's
+        token buffer past its tokens, where verification reads them. A chain carries the draft layer's
+        probability of each of its tokens (`Draft.confidences`), and stops before `lengths[i]` where
+        `extend(i, its probabilities so far)` says another token is not worth drafting."""
         assert self.kv_cache is not None, "the EAGLE-3 speculator's KV cache is not allocated"
         assert all(k >= 1 for k in lengths)
         model, kv = self.model, self.kv_cache.layers
@@ -155,6 +161,7 @@ class Eagle3Drafter:
         if self.tree_width > 1 and len(requests) * self.tree_width * (max(lengths) - 1) <= len(self.scratch):
             return self._expand(requests, lengths, logits, state)
         drafted: list[list[int]] = [[] for _ in requests]
+        confidences: list[list[float]] = [[] for _ in requests]
         levels: list[list[tuple[list[float], list[int]]]] = [[] for _ in requests]  # tree: each depth's top-w
         active = list(range(len(requests)))  # the requests whose next draft `logits` rows (in order) give
         for j in range(max(lengths)):
@@ -165,11 +172,17 @@ class Eagle3Drafter:
                     levels[i].append((values, row))
                 chosen = ids[:, 0]
             else:
-                chosen = model.to_target(logits.argmax(dim=-1))  # [len(active)] target token ids
+                best = logits.argmax(dim=-1)
+                chosen = model.to_target(best)  # [len(active)] target token ids
+                scores = logits.float()
+                probability = (scores.gather(-1, best[:, None])[:, 0] - scores.logsumexp(dim=-1)).exp()
+                for i, p in zip(active, probability.tolist()):
+                    confidences[i].append(p)
             for i, token in zip(active, chosen.tolist()):
                 requests[i].token_ids[n0[i] + j] = token  # the buffer tail past num_tokens is free: drafts go there
                 drafted[i].append(token)
-            still = [a for a, i in enumerate(active) if lengths[i] > j + 1]
+            still = [a for a, i in enumerate(active)
+                     if lengths[i] > j + 1 and (extend is None or self.tree_width > 1 or extend(i, confidences[i]))]
             if not still:
                 break
             active = [active[a] for a in still]
@@ -179,7 +192,7 @@ class Eagle3Drafter:
             logits, state = model(chosen[rows], state[rows], step.positions, kv, step.attn)
         if self.tree_width > 1:
             return [best_nodes(level, k) for level, k in zip(levels, lengths)]
-        return [Draft(torch.tensor(t, dtype=torch.long)) for t in drafted]
+        return [Draft(torch.tensor(t, dtype=torch.long), confidences=tuple(c)) for t, c in zip(drafted, confidences)]
 
     def _expand(self, requests: Sequence[RequestState], lengths: Sequence[int], logits: torch.Tensor,
                 state: torch.Tensor) -> list[Draft]:

@@ -26,12 +26,14 @@ from specula_server.request import RequestState
 from specula_server.sampling import Sampler
 from specula_server.speculation.controller import (
     ASK_COST_DECAY,
+    Acceptance,
     AcceptancePriors,
     ConfidenceCalibration,
     RealizedAcceptance,
     StepCostModel,
     choose_draft_lengths,
     drafting_bar,
+    expected_accepted,
     proposal_backoff,
 )
 from specula_server.speculation.draft_model import DraftModelDrafter
@@ -89,11 +91,14 @@ class Speculator:
         self.acceptance_priors = AcceptancePriors()
         self.calibration = ConfidenceCalibration()  # what a confident drafter's drafts achieve, by confidence
         self.realized = RealizedAcceptance()  # granted drafts' accepted tokens against what was expected
-        self._granted_at: dict[int, float] = {}  # request id -> the acceptance its draft was granted at this step
+        self._granted_at: dict[int, Acceptance] = {}  # request id -> the acceptance its draft was granted at
         self._declined_in_a_row = 0  # adaptive: steps whose drafts were all declined, since one verified
         self._steps_without_proposals = 0  # adaptive: plain steps left before drafts are proposed again
         self._ask_cost: float | None = None  # adaptive: what a fruitless ask costs, in plain steps (decayed)
         self._asked_ns = 0  # how long this step's ask took, when it verifies nothing (not part of a plain step)
+        # How long drafting rated chains took in this step (`_draft_rated`): spent before the lengths are chosen,
+        # so not part of what verifying them costs.
+        self._drafted_ns = 0
         self.clock = time.perf_counter_ns  # times asking (a test's own clock can stand in)
 
     @property
@@ -125,12 +130,16 @@ class Speculator:
             return [True] * len(reqs)
         bar = drafting_bar(batch_size, self.step_cost)
         drafter = self.config.drafter
-        return [r.acceptance.estimate(self.acceptance_priors.value(drafter.method_for(r))) > bar for r in reqs]
+        methods = [drafter.method_for(r) for r in reqs]
+        confident = {m: self.calibration.ceiling(m) > bar for m in set(methods)} if getattr(
+            drafter, "confident", False) else {}
+        return [confident.get(m, False) or r.acceptance.estimate(self.acceptance_priors.value(m)) > bar
+                for r, m in zip(reqs, methods)]
 
     def plan(self, reqs: Sequence[RequestState]) -> DraftPlan | None:
         """propose → choose lengths → draft pending tokens; None when this step verifies nothing (a plain
         step, at a plain step's cost: each request's acceptance estimate then drifts back to the prior)."""
-        self._asked_ns = 0
+        self._asked_ns = self._drafted_ns = 0
         chosen = self._choose(reqs)
         if chosen is None:
             for r in reqs:
@@ -171,13 +180,17 @@ class Speculator:
         asked_at = self.clock()
         try:
             proposals = drafter.propose(reqs, caps)
+            proposals = [Draft(torch.tensor(f), confidence=1.0) if f else p for p, f in zip(proposals, forced)]
+            if self.adaptive:
+                proposals = self._draft_rated(reqs, proposals, methods, bar)
         except Exception:  # drafts only ever save time: a drafter's failure must not fail the requests
             logger.exception("drafting failed; this step verifies no drafts")
             return None
-        proposals = [Draft(torch.tensor(f), confidence=1.0) if f else p for p, f in zip(proposals, forced)]
-        acceptance = [a if p.confidence is None else 1.0 if f else max(a, self.calibration.value(m, p.confidence))
-                      for a, p, f, m in zip(acceptance, proposals, forced, methods)]
-        realism = [1.0 if f else self.realized.factor(m) for f, m in zip(forced, methods)]
+        acceptance = [self._acceptance(a, p, f, m) for a, p, f, m in zip(acceptance, proposals, forced, methods)]
+        # Rated tokens are priced by what tokens of their probability achieved, which already says how far the
+        # drafter's word goes: the realized factor corrects estimates that were granted because they erred upward.
+        realism = [1.0 if f or p.confidences is not None else self.realized.factor(m)
+                   for f, m, p in zip(forced, methods, proposals)]
         lengths = choose_draft_lengths([p.available for p in proposals], acceptance, self.step_cost,
                                        self.config.mode, realism)
         self._granted_at = {r.id: a for r, a, k in zip(reqs, acceptance, lengths) if k}
@@ -198,6 +211,50 @@ class Speculator:
             logger.exception("drafting failed; this step verifies no drafts")
             return None
         return DraftPlan(drafts, [m if len(d) else "" for m, d in zip(methods, drafts)])
+
+    def _acceptance(self, estimate: float, draft: Draft, forced: list[int], method: str) -> Acceptance:
+        """What to expect of `draft`'s tokens: certain acceptance for forced ones; for a model drafter's rated
+        chain, per token what tokens of its probability were accepted at; for a draft with one confidence, the
+        better of that confidence's record and the request's own `estimate`; else `estimate`."""
+        if forced:
+            return 1.0
+        if draft.confidences is not None:
+            return [self.calibration.value(method, q) for q in draft.confidences]
+        if draft.confidence is not None:
+            return max(estimate, self.calibration.value(method, draft.confidence))
+        return estimate
+
+    def _draft_rated(self, reqs: Sequence[RequestState], proposals: list[Draft], methods: list[str],
+                     bar: float) -> list[Draft]:
+        """Pending drafts of a draft model that rates its tokens (EAGLE-3's chains), drafted now, before the
+        lengths are chosen: each chain goes on while what its tokens so far are worth, times the best any
+        probability achieved lately, clears `bar`, and the choice then prices every token by what tokens of its
+        probability were accepted at.
+
+        A request's own record says little of its next draft (on the real model's answers the draft layer's
+        probability of its first token correlated 0.51 with that token's acceptance, the request's recent
+        acceptance 0.12), so declining by that record left one stream drafting in 40% of its steps where
+        drafting at every step was 14% faster (docs/speculation.md#the-adaptive-controller)."""
+        draft_model = self.config.draft_model
+        pending = [i for i, p in enumerate(proposals) if p.pending]
+        if not pending or not getattr(draft_model, "confident", False):
+            return proposals
+        ceilings = {m: self.calibration.ceiling(m) for m in {methods[i] for i in pending}}
+
+        def extend(j: int, confidences: Sequence[float]) -> bool:
+            method = methods[pending[j]]
+            worth = 1.0
+            for q in confidences:
+                worth *= self.calibration.value(method, q)
+            return worth * ceilings[method] > bar
+
+        started = time.perf_counter_ns()
+        drafted = draft_model.draft([reqs[i] for i in pending], [proposals[i].pending for i in pending], extend)
+        self._drafted_ns = time.perf_counter_ns() - started
+        proposals = list(proposals)
+        for i, d in zip(pending, drafted):
+            proposals[i] = d
+        return proposals
 
     def _ask_caps(self, reqs: Sequence[RequestState], forced: list, newcomers: list[bool], methods: list[str],
                   acceptance: list[float], bar: float) -> list[int]:
@@ -269,7 +326,7 @@ class Speculator:
         # token at every verified position is part of what a draft costs (a sampling request's rows most of all).
         if start_ns is not None:
             num_drafted = sum(len(d) for d in plan.drafts)
-            seconds = self.agreed_seconds(time.perf_counter_ns() - start_ns)
+            seconds = self.agreed_seconds(time.perf_counter_ns() - start_ns - self._drafted_ns)
             self.step_cost.observe_speculative(num_sequences, seconds, num_drafted)
         compact_accepted_paths(kv_cache, reqs, plan.drafts, verdicts)
         return verdicts, processed
@@ -281,9 +338,12 @@ class Speculator:
         self.acceptance_priors.observe(method, verdict.num_drafted, verdict.num_accepted)
         if draft.confidence is not None and method != GRAMMAR_METHOD:
             self.calibration.observe(method, draft.confidence, verdict.num_drafted, verdict.num_accepted)
+        if draft.confidences is not None and method != GRAMMAR_METHOD:  # each token up to the first rejected one
+            for k, q in enumerate(draft.confidences[: min(verdict.num_accepted + 1, verdict.num_drafted)]):
+                self.calibration.observe(method, q, 1, int(k < verdict.num_accepted))
         granted_at = self._granted_at.pop(r.id, None)
         if granted_at is not None and method != GRAMMAR_METHOD:  # over the drafts verified (a grammar may cut some)
-            expected = sum(granted_at**i for i in range(1, verdict.num_drafted + 1))
+            expected = expected_accepted(granted_at, verdict.num_drafted)
             self.realized.observe(method, expected, verdict.num_accepted)
         # The draft model's KV is valid up to the last accepted draft it ran over; the target's own token
         # (correction or bonus) is run over before the next draft.
