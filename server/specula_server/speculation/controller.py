@@ -182,6 +182,29 @@ class RealizedAcceptance:
         sums[1] = self.decay * sums[1] + realized
 
 
+SPEEDUP_DECAY = 0.9  # per step that drafted before choosing, the weight of earlier ones in its expected speed-up
+
+
+@dataclass
+class DraftingSpeedup:
+    """Steps that drafted before choosing lengths (rated chains): each one's expected tokens per sequence over
+    its time, drafting included, as a share of the plain step `P(S)`; decayed. Drafting is spent before the
+    choice, so the choice cannot weigh it: this says whether drafting pays at all at the present load (below 1
+    the controller backs off as after a declined step)."""
+
+    decay: float = SPEEDUP_DECAY
+    _weight: float = 0.0
+    _sum: float = 0.0
+
+    @property
+    def pays(self) -> bool:
+        return self._weight == 0 or self._sum >= self._weight
+
+    def observe(self, speedup: float) -> None:
+        self._weight = self.decay * self._weight + 1.0
+        self._sum = self.decay * self._sum + speedup
+
+
 def _line(sums: Sequence[float], min_variance: float) -> tuple[float, float, float] | None:
     """(mean x, mean y, slope) of weighted sums (weight, x, y, x*x, x*y); slope NaN when x barely varies."""
     weight, sum_x, sum_y, sum_xx, sum_xy = sums
