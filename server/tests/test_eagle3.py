@@ -636,9 +636,9 @@ def test_rated_drafting_backs_off_where_its_steps_are_slower_than_plain_ones(lla
 
 def test_could_draft_follows_the_controllers_bar(llama_dir, checkpoints):
     """`Speculator.could_draft`: in adaptive mode a request could be granted drafts at the bar of the batch's
-    size (`S * c / P(S)`) when its own acceptance estimate clears it or, for chains (whose tokens carry the draft
-    layer's probabilities), when tokens of some probability have lately been accepted above it; in fixed mode
-    always."""
+    size (`S * c / P(S)`) when its own acceptance estimate clears it (trees) or, for chains (whose tokens carry
+    the draft layer's probabilities), while tokens of some probability have lately been accepted above it and
+    drafting chains has paid at this load; in fixed mode always."""
     from specula_server.speculation.controller import AcceptanceEstimate
 
     likely, unlikely = (SimpleNamespace(acceptance=AcceptanceEstimate(successes=s, failures=f),
@@ -653,9 +653,12 @@ def test_could_draft_follows_the_controllers_bar(llama_dir, checkpoints):
     for _ in range(50):  # tokens the draft layer gave 0.3 and 0.9 were accepted at 20% and 40%
         for q, accepted in ((0.3, 0), (0.3, 0), (0.3, 0), (0.3, 0), (0.3, 1), (0.9, 0), (0.9, 1), (0.9, 0)):
             chains.calibration.observe("eagle3", q, 1, accepted)
-    assert chains.could_draft([likely, unlikely], 2) == [True, False]  # as trees: by their own estimates
+    assert chains.could_draft([likely, unlikely], 2) == [False, False]  # whatever their own estimates
     chains.step_cost.verification_cost = lambda: (0.0, 0.3 * chains.step_cost.plain(2) / 2)  # bar 0.3
     assert chains.could_draft([likely, unlikely], 2) == [True, True]
+    for _ in range(5):  # steps that drafted chains were expected at 0.8 of a plain step's rate
+        chains.rated_speedup.observe(0.8)
+    assert chains.could_draft([likely, unlikely], 2) == [False, False]
     assert with_eagle(llama_dir, checkpoints["echo"]).speculator.could_draft([unlikely], 1) == [True]
 
 

@@ -126,18 +126,19 @@ class Speculator:
 
     def could_draft(self, reqs: Sequence[RequestState], batch_size: int) -> list[bool]:
         """Per request of `reqs` (some of a batch of `batch_size`), whether the controller could grant it drafts at
-        this batch size: its acceptance estimate clears the bar (`drafting_bar`), the rule `_ask_caps` applies to
-        drafters whose drafts carry no confidence (EAGLE-3's); always in fixed mode. What a drafter keeps for later
-        drafts (EAGLE-3's rows) need not be worked on for requests that could not."""
+        this batch size: for rated chains (EAGLE-3's), while drafting them pays at this load (`_judge_drafting`)
+        and tokens of some probability have lately been accepted above the bar (`drafting_bar`); for others, while
+        its acceptance estimate clears the bar; always in fixed mode. What a drafter keeps for later drafts
+        (EAGLE-3's rows) need not be worked on for requests that could not."""
         if not self.adaptive:
             return [True] * len(reqs)
         bar = drafting_bar(batch_size, self.step_cost)
         drafter = self.config.drafter
         methods = [drafter.method_for(r) for r in reqs]
-        confident = {m: self.calibration.ceiling(m) > bar for m in set(methods)} if getattr(
-            drafter, "confident", False) else {}
-        return [confident.get(m, False) or r.acceptance.estimate(self.acceptance_priors.value(m)) > bar
-                for r, m in zip(reqs, methods)]
+        if getattr(self.config.draft_model, "confident", False):
+            pays = self.rated_speedup.pays
+            return [pays and self.calibration.ceiling(m) > bar for m in methods]
+        return [r.acceptance.estimate(self.acceptance_priors.value(m)) > bar for r, m in zip(reqs, methods)]
 
     def plan(self, reqs: Sequence[RequestState]) -> DraftPlan | None:
         """propose → choose lengths → draft pending tokens; None when this step verifies nothing (a plain
@@ -209,8 +210,8 @@ class Speculator:
             return None
         if pays:
             self._declined_in_a_row = self._steps_without_proposals = 0
-        else:  # drafting at this load costs more than it brings: back off as after a declined step
-            self._verified_nothing(backing_off=False)
+        else:  # drafting at this load costs more than it brings: back off as after a declined step, the drafting
+            self._verified_nothing(False, self._drafted_ns, len(reqs))  # being what the ask cost
         try:
             drafts = self._draft_pending(reqs, [p.truncated(k) for p, k in zip(proposals, lengths)])
             drafts = [d if r.grammar is None or f else within_grammar(r, d) for r, d, f in zip(reqs, drafts, forced)]
