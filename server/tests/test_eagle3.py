@@ -752,14 +752,16 @@ def test_constrained_greedy_output_is_identical(llama_dir, checkpoints, plain):
 
 
 @pytest.mark.slow
-def test_two_ranks_draft_and_accept_the_same_tokens(llama_dir, checkpoints, tmp_path):
+@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
+def test_two_ranks_draft_and_accept_the_same_tokens(llama_dir, checkpoints, tmp_path, mode):
     """Tensor parallel: the draft layer whole on every rank, the target's states the full ones, the verifier's
     embedding (a checkpoint without its own) sharded: greedy and seeded sampled requests give the same tokens on
-    both ranks as on one rank."""
+    both ranks as on one rank. Adaptive: rated chains drafted before their lengths are chosen, and the choices
+    (from each rank's own draft probabilities and the agreed timings) the same on both ranks."""
     from test_tensor_parallel import run_requests, run_two_ranks
 
     no_embedding = rewrite(checkpoints["echo"], tmp_path / "echo", drop=("embed_tokens.weight",))
-    settings = {"speculative_tokens": K, "speculation_mode": "fixed", "speculator": str(no_embedding)}
+    settings = {"speculative_tokens": K, "speculation_mode": mode, "speculator": str(no_embedding)}
     expected = run_requests(llama_dir, **settings)
     results = run_two_ranks(llama_dir, settings)
     assert results[0] == results[1] == expected

@@ -36,7 +36,8 @@ them from the target's states for the tokens it accepted. Drafts are the draft l
 request (with a tree width W > 1, trees by top-W expansion, `_expand`; leaves-only trees, `best_nodes`, when a
 step would need more scratch slots than there are), so they are deterministic and
 verification is exact for greedy and sampled requests alike (`verify.py`: a sampled request keeps drafts while
-they equal the tokens it samples).
+they equal the tokens it samples). Each chain token carries the draft layer's probability of it
+(`Draft.confidences`), by which the adaptive controller prices it (`Speculator._draft_rated`).
 
 A prompt that reused cached KV blocks (prefix caching) has no target rows for that prefix: its draft entries
 there are read as the request that computed those blocks left them (the same tokens and model, when it had
@@ -174,7 +175,8 @@ class Eagle3Drafter:
             else:
                 best = logits.argmax(dim=-1)
                 chosen = model.to_target(best)  # [len(active)] target token ids
-                probability = logits.float().softmax(dim=-1).gather(-1, best[:, None])[:, 0]  # softmax: 1/4 of logsumexp's time
+                # Each token's probability by one softmax (a quarter of logsumexp's time on this CPU).
+                probability = logits.float().softmax(dim=-1).gather(-1, best[:, None])[:, 0]
                 for i, p in zip(active, probability.tolist()):
                     confidences[i].append(p)
             for i, token in zip(active, chosen.tolist()):
