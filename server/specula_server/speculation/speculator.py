@@ -274,7 +274,7 @@ class Speculator:
         request, for all its drafts) is not counted. Declining every chain that did not pay, as the choice does,
         still left every step drafting for every request at 8 streams of the real model: 0.82x plain decoding.
         Expected rather than realized tokens: a stream's accepted tokens go 0 to 3 a step, and their average over
-        a few dozen steps fell below 1 at one stream where drafting paid 1.15x."""
+        a few dozen steps fell below 1 at one stream where drafting paid."""
         if not self._drafted_prompt:
             num_sequences, drafts = len(reqs), sum(lengths)
             plain = self.step_cost.plain(num_sequences)
