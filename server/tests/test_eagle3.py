@@ -539,19 +539,54 @@ def test_chains_carry_the_draft_layers_probabilities_and_stop_where_told(llama_d
         assert d.confidences == pytest.approx(probabilities.gather(-1, best[:, None])[:, 0].tolist(), rel=1e-5)
 
 
+def cheap_drafts(generator) -> None:
+    """A fixed cost profile for the adaptive controller: a plain step of 4.4 ms for one sequence, a draft about
+    a tenth of that (worth verifying above about 10% acceptance)."""
+    from specula_server.speculation.controller import StepCostModel
+
+    cost = StepCostModel(learning=False)
+    for n in (1, 4, 16, 64):
+        cost.anchor(n, 0.004 + 0.0004 * n)
+    generator.speculator.step_cost = cost
+
+
+def rated_drafter(generator, monkeypatch, chain) -> list:
+    """Has the EAGLE-3 drafter draft `chain(request, k)` (k (token, probability) pairs) in place of its draft
+    layer: each token written past the request's tokens, the chain ended where the controller's `extend` says,
+    the request's rows left as the draft layer's catch-up leaves them. Returns the drafts made, as they are made."""
+    from specula_server.speculation.drafters import Draft
+
+    made = []
+
+    def draft(requests, lengths, extend=None):
+        out = []
+        for i, (r, k) in enumerate(zip(requests, lengths)):
+            tokens, confidences = [], []
+            for token, confidence in chain(r, k):
+                r.token_ids[r.num_tokens + len(tokens)] = token
+                tokens.append(token)
+                confidences.append(confidence)
+                if len(tokens) == k or (extend is not None and not extend(i, confidences)):
+                    break
+            r.draft_cached, r.eagle_kept = r.num_tokens - 1, 0
+            r.eagle_aux.clear()
+            out.append(Draft(torch.tensor(tokens, dtype=torch.long), confidences=tuple(confidences)))
+        made.extend(out)
+        return out
+
+    monkeypatch.setattr(generator.eagle, "draft", draft)
+    return made
+
+
 def test_rated_chains_are_verified_by_their_tokens_probabilities(llama_dir, checkpoints, plain, monkeypatch):
     """Adaptive mode drafts a rated chain before choosing its length, and prices each token by what tokens of
     its probability were accepted at, whatever the request's own record (held at 0 here): chains whose tokens the
     draft layer gives 0.95 (always right) are verified whole; those it gives 0.05 (always wrong) end at their
     first token and are declined. Output is the plain one."""
-    from specula_server.speculation.controller import AcceptanceEstimate, StepCostModel
-    from specula_server.speculation.drafters import Draft
+    from specula_server.speculation.controller import AcceptanceEstimate
 
     generator = with_eagle(llama_dir, checkpoints["echo"], mode="adaptive")
-    cost = StepCostModel(learning=False)  # a draft costs about a tenth of a step
-    for n in (1, 4, 16, 64):
-        cost.anchor(n, 0.004 + 0.0004 * n)
-    generator.speculator.step_cost = cost
+    cheap_drafts(generator)
 
     class NeverAccepted(AcceptanceEstimate):  # the request's own record
         def estimate(self, prior: float) -> float:
@@ -567,32 +602,58 @@ def test_rated_chains_are_verified_by_their_tokens_probabilities(llama_dir, chec
     monkeypatch.setattr(generator.speculator, "plan", planned)
     prompt = PROMPTS[3]
     expected = token_ids(run(plain, prompt, max_new_tokens=48))
-    chains = []  # (right, tokens drafted) per call
+    rights = []  # per chain drafted, whether it was a right one
 
-    def draft(requests, lengths, extend=None):
-        out = []
-        for i, (r, k) in enumerate(zip(requests, lengths)):
-            right = len(chains) % 2 == 0
-            tokens, confidences = [], []
-            for j in range(k):
-                token = expected[r.num_generated + j]
-                tokens.append(token if right else (token + 1) % 64)
-                confidences.append(0.95 if right else 0.05)
-                r.token_ids[r.num_tokens + j] = tokens[-1]
-                if extend is not None and not extend(i, confidences):
-                    break
-            chains.append((right, len(tokens)))
-            out.append(Draft(torch.tensor(tokens), confidences=tuple(confidences)))
-        return out
+    def chain(r, k):  # right and rated 0.95, then wrong and rated 0.05, taking turns
+        rights.append(len(rights) % 2 == 0)
+        nexts = expected[r.num_generated : r.num_generated + k]
+        return [(t, 0.95) for t in nexts] if rights[-1] else [((t + 1) % 64, 0.05) for t in nexts]
 
-    monkeypatch.setattr(generator.eagle, "draft", draft)
+    made = rated_drafter(generator, monkeypatch, chain)
     outputs = run(generator, prompt, max_new_tokens=48)
     assert token_ids(outputs) == expected
     verified = [(o.num_drafted, o.num_accepted) for o in outputs if o.num_drafted]
-    right = [n for ok, n in chains if ok]
-    assert len(right) >= 5 and all(n == K for n in right[:-1]), chains  # the last may be cut by max_new_tokens
-    assert verified == [(n, n) for n in right], (verified, chains)
-    assert {n for ok, n in chains if not ok} == {1}, chains
+    right = [len(d) for d, ok in zip(made, rights) if ok]
+    assert len(right) >= 5 and all(n == K for n in right[:-1]), right  # the last may be cut by max_new_tokens
+    assert verified == [(n, n) for n in right], (verified, right)
+    assert {len(d) for d, ok in zip(made, rights) if not ok} == {1}
+
+
+def test_rated_chains_batched_and_under_a_grammar_decode_exactly(llama_dir, checkpoints, plain, monkeypatch):
+    """Rated chains for a batch, adaptive mode: a request under a JSON-schema grammar (its chains cut before a
+    token the grammar forbids, its forced tokens drafted as the grammar's), one without, one with speculation
+    off; every third token of each chain wrong though rated 0.9, so chains are verified, accepted in part and
+    rejected. Each request's tokens are the plain ones."""
+    from test_grammar import MAX_JSON_TOKENS, SCHEMA, json_grammar
+
+    generator = with_eagle(llama_dir, checkpoints["echo"], mode="adaptive")
+    cheap_drafts(generator)
+    settings = {0: {"max_new_tokens": 32}, 1: {"max_new_tokens": MAX_JSON_TOKENS, "grammar": json_grammar(SCHEMA)},
+                2: {"max_new_tokens": 32, "speculative_tokens": 0}}
+    prompts = {0: PROMPTS[0], 1: PROMPTS[3], 2: PROMPTS[1]}
+    expected = {i: token_ids(run(plain, prompts[i], **settings[i])) for i in settings}
+    calls = [0]
+
+    def chain(r, k):
+        calls[0] += 1
+        nexts = expected[r.id][r.num_generated : r.num_generated + k]
+        return [(t if (calls[0] + j) % 3 else (t + 1) % 64, 0.9) for j, t in enumerate(nexts)]
+
+    rated_drafter(generator, monkeypatch, chain)
+    pool = BlockPool(256, 16)
+    specs = [make_spec(i, prompts[i], pool, lookahead=8, **settings[i]) for i in settings]
+    got: dict[int, list[int]] = {i: [] for i in settings}
+    methods: dict[int, set[str]] = {i: set() for i in settings}
+    accepted = rejected = 0
+    for out in run_steps(generator, specs):
+        got[out.request_id] += [t.id for t in out.tokens]
+        if out.num_drafted:
+            methods[out.request_id].add(out.draft_method)
+            accepted += out.num_accepted
+            rejected += out.num_accepted < out.num_drafted
+    assert got == expected
+    assert methods[0] == {"eagle3"} and methods[1] >= {"eagle3", "grammar"} and not methods[2], methods
+    assert accepted > 0 and rejected > 0
 
 
 @pytest.mark.parametrize("seconds", [0.001, 0.020])
@@ -603,27 +664,13 @@ def test_rated_drafting_backs_off_where_its_steps_are_slower_than_plain_ones(lla
     step (4.4 ms here; 3 drafts verified in 1.2 ms more). Chains of 3 always right, about 4 tokens a step: where
     drafting takes 1 ms every step drafts; where it takes 20 ms (0.7x a plain step's rate) the controller backs
     off as after declines, drafting at steps 1, 2, 4, 8 and then one in 8. Output is the plain one."""
-    from specula_server.speculation.controller import StepCostModel
-    from specula_server.speculation.drafters import Draft
-
     generator = with_eagle(llama_dir, checkpoints["echo"], mode="adaptive")
-    cost = StepCostModel(learning=False)
-    for n in (1, 4, 16, 64):
-        cost.anchor(n, 0.004 + 0.0004 * n)
-    generator.speculator.step_cost = cost
+    cheap_drafts(generator)
     generator.speculator.agreed_seconds = lambda nanoseconds: seconds
     prompt = PROMPTS[3]
     expected = token_ids(run(plain, prompt, max_new_tokens=64))
-
-    def draft(requests, lengths, extend=None):
-        for r, k in zip(requests, lengths):
-            r.token_ids[r.num_tokens : r.num_tokens + k] = torch.tensor(expected[r.num_generated : r.num_generated + k])
-            r.draft_cached, r.eagle_kept = r.num_tokens - 1, 0  # as the draft layer's catch-up leaves it
-            r.eagle_aux.clear()
-        return [Draft(torch.tensor(expected[r.num_generated : r.num_generated + k]), confidences=(0.95,) * k)
-                for r, k in zip(requests, lengths)]
-
-    monkeypatch.setattr(generator.eagle, "draft", draft)
+    rated_drafter(generator, monkeypatch,
+                  lambda r, k: [(t, 0.95) for t in expected[r.num_generated : r.num_generated + k]])
     outputs = run(generator, prompt, max_new_tokens=64)
     assert token_ids(outputs) == expected
     drafting = [i for i, o in enumerate(outputs) if o.num_drafted]

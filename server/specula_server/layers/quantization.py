@@ -203,8 +203,7 @@ def build_linear(weight: torch.Tensor | GGUFBlocks, quantization: Quantization |
     if quantization.method == "int8":
         if in_features % INT8_IN_MULTIPLE:
             raise ValueError(f"{quantization.flag} int8 needs every linear's inputs to be a multiple of "
-                             f"{INT8_IN_MULTIPLE}; "
-                             f"{name} has {in_features}")
+                             f"{INT8_IN_MULTIPLE}; {name} has {in_features}")
         return Int8Linear(weight)
     if in_features % quantization.group_size:
         raise ValueError(f"{quantization.flag} int4 with --quantize-group-size {quantization.group_size} needs every "

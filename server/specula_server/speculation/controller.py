@@ -28,6 +28,10 @@ the drafting itself; under load the bar `S * c / P(S)` rises with the batch's sh
 are trimmed. After repeated declines, drafts are proposed less often (`proposal_backoff`). The expected gains
 of a method's drafts are scaled by what its granted drafts were accepted for against what was expected
 (`RealizedAcceptance`), which corrects the optimism of granting where noisy estimates are highest.
+
+A model drafter whose chains carry each token's probability (EAGLE-3's) is priced per token instead: the gain of
+draft k is the product of the first k tokens' calibrated acceptances (`Acceptance`, `ConfidenceCalibration`), and
+whether drafting such chains pays at all, their drafting included, is judged apart (`DraftingSpeedup`).
 """
 
 from __future__ import annotations

@@ -136,8 +136,8 @@ class Speculator:
         drafter = self.config.drafter
         methods = [drafter.method_for(r) for r in reqs]
         if getattr(self.config.draft_model, "confident", False):
-            pays = self.rated_speedup.pays
-            return [pays and self.calibration.ceiling(m) > bar for m in methods]
+            could = {m: self.rated_speedup.pays and self.calibration.ceiling(m) > bar for m in set(methods)}
+            return [could[m] for m in methods]
         return [r.acceptance.estimate(self.acceptance_priors.value(m)) > bar for r, m in zip(reqs, methods)]
 
     def plan(self, reqs: Sequence[RequestState]) -> DraftPlan | None:
@@ -370,7 +370,8 @@ class Speculator:
             for k, q in enumerate(draft.confidences[: min(verdict.num_accepted + 1, verdict.num_drafted)]):
                 self.calibration.observe(method, q, 1, int(k < verdict.num_accepted))
         granted_at = self._granted_at.pop(r.id, None)
-        if granted_at is not None and method != GRAMMAR_METHOD:  # over the drafts verified (a grammar may cut some)
+        # Over the drafts verified (a grammar may cut some); rated chains are priced by their calibration instead.
+        if granted_at is not None and method != GRAMMAR_METHOD and draft.confidences is None:
             expected = expected_accepted(granted_at, verdict.num_drafted)
             self.realized.observe(method, expected, verdict.num_accepted)
         # The draft model's KV is valid up to the last accepted draft it ran over; the target's own token
