@@ -189,3 +189,24 @@ def test_the_files_own_blocks_keep_the_float_models_answers_and_perplexity(smoll
         return generate_alone(gen, make_spec(0, prompt, BlockPool(512, 16), max_new_tokens=NUM_NEW))
 
     assert_same_greedy_output(generator, served, chat_prompts, run)
+
+
+def test_the_model_writes_its_own_training_prompts(smollm2, model_dir, tmp_path):
+    """`specula-train prompts`: the messages SmolLM2 writes at its user turn, as transformers renders each chat."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from specula_server.training.cli import app
+
+    out = tmp_path / "prompts.jsonl"
+    result = CliRunner().invoke(app, ["prompts", "--model-id", str(smollm2), "--count", "6", "--output", str(out),
+                                      "--max-new-tokens", "64", "--generation-batch-size", "8"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    messages = [row["message"] for row in rows]
+    assert len(rows) == 6 and len(set(messages)) == 6 and all(len(m) >= 8 for m in messages)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    for row in rows:
+        assert row["prompt"] == tokenizer.apply_chat_template([{"role": "user", "content": row["message"]}],
+                                                              tokenize=False, add_generation_prompt=True)

@@ -178,3 +178,106 @@ def test_specula_train_rejects_bad_settings(tmp_path, llama_dir):
     result = CliRunner().invoke(app, ["medusa", "--model-id", str(llama_dir), "--prompts", str(tmp_path / "p.jsonl"),
                                       "--output", str(tmp_path / "o"), "--layout", "eagle"])
     assert result.exit_code != 0 and "--layout must be fasterdecoding or lorax-v2" in result.output
+
+
+def _recording_generation(monkeypatch) -> list[list[str]]:
+    """Records the prompts each generation of continuations was asked for (the real generation still runs)."""
+    from specula_server.training import data
+
+    calls: list[list[str]] = []
+    real = data.generate_samples
+
+    def recorded(generator, tokenizer, prompts, *args, **kwargs):
+        calls.append(list(prompts))
+        return real(generator, tokenizer, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(data, "generate_samples", recorded)
+    return calls
+
+
+def test_the_samples_cache_generates_only_a_grown_files_new_prompts(tmp_path, llama_dir, monkeypatch):
+    calls = _recording_generation(monkeypatch)
+    cache = tmp_path / "samples.pt"
+    prompts = tmp_path / "prompts.jsonl"
+
+    def train(*extra: str) -> str:
+        result = CliRunner().invoke(app, [
+            "mlp", "--model-id", str(llama_dir), "--prompts", str(prompts), "--output", str(tmp_path / "out"),
+            "--max-new-tokens", "8", "--epochs", "1", "--samples-cache", str(cache), *extra])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    write_prompts(prompts, count=8)
+    first = read_prompts(prompts)
+    train()
+    assert calls == [first]
+    saved = torch.load(cache)["samples"]
+    write_prompts(prompts, count=12)  # the same 8 prompts, then 4 more
+    assert "reusing the continuations of 8 prompts" in train()
+    assert calls[1] == read_prompts(prompts)[8:]
+    grown = torch.load(cache)["samples"]
+    assert len(grown) == 12 and all(grown[text] == saved[text] for text in first)
+    assert "reusing the continuations of 12 prompts" in train() and len(calls) == 2
+
+    # Another generation setting, or sampled continuations for other prompts, generate everything again.
+    train("--max-new-tokens", "9")
+    assert calls[2] == read_prompts(prompts)
+    train("--temperature", "0.7")
+    write_prompts(prompts, count=10)
+    train("--temperature", "0.7")
+    assert calls[4] == read_prompts(prompts)
+
+    # The earlier layout (one list in the order of the key's prompts) is read too.
+    key = {"model_id": str(llama_dir), "revision": "None", "dtype": "float32", "max_input_tokens": "512",
+           "max_new_tokens": "8", "temperature": "0.0", "seed": "0", "prompts": read_prompts(prompts)}
+    torch.save({"key": key, "samples": [(ids, n) for ids, n in (grown[t] for t in read_prompts(prompts))]}, cache)
+    assert "reusing the continuations of 10 prompts" in train() and len(calls) == 5
+
+
+def test_the_user_turn_prefix_is_where_the_template_writes_the_message():
+    from specula_router.chat_template import ChatTemplate
+    from specula_server.training.data import user_turn_prefix
+    from specula_testing.chat_templates import CHATML, LLAMA3, MISTRAL
+
+    def prefix(text: str, **special: str) -> str:
+        template = ChatTemplate.from_text(text, special)
+        return user_turn_prefix(lambda messages: template.render(messages, add_generation_prompt=False))
+
+    assert prefix(CHATML) == "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    assert prefix(LLAMA3, bos_token="<s>") == "<s><|start_header_id|>user<|end_header_id|>\n\n"
+    assert prefix(MISTRAL, bos_token="<s>") == "<s>[INST] "
+    with pytest.raises(ValueError, match="does not write the user's message"):
+        prefix("{% for m in messages %}{{ m['role'] }}{% endfor %}")
+
+
+def test_synthesized_prompts_are_the_messages_the_model_ended_each_once(llama_dir, monkeypatch):
+    from specula_server.params import SamplingParams
+    from specula_server.training import data
+
+    generator = load_test_generator(llama_dir)
+    eos = min(generator.eos_token_ids)
+    tokenizer = generator.tokenizer
+    words = [tokenizer.encode(w, add_special_tokens=False).ids for w in ("alpha beta gamma", "delta epsilon zeta",
+                                                                         "eta theta iota", "kappa lambda mu")]
+    prefix_ids = tokenizer.encode("user:", add_special_tokens=True).ids
+    rounds: list[tuple[int, int]] = []  # (prompts asked for, first seed)
+
+    def generated(gen, tok, prompts, max_input_tokens, max_new_tokens, batch_size, sampling, progress):
+        rounds.append((len(prompts), sampling.seed))
+        made = [words[0] + [eos], words[0] + [eos],  # the same message twice: kept once
+                words[1],  # not ended by the model: dropped
+                tokenizer.encode("ab", add_special_tokens=False).ids + [eos],  # too short: dropped
+                words[2] + [eos], words[3] + [eos]]
+        return [Sample(torch.tensor(prefix_ids + ids), len(prefix_ids)) for ids in made[: len(prompts)]]
+
+    monkeypatch.setattr(data, "generate_samples", generated)
+    sampling = SamplingParams(do_sample=True, temperature=1.0, seed=5)
+    kept = data.synthesize_prompts(generator, tokenizer, "user:", 3, 16, batch_size=6, sampling=sampling,
+                                   progress=False)
+    assert kept == [tokenizer.decode(w, skip_special_tokens=True).strip() for w in (words[0], words[2], words[3])]
+    assert rounds == [(6, 5)]
+    # Too few distinct messages after four rounds (each sampled with seeds after the last's) is an error.
+    rounds.clear()
+    with pytest.raises(RuntimeError, match="ended 3 distinct user messages of 9 asked for in 4 rounds"):
+        data.synthesize_prompts(generator, tokenizer, "user:", 9, 16, batch_size=6, sampling=sampling, progress=False)
+    assert [seed for _, seed in rounds] == [5, 5 + 13, 5 + 13 + 9, 5 + 13 + 9 + 9]

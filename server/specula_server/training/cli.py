@@ -3,12 +3,14 @@
     specula-train medusa --model-id MODEL --prompts prompts.jsonl --output medusa/
     specula-train mlp    --model-id MODEL --prompts prompts.jsonl --output mlp-speculator/
     specula-train eagle3 --model-id MODEL --prompts prompts.jsonl --output eagle3/
+    specula-train prompts --model-id MODEL --count 2000 --output prompts.jsonl
 
 The base model (loaded as the server loads it) continues every prompt; the speculator learns those
-continuations from the base model's hidden states. The output directory is ready for the server: a Medusa
-adapter (`adapter_id` per request, or `--speculator` for all), an MLP speculator or an EAGLE-3 drafter
-(`--speculator`). It also
-holds `training.json`: the settings and the held-out top-1 accuracy of each head before and after training.
+continuations from the base model's hidden states. A chat model can write its own training prompts (`prompts`:
+the user's messages it writes when its chat is opened at the user's turn). The output directory is ready for the
+server: a Medusa adapter (`adapter_id` per request, or `--speculator` for all), an MLP speculator or an EAGLE-3
+drafter (`--speculator`). It also holds `training.json`: the settings and the held-out top-1 accuracy of each
+head before and after training.
 Every option also reads an environment variable.
 """
 
@@ -67,8 +69,9 @@ def _common(  # the options every command shares (see `_command`)
                                                "training samples between epochs; past it they are recomputed."),
     samples_cache: Path | None = typer.Option(
         None, envvar="SAMPLES_CACHE", dir_okay=False,
-        help="File keeping the generated continuations: reused when it exists and was made with the same model, "
-             "prompts and generation settings (to train several speculators on one generation)."),
+        help="File keeping the generated continuations: reused when it was made with the same model and "
+             "generation settings, prompt by prompt for greedy ones (a grown prompt file generates only its new "
+             "prompts) and for the same prompts when sampled (to train several speculators on one generation)."),
 ) -> None:
     ...
 
@@ -91,40 +94,53 @@ def _command(func: Callable[..., None]) -> Callable[..., None]:
     return app.command()(command)
 
 
-def _prepare(args: dict):
-    """Loads the base model, self-distills the prompts and splits them; returns what the trainers need."""
+def _load_generator(args: dict):
+    """The base model, loaded as the server loads it (`args["dtype"]` set to the dtype used)."""
     from specula_server.distributed import ShardGroup
-    from specula_server.params import SamplingParams
     from specula_server.server import DTYPES as SERVER_DTYPES
     from specula_server.server import ServerConfig, load_generator
-    from specula_server.training.data import HiddenStates, Sample, generate_samples, read_prompts
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     dtype = args["dtype"] = args["dtype"] or (Dtype.BFLOAT16 if args["device"] == Device.CUDA else Dtype.FLOAT32)
     if dtype not in SERVER_DTYPES:
         raise typer.BadParameter(f"--dtype must be one of {', '.join(SERVER_DTYPES)}; got {dtype!r}")
+    config = ServerConfig(model_id=args["model_id"], uds_path="/tmp/unused", revision=args["revision"], dtype=dtype,
+                          device=args["device"])
+    return load_generator(config, ShardGroup())[0]
+
+
+def _prepare(args: dict):
+    """Loads the base model, self-distills the prompts and splits them; returns what the trainers need."""
+    from specula_server.params import SamplingParams
+    from specula_server.training.data import HiddenStates, generate_samples, read_prompts
+
     texts = read_prompts(args["prompts"])[: args["max_prompts"]]
     if len(texts) < 4:
         raise typer.BadParameter(f"--prompts {args['prompts']}: {len(texts)} prompts; at least 4 are needed")
-    config = ServerConfig(model_id=args["model_id"], uds_path="/tmp/unused", revision=args["revision"], dtype=dtype,
-                          device=args["device"])
-    generator, _ = load_generator(config, ShardGroup())
+    generator = _load_generator(args)
+    dtype = args["dtype"]
     sampling = SamplingParams(do_sample=True, temperature=args["temperature"], seed=args["seed"]) \
         if args["temperature"] > 0 else SamplingParams()
     key = {k: str(args[k]) for k in ("model_id", "revision", "dtype", "max_input_tokens", "max_new_tokens",
-                                     "temperature", "seed")} | {"prompts": texts}
+                                     "temperature", "seed")}
+    if args["temperature"] > 0:  # a sampled continuation's seed is its prompt's place in the file
+        key["prompts"] = texts
     cache: Path | None = args["samples_cache"]
-    if cache is not None and cache.is_file() and (saved := torch.load(cache))["key"] == key:
-        samples = [Sample(torch.tensor(ids), prompt_len) for ids, prompt_len in saved["samples"]]
-        typer.echo(f"reusing {len(samples)} continuations from {cache}")
-    else:
+    kept = _cached_samples(cache, key) if cache is not None else {}
+    missing = list(dict.fromkeys(t for t in texts if t not in kept))
+    if missing:
         started = time.monotonic()
-        samples = generate_samples(generator, generator.tokenizer, texts, args["max_input_tokens"],
-                                   args["max_new_tokens"], args["generation_batch_size"], sampling)
-        typer.echo(f"generated {sum(s.token_ids.numel() - s.prompt_len for s in samples)} tokens for "
-                   f"{len(samples)} prompts in {time.monotonic() - started:.0f}s")
+        made = generate_samples(generator, generator.tokenizer, missing, args["max_input_tokens"],
+                                args["max_new_tokens"], args["generation_batch_size"], sampling)
+        typer.echo(f"generated {sum(s.token_ids.numel() - s.prompt_len for s in made)} tokens for "
+                   f"{len(made)} prompts in {time.monotonic() - started:.0f}s")
+        kept |= dict(zip(missing, made))
         if cache is not None:
-            torch.save({"key": key, "samples": [(s.token_ids.tolist(), s.prompt_len) for s in samples]}, cache)
+            torch.save({"key": key, "samples": {t: (s.token_ids.tolist(), s.prompt_len) for t, s in kept.items()}},
+                       cache)
+    if len(missing) < len(set(texts)):
+        typer.echo(f"reusing the continuations of {len(set(texts)) - len(missing)} prompts from {cache}")
+    samples = [kept[t] for t in texts]
     generator.kv_cache = None  # the training forwards use a scratch cache of their own
     random.Random(args["seed"]).shuffle(samples)
     held_out = max(1, int(len(samples) * args["eval_fraction"]))
@@ -136,6 +152,24 @@ def _prepare(args: dict):
     with torch.inference_mode():
         lm_head_weight = model.compute_logits(eye).T.contiguous()  # [vocab, hidden], whatever the head's packing
     return samples[held_out:], samples[:held_out], hidden_states, lm_head_weight.clone(), dtype
+
+
+def _cached_samples(cache: Path, key: dict) -> dict:
+    """The continuations `cache` keeps by prompt, when it was made with the same settings (`key`); {} otherwise.
+    Greedy continuations are reused prompt by prompt, so a prompt file that grew generates only its new prompts."""
+    from specula_server.training.data import Sample
+
+    if not cache.is_file():
+        return {}
+    saved = torch.load(cache)
+    saved_key, samples = dict(saved["key"]), saved["samples"]
+    if isinstance(samples, list):  # the earlier layout: one list in the order of the key's prompts
+        samples = dict(zip(saved_key["prompts"], samples))
+        if "prompts" not in key:
+            del saved_key["prompts"]
+    if saved_key != key:
+        return {}
+    return {text: Sample(torch.tensor(ids), prompt_len) for text, (ids, prompt_len) in samples.items()}
 
 
 def _finish(args: dict, kind: str, trainee, report, dtype: str, extra: dict, save) -> None:
@@ -267,6 +301,56 @@ def eagle3(
                  norm_before_residual=norm_before_residual)
     _finish(common, "eagle3", trainee, report, dtype, extra,
             lambda out, save_dtype: trainee.save(out, verifier_dir, common["model_id"], save_dtype))
+
+
+@app.command()
+def prompts(
+    model_id: str = typer.Option(..., "--model-id", envvar="MODEL_ID",
+                                 help="A chat model: a local directory or a Hugging Face Hub id."),
+    output: Path = typer.Option(..., "--output", envvar="OUTPUT", dir_okay=False,
+                                help="JSON-lines file written: one {\"prompt\", \"message\"} per line, the prompt "
+                                     "the message rendered by the chat template (for --prompts)."),
+    count: int = typer.Option(1000, "--count", envvar="PROMPT_COUNT", min=1, help="Distinct messages to write."),
+    max_new_tokens: int = typer.Option(96, "--max-new-tokens", envvar="MAX_NEW_TOKENS", min=8,
+                                       help="A message the model has not ended within this many tokens is dropped."),
+    temperature: float = typer.Option(1.0, "--temperature", envvar="TEMPERATURE", min=0.01,
+                                      help="Sampling temperature of the messages."),
+    top_p: float = typer.Option(0.95, "--top-p", envvar="TOP_P", min=0.01, max=1.0,
+                                help="Nucleus sampling of the messages."),
+    chat_template: str | None = typer.Option(None, "--chat-template", envvar="CHAT_TEMPLATE",
+                                             help="A template file or text replacing the model's chat template."),
+    revision: str | None = typer.Option(None, envvar="REVISION", help="Hub revision of the model."),
+    device: str = typer.Option(Device.CUDA.value if torch.cuda.is_available() else Device.CPU.value, envvar="DEVICE",
+                               help=f"{listed(Device)}."),
+    dtype: str | None = typer.Option(None, envvar="DTYPE",
+                                     help="Model dtype: float32 (CPU default), bfloat16 (CUDA default)."),
+    generation_batch_size: int = typer.Option(48, envvar="GENERATION_BATCH_SIZE", min=1,
+                                              help="Messages sampled at once."),
+    seed: int = typer.Option(0, envvar="SEED", help="Seeds the sampling (one seed per message from it)."),
+) -> None:
+    """Training prompts written by the model itself: its chat opened at the user's turn, it writes the user's
+    message (the Magpie method), so a drafter can be trained for a chat model without a dataset. Messages it does
+    not end itself are dropped, each kept once."""
+    from specula_router.chat_template import load_chat_template
+    from specula_server.hub import resolve_model_dir
+    from specula_server.params import SamplingParams
+    from specula_server.training.data import synthesize_prompts, user_turn_prefix
+
+    template = load_chat_template(resolve_model_dir(model_id, revision, None), chat_template)
+    if template is None:
+        raise typer.BadParameter(f"--model-id {model_id}: the model has no chat template; give --chat-template")
+    prefix = user_turn_prefix(lambda messages: template.render(messages, add_generation_prompt=False))
+    generator = _load_generator(dict(model_id=model_id, revision=revision, device=device, dtype=dtype))
+    started = time.monotonic()
+    messages = synthesize_prompts(generator, generator.tokenizer, prefix, count, max_new_tokens,
+                                  generation_batch_size,
+                                  SamplingParams(do_sample=True, temperature=temperature, top_p=top_p, seed=seed))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with output.open("w", encoding="utf-8") as f:
+        for message in messages:
+            prompt = template.render([{"role": "user", "content": message}], add_generation_prompt=True)
+            f.write(json.dumps({"prompt": prompt, "message": message}) + "\n")
+    typer.echo(f"wrote {len(messages)} prompts to {output} in {time.monotonic() - started:.0f}s")
 
 
 def _settings(common: dict):

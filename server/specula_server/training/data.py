@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -119,6 +119,58 @@ def generate_samples(
     bar.close()
     generator.reset()
     return samples
+
+
+USER_MARK = "\x00"  # stands for the user's message when the chat template renders a conversation's start
+
+
+def user_turn_prefix(render: Callable[[list[dict]], str]) -> str:
+    """The text a chat opens with up to where the user's first message goes (the system prompt the template adds
+    by default, the user turn's header): `render(messages)` is the model's chat template, without a generation
+    prompt."""
+    text = render([{"role": "user", "content": USER_MARK}])
+    if USER_MARK not in text:
+        raise ValueError("the chat template does not write the user's message; no prompts can be synthesized")
+    return text[: text.index(USER_MARK)]
+
+
+def synthesize_prompts(
+    generator: TextGenerator,
+    tokenizer: tokenizers.Tokenizer,
+    prefix: str,
+    count: int,
+    max_new_tokens: int,
+    batch_size: int,
+    sampling: SamplingParams,
+    progress: bool = True,
+) -> list[str]:
+    """`count` distinct user messages the model writes itself when its chat stops at the user turn (`prefix`,
+    `user_turn_prefix`), sampled with `sampling`, a seed each: an instruction-tuned model continues there with the
+    kind of request it was tuned on (the Magpie method). Kept: messages the model ended itself (an end-of-sequence
+    token within `max_new_tokens`), at least 8 characters, each once. Raises when a few rounds keep fewer than
+    `count` (a model without a chat tuning rarely ends a turn)."""
+    kept: dict[str, None] = {}
+    seed, rounds = sampling.seed, 0
+    bar = tqdm(total=count, desc="synthesizing prompts", unit="prompt", disable=not progress)
+    while len(kept) < count:
+        if rounds == 4:
+            raise RuntimeError(f"the model ended {len(kept)} distinct user messages of {count} asked for in "
+                               f"{rounds} rounds; is it a chat model, and is max_new_tokens ({max_new_tokens}) enough?")
+        wanted = max(batch_size, int((count - len(kept)) * 1.5))
+        samples = generate_samples(generator, tokenizer, [prefix] * wanted, max_input_tokens=len(prefix) + 1,
+                                   max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                   sampling=replace(sampling, seed=seed), progress=False)
+        seed, rounds = seed + wanted, rounds + 1
+        for sample in samples:
+            generated = sample.token_ids[sample.prompt_len :].tolist()
+            if not generated or generated[-1] not in generator.eos_token_ids:
+                continue
+            text = tokenizer.decode(generated[:-1], skip_special_tokens=True).strip()
+            if len(text) >= 8 and text not in kept and len(kept) < count:
+                kept[text] = None
+                bar.update(1)
+    bar.close()
+    return list(kept)
 
 
 class HiddenStates:
