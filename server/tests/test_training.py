@@ -260,10 +260,10 @@ def test_synthesized_prompts_are_the_messages_the_model_ended_each_once(llama_di
     words = [tokenizer.encode(w, add_special_tokens=False).ids for w in ("alpha beta gamma", "delta epsilon zeta",
                                                                          "eta theta iota", "kappa lambda mu")]
     prefix_ids = tokenizer.encode("user:", add_special_tokens=True).ids
-    rounds: list[tuple[int, int]] = []  # (prompts asked for, first seed)
+    calls: list[tuple[int, int]] = []  # (prompts asked for, first seed)
 
     def generated(gen, tok, prompts, max_input_tokens, max_new_tokens, batch_size, sampling, progress):
-        rounds.append((len(prompts), sampling.seed))
+        calls.append((len(prompts), sampling.seed))
         made = [words[0] + [eos], words[0] + [eos],  # the same message twice: kept once
                 words[1],  # not ended by the model: dropped
                 tokenizer.encode("ab", add_special_tokens=False).ids + [eos],  # too short: dropped
@@ -275,9 +275,9 @@ def test_synthesized_prompts_are_the_messages_the_model_ended_each_once(llama_di
     kept = data.synthesize_prompts(generator, tokenizer, "user:", 3, 16, batch_size=6, sampling=sampling,
                                    progress=False)
     assert kept == [tokenizer.decode(w, skip_special_tokens=True).strip() for w in (words[0], words[2], words[3])]
-    assert rounds == [(6, 5)]
-    # Too few distinct messages after four rounds (each sampled with seeds after the last's) is an error.
-    rounds.clear()
-    with pytest.raises(RuntimeError, match="ended 3 distinct user messages of 9 asked for in 4 rounds"):
-        data.synthesize_prompts(generator, tokenizer, "user:", 9, 16, batch_size=6, sampling=sampling, progress=False)
-    assert [seed for _, seed in rounds] == [5, 5 + 13, 5 + 13 + 9, 5 + 13 + 9 + 9]
+    assert calls == [(6, 5)]
+    # Sampled a batch at a time, each with the seeds after the last's, until too many were tried.
+    calls.clear()
+    with pytest.raises(RuntimeError, match="ended 3 distinct user messages of 4 asked for in 24 samples"):
+        data.synthesize_prompts(generator, tokenizer, "user:", 4, 16, batch_size=6, sampling=sampling, progress=False)
+    assert calls == [(6, 5), (6, 11), (6, 17), (6, 23)]

@@ -143,24 +143,25 @@ def synthesize_prompts(
     batch_size: int,
     sampling: SamplingParams,
     progress: bool = True,
+    max_tries: int = 6,
 ) -> list[str]:
     """`count` distinct user messages the model writes itself when its chat stops at the user turn (`prefix`,
-    `user_turn_prefix`), sampled with `sampling`, a seed each: an instruction-tuned model continues there with the
-    kind of request it was tuned on (the Magpie method). Kept: messages the model ended itself (an end-of-sequence
-    token within `max_new_tokens`), at least 8 characters, each once. Raises when a few rounds keep fewer than
-    `count` (a model without a chat tuning rarely ends a turn)."""
+    `user_turn_prefix`), sampled with `sampling`, a seed each (`sampling.seed`, the next, ...): an
+    instruction-tuned model continues there with the kind of request it was tuned on (the Magpie method). Kept:
+    messages the model ended itself (an end-of-sequence token within `max_new_tokens`), at least 8 characters,
+    each once. Sampled `batch_size` at a time until `count` are kept; raises after `max_tries * count` samples (a
+    model without a chat tuning rarely ends a turn)."""
     kept: dict[str, None] = {}
-    seed, rounds = sampling.seed, 0
+    tried = 0
     bar = tqdm(total=count, desc="synthesizing prompts", unit="prompt", disable=not progress)
     while len(kept) < count:
-        if rounds == 4:
-            raise RuntimeError(f"the model ended {len(kept)} distinct user messages of {count} asked for in "
-                               f"{rounds} rounds; is it a chat model, and is max_new_tokens ({max_new_tokens}) enough?")
-        wanted = max(batch_size, int((count - len(kept)) * 1.5))
-        samples = generate_samples(generator, tokenizer, [prefix] * wanted, max_input_tokens=len(prefix) + 1,
+        if tried >= max_tries * count:
+            raise RuntimeError(f"the model ended {len(kept)} distinct user messages of {count} asked for in {tried} "
+                               f"samples; is it a chat model, and is max_new_tokens ({max_new_tokens}) enough?")
+        samples = generate_samples(generator, tokenizer, [prefix] * batch_size, max_input_tokens=len(prefix) + 1,
                                    max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                   sampling=replace(sampling, seed=seed), progress=False)
-        seed, rounds = seed + wanted, rounds + 1
+                                   sampling=replace(sampling, seed=sampling.seed + tried), progress=False)
+        tried += batch_size
         for sample in samples:
             generated = sample.token_ids[sample.prompt_len :].tolist()
             if not generated or generated[-1] not in generator.eos_token_ids:
