@@ -108,20 +108,13 @@ class NativeStack:
             self._array, self._caches = array, addresses
         return self._array
 
-    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches,
-            attn: PagedAttentionInputs, visit: Callable[[int, torch.Tensor], None] | None = None,
-            visit_after: Sequence[int] = ()) -> None:
-        """Every layer over `hidden` `[rows, hidden]` (float32, contiguous), updated in place; `cos`, `sin` as
-        `RotaryEmbedding.tables` gives them. `visit(i, hidden)` is called after the first i layers for each i in
-        `visit_after` (0: before any; the number of layers: after the last): the layers between run as one native
-        call each, on the same inputs, so the residual stream is the same as in one call."""
-        rows = hidden.shape[0]
-        assert hidden.is_contiguous() and hidden.dtype == torch.float32 and hidden.shape[1] == self.hidden
-        layers = self._bind(kv_caches)
+    def _step(self, rows: int, cos: torch.Tensor, sin: torch.Tensor, attn: PagedAttentionInputs) -> tuple:
+        """The step's shared inputs as the native call reads them, and the tensors they point into (to be kept
+        alive until the call returns)."""
         cos2, sin2 = cos.reshape(rows, self.head_dim).contiguous(), sin.reshape(rows, self.head_dim).contiguous()
         slots = attn.slot_mapping.contiguous()
         groups = _groups(attn)
-        keep = []  # the tensors the structures point into, alive until the call returns
+        keep = [cos2, sin2, slots]
         attention = (Attention * len(groups))()
         for entry, (rows_of, group) in zip(attention, groups):
             context, valid = group.context_slots.contiguous(), group.query_valid.contiguous()
@@ -138,6 +131,19 @@ class NativeStack:
         step = Step(rows, self.hidden, self.num_heads, self.num_kv_heads, self.head_dim, self.intermediate,
                     self.eps, self.scale, cos2.data_ptr(), sin2.data_ptr(), slots.data_ptr(),
                     ctypes.addressof(attention), len(groups), *(t.data_ptr() for t in scratch))
+        return step, (keep, attention, scratch)
+
+    def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches,
+            attn: PagedAttentionInputs, visit: Callable[[int, torch.Tensor], None] | None = None,
+            visit_after: Sequence[int] = ()) -> None:
+        """Every layer over `hidden` `[rows, hidden]` (float32, contiguous), updated in place; `cos`, `sin` as
+        `RotaryEmbedding.tables` gives them. `visit(i, hidden)` is called after the first i layers for each i in
+        `visit_after` (0: before any; the number of layers: after the last): the layers between run as one native
+        call each, on the same inputs, so the residual stream is the same as in one call."""
+        rows = hidden.shape[0]
+        assert hidden.is_contiguous() and hidden.dtype == torch.float32 and hidden.shape[1] == self.hidden
+        layers = self._bind(kv_caches)
+        step, _keep = self._step(rows, cos, sin, attn)
         stops = sorted({i for i in visit_after if 0 <= i <= len(self.layers)} | {len(self.layers)})
         first = 0
         for stop in stops:
@@ -148,6 +154,29 @@ class NativeStack:
                 first = stop
             if visit is not None and stop in visit_after:
                 visit(stop, hidden)
+
+    def run_eagle3(self, embeds: torch.Tensor, state: torch.Tensor, hidden_norm: torch.Tensor,
+                   norm_before_residual: bool, cos: torch.Tensor, sin: torch.Tensor, kv_caches,
+                   attn: PagedAttentionInputs) -> torch.Tensor:
+        """An EAGLE-3 draft stack: the first layer reads the embeddings `embeds` and the input state `state` (both
+        `[rows, hidden]` float32), its q/k/v product `[input_layernorm(embeds), hidden_norm(state)]` (so its q/k/v
+        weights are 2 x hidden wide), its residual stream starting from the state (or its normed form with
+        `norm_before_residual`); the other layers are decoder layers. Returns the last layer's output."""
+        rows = state.shape[0]
+        embeds, state = embeds.contiguous(), state.contiguous()
+        assert embeds.dtype == state.dtype == torch.float32 and state.shape == embeds.shape == (rows, self.hidden)
+        layers = self._bind(kv_caches)
+        step, _keep = self._step(rows, cos, sin, attn)
+        hidden, wide = torch.empty(rows, self.hidden), torch.empty(rows, 2 * self.hidden)
+        native.library().specula_eagle3_layer(ctypes.addressof(layers), hidden_norm.data_ptr(),
+                                              int(norm_before_residual), ctypes.addressof(step), embeds.data_ptr(),
+                                              state.data_ptr(), wide.data_ptr(), hidden.data_ptr(),
+                                              torch.get_num_threads())
+        if len(self.layers) > 1:
+            native.library().specula_decode_layers(ctypes.addressof(layers) + ctypes.sizeof(Layer),
+                                                   len(self.layers) - 1, ctypes.addressof(step), hidden.data_ptr(),
+                                                   torch.get_num_threads())
+        return hidden
 
 
 def _groups(attn) -> list[tuple[torch.Tensor | None, PagedAttentionInputs]] | None:

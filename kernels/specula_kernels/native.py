@@ -129,6 +129,7 @@ def _load() -> ctypes.CDLL:
         "specula_rotary_cache": [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, c_int],
         "specula_float_linear": [ptr, i64, i64, ptr, ptr, i64, ptr, c_int],
         "specula_decode_layers": [ptr, i64, ptr, ptr, c_int],
+        "specula_eagle3_layer": [ptr, ptr, ctypes.c_int32, ptr, ptr, ptr, ptr, ptr, c_int],
         "specula_logit_rows": [ptr, i64, i64, i64, ptr, ptr, ptr, c_int],
     }
     for name, argtypes in signatures.items():

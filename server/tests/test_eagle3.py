@@ -249,6 +249,56 @@ def test_batched_drafts_equal_drafts_alone(checkpoints, llama_dir, model_config)
     assert [len(d) for d in alone] == [3, 1, 4]
 
 
+@pytest.mark.parametrize("variant,quantize", [(v, None) for v in VARIANTS] + [("plain", "int8"),
+                                                                                ("two-layers", "int4")])
+def test_the_native_draft_stack_gives_the_layer_by_layer_bits(variant, quantize, checkpoints, llama_dir,
+                                                               model_config, monkeypatch):
+    """Chains of one row a request run the draft layers as one native call (`NativeStack.run_eagle3`): the same
+    logits and states, bit for bit, as the layer-by-layer path, with float32, int8 or int4 products."""
+    from specula_kernels import native
+    from specula_kernels.decode_layers import NativeStack
+
+    if native.library() is None:
+        pytest.skip("no native kernels")
+    torch.manual_seed(2)
+    from specula_server.layers.quantization import Quantization
+
+    quantization = None if quantize is None else Quantization(quantize, group_size=32)
+    model = load_eagle3(checkpoints[variant], str(llama_dir), model_config, None, quantization=quantization)
+    assert model._native_stack() is not None
+    calls = []
+    run = NativeStack.run_eagle3
+    monkeypatch.setattr(NativeStack, "run_eagle3", lambda self, *a: calls.append(1) or run(self, *a))
+    specs = [(torch.randint(0, 512, (n,)), torch.randn(n - 1, model.aux_size), k) for n, k in ((9, 4), (3, 2))]
+
+    def chains() -> tuple[list, list[torch.Tensor]]:
+        drafter = Eagle3Drafter(model, torch.device("cpu"))
+        drafter.allocate_kv_cache(16, 16)
+        states: list[torch.Tensor] = []
+        forward = model.forward
+
+        def recording(*args, **kwargs):
+            logits, state = forward(*args, **kwargs)
+            states.append(torch.cat([logits, state.float()], -1))
+            return logits, state
+
+        model.forward = recording
+        try:
+            drafts = drafter.draft([fake_request(t, a, b) for (t, a, _), b in zip(specs, ([2, 0], [1]))],
+                                   [k for *_, k in specs])
+        finally:
+            del model.forward
+        return [d.tokens.tolist() for d in drafts], states
+
+    native_drafts, native_rows = chains()
+    assert len(calls) == 4  # the catch-up (at most 8 rows a request) and the chain's three steps
+    model._stack = None
+    drafts, rows = chains()
+    assert len(calls) == 4
+    assert native_drafts == drafts
+    assert len(native_rows) == len(rows) == 4 and all(torch.equal(a, b) for a, b in zip(native_rows, rows))
+
+
 def test_auxiliary_states_are_the_residual_stream(llama_dir, plain):
     """Layer id l is the input of layer l (0: the embeddings), the last id the last layer's output before the
     final norm: transformers' hidden_states[l], and the final norm's input for the last."""

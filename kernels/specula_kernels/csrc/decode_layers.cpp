@@ -92,29 +92,57 @@ static void add_team(float* x, const float* y, int64_t rows, int64_t hidden) {
     for (int64_t i = 0; i < hidden; ++i) x[r * hidden + i] += y[r * hidden + i];
 }
 
+// One layer's work after its input norm: `input` [rows][in] is what its q/k/v product reads (the normed residual
+// stream `hidden`, or EAGLE-3's wider input below). Called by every thread of the region.
+static void layer_team(const SpeculaLayer& layer, const SpeculaStep& s, const float* input, float* hidden) {
+  const int64_t q_width = s.num_heads * s.head_dim, qkv_width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim;
+  product_team(layer.qkv, input, s.rows, s.qkv);
+  rotary_cache_team(s.qkv, qkv_width, s.rows, s.num_heads, s.num_kv_heads, s.head_dim, s.cos, s.sin,
+                    layer.key_cache, layer.value_cache, s.slot_mapping);
+  for (int64_t g = 0; g < s.num_attention; ++g) {
+    const SpeculaAttention& a = s.attention[g];
+    paged_attention_team(s.qkv, qkv_width, layer.key_cache, layer.value_cache, s.num_kv_heads, a.context_slots,
+                         a.num_seqs, a.max_context, a.query_index, a.query_valid, a.max_query, a.mask,
+                         s.num_heads, s.head_dim, s.scale, s.attended, q_width);
+  }
+  product_team(layer.o, s.attended, s.rows, s.projected);
+  rms_norm_team(hidden, s.hidden, s.projected, s.hidden, layer.post_norm, s.rows, s.hidden, s.eps, s.normed,
+                s.hidden);
+  product_team(layer.gate_up, s.normed, s.rows, s.gate_up);
+  silu_mul_team(s.gate_up, 2 * s.intermediate, s.rows, s.intermediate, s.activated, s.intermediate);
+  product_team(layer.down, s.activated, s.rows, s.projected);
+  add_team(hidden, s.projected, s.rows, s.hidden);
+}
+
 extern "C" void specula_decode_layers(const SpeculaLayer* layers, int64_t num_layers, const SpeculaStep* step,
                                       float* hidden, int threads) {
   const SpeculaStep& s = *step;
-  const int64_t q_width = s.num_heads * s.head_dim, qkv_width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim;
 #pragma omp parallel num_threads(threads)
   for (int64_t l = 0; l < num_layers; ++l) {
-    const SpeculaLayer& layer = layers[l];
-    rms_norm_team(hidden, s.hidden, nullptr, 0, layer.input_norm, s.rows, s.hidden, s.eps, s.normed, s.hidden);
-    product_team(layer.qkv, s.normed, s.rows, s.qkv);
-    rotary_cache_team(s.qkv, qkv_width, s.rows, s.num_heads, s.num_kv_heads, s.head_dim, s.cos, s.sin,
-                      layer.key_cache, layer.value_cache, s.slot_mapping);
-    for (int64_t g = 0; g < s.num_attention; ++g) {
-      const SpeculaAttention& a = s.attention[g];
-      paged_attention_team(s.qkv, qkv_width, layer.key_cache, layer.value_cache, s.num_kv_heads, a.context_slots,
-                           a.num_seqs, a.max_context, a.query_index, a.query_valid, a.max_query, a.mask,
-                           s.num_heads, s.head_dim, s.scale, s.attended, q_width);
+    rms_norm_team(hidden, s.hidden, nullptr, 0, layers[l].input_norm, s.rows, s.hidden, s.eps, s.normed, s.hidden);
+    layer_team(layers[l], s, s.normed, hidden);
+  }
+}
+
+// EAGLE-3's first draft layer (server/specula_server/speculation/eagle3.py): its q/k/v product reads
+// [input_layernorm(embeds), hidden_norm(state)], 2 x hidden wide (`input` is that scratch, [rows][2 hidden]), and its
+// residual stream starts from the state, or from hidden_norm(state) with norm_before_residual; the rest is a decoder
+// layer's, by the same kernels in the order the layer-by-layer path runs them. `embeds` and `state` are
+// [rows][hidden]; `hidden` [rows][hidden] receives the layer's output.
+extern "C" void specula_eagle3_layer(const SpeculaLayer* layer, const float* hidden_norm, int32_t norm_before_residual,
+                                     const SpeculaStep* step, float* embeds, float* state, float* input,
+                                     float* hidden, int threads) {
+  const SpeculaStep& s = *step;
+  const int64_t h = s.hidden;
+#pragma omp parallel num_threads(threads)
+  {
+    rms_norm_team(embeds, h, nullptr, 0, layer->input_norm, s.rows, h, s.eps, input, 2 * h);
+    rms_norm_team(state, h, nullptr, 0, hidden_norm, s.rows, h, s.eps, input + h, 2 * h);
+#pragma omp for
+    for (int64_t r = 0; r < s.rows; ++r) {
+      const float* from = norm_before_residual ? input + r * 2 * h + h : state + r * h;
+      for (int64_t i = 0; i < h; ++i) hidden[r * h + i] = from[i];
     }
-    product_team(layer.o, s.attended, s.rows, s.projected);
-    rms_norm_team(hidden, s.hidden, s.projected, s.hidden, layer.post_norm, s.rows, s.hidden, s.eps, s.normed,
-                  s.hidden);
-    product_team(layer.gate_up, s.normed, s.rows, s.gate_up);
-    silu_mul_team(s.gate_up, 2 * s.intermediate, s.rows, s.intermediate, s.activated, s.intermediate);
-    product_team(layer.down, s.activated, s.rows, s.projected);
-    add_team(hidden, s.projected, s.rows, s.hidden);
+    layer_team(*layer, s, input, hidden);
   }
 }

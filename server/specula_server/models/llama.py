@@ -202,21 +202,12 @@ class LlamaForCausalLM(nn.Module):
             try:
                 if native.library() is not None and native.stack_enabled():
                     self._stack = self._build_stack()
-            except _DoesNotFit:
+            except LayerDoesNotFit:
                 pass
         return self._stack
 
     def _build_stack(self) -> NativeStack:
-        layers = []
-        for layer in self.layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            products = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if attention.o_proj.group.world_size != 1 or any(p.bias is not None for p in products):
-                raise _DoesNotFit
-            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-            if any(n.dtype != torch.float32 or n.device.type != "cpu" or not n.is_contiguous() for n in norms):
-                raise _DoesNotFit
-            layers.append(LayerWeights(*norms, *(_product_weights(p.linear) for p in products)))
+        layers = [native_layer_weights(layer) for layer in self.layers]
         first = self.layers[0].self_attn
         return NativeStack(layers, first.num_heads, first.num_kv_heads, first.head_dim,
                            self.layers[0].input_layernorm.eps, first.scale)
@@ -232,7 +223,21 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
 
-class _DoesNotFit(Exception):
+def native_layer_weights(layer: torch.nn.Module) -> LayerWeights:
+    """A decoder layer's weights as the native stack reads them (`self_attn`, `mlp` and the two norms of a
+    `DecoderLayer`); raises `LayerDoesNotFit` for one the stack cannot run (sharded, biased, another product kind,
+    norms that are not float32 on the CPU)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    products = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if attention.o_proj.group.world_size != 1 or any(p.bias is not None for p in products):
+        raise LayerDoesNotFit
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    if any(n.dtype != torch.float32 or n.device.type != "cpu" or not n.is_contiguous() for n in norms):
+        raise LayerDoesNotFit
+    return LayerWeights(*norms, *(_product_weights(p.linear) for p in products))
+
+
+class LayerDoesNotFit(Exception):
     """A layer the native stack cannot run."""
 
 
@@ -248,4 +253,4 @@ def _product_weights(linear: torch.nn.Module) -> ProductWeights:
     if isinstance(linear, GGUFLinear):
         return ProductWeights(GGUF_KINDS[linear.type_name], linear.out_features, linear.in_features, linear.weight,
                               group_size=32)
-    raise _DoesNotFit
+    raise LayerDoesNotFit

@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from specula_kernels import native
+from specula_kernels.decode_layers import NativeStack
 from specula_kernels.fused import rms_norm
 from specula_server.distributed import ShardGroup
 from specula_server.layers.quantization import build_linear
@@ -49,6 +51,8 @@ from specula_server.models.llama import (
     DecoderLayer,
     KVCache,
     RMSNorm,
+    LayerDoesNotFit,
+    native_layer_weights,
 )
 
 if TYPE_CHECKING:
@@ -250,6 +254,7 @@ class Eagle3Model(nn.Module):
 
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
                                       device=device, dtype=self.dtype)
+        self._stack: NativeStack | None | bool = False  # False: not tried yet (`_native_stack`)
 
     @property
     def num_layers(self) -> int:
@@ -277,14 +282,38 @@ class Eagle3Model(nn.Module):
         each request's last: the draft vocabulary's head over the others would be wasted)."""
         cos, sin = self.rotary.tables(positions)
         embeds = self.embed(tokens).to(state.dtype)
-        hidden = self.first(embeds, state, cos, sin, kv_caches[0], attn)
-        for layer, kv_cache in zip(self.rest, kv_caches[1:]):
-            hidden = layer(hidden, cos, sin, kv_cache, attn)
+        stack = self._native_stack()
+        if stack is not None and state.dtype == torch.float32 and NativeStack.serves(attn, kv_caches):
+            hidden = stack.run_eagle3(embeds, state, self.first.hidden_norm.weight, self.spec.norm_before_residual,
+                                      cos, sin, kv_caches, attn)
+        else:
+            hidden = self.first(embeds, state, cos, sin, kv_caches[0], attn)
+            for layer, kv_cache in zip(self.rest, kv_caches[1:]):
+                hidden = layer(hidden, cos, sin, kv_cache, attn)
         if rows is not None:
             hidden = hidden[rows]
         normed = self.norm(hidden)
         logits = self.lm_head(normed).float()
         return logits, normed if self.spec.norm_output else hidden
+
+    def _native_stack(self) -> NativeStack | None:
+        """The draft layers as one native call (`NativeStack.run_eagle3`) where they fit it, as the target's layers
+        do (`LlamaForCausalLM._native_stack`): the same kernels in the same order, so the same bits; chains of one
+        row a request then pay one call a draft instead of a dozen operators'. None otherwise."""
+        if self._stack is False:
+            self._stack = None
+            hidden_norm = self.first.hidden_norm.weight
+            try:
+                if native.library() is not None and native.stack_enabled() and hidden_norm.dtype == torch.float32 \
+                        and hidden_norm.device.type == "cpu":
+                    attention = self.first.self_attn
+                    self._stack = NativeStack([native_layer_weights(self.first)]
+                                              + [native_layer_weights(layer) for layer in self.rest],
+                                              attention.num_heads, attention.num_kv_heads, attention.head_dim,
+                                              self.first.input_layernorm.eps, attention.scale)
+            except LayerDoesNotFit:
+                pass
+        return self._stack
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.draft_to_target[draft_ids]
