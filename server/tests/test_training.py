@@ -70,6 +70,18 @@ def test_samples_are_the_model_s_own_greedy_continuations(llama_dir):
         assert sample.token_ids[sample.prompt_len :].tolist() == alone
 
 
+def test_prompts_get_one_bos_whether_or_not_their_text_writes_it(llama_dir):
+    from specula_server.training.data import encode_prompt
+
+    tokenizer = load_test_generator(llama_dir).tokenizer
+    bos = tokenizer.token_to_id("<s>")
+    plain = tokenizer.encode("def value", add_special_tokens=False).ids
+    assert encode_prompt(tokenizer, "def value") == [bos, *plain]
+    # A chat template's rendering that writes the BOS itself is not given a second one.
+    assert encode_prompt(tokenizer, "<s>def value") == tokenizer.encode("<s>def value", add_special_tokens=False).ids
+    assert encode_prompt(tokenizer, "<s>def value").count(bos) == 1
+
+
 def test_labels_start_at_the_last_prompt_position():
     hidden = HiddenStatesStub()
     batch = next(batches([Sample(torch.arange(10, 16), 3)], hidden, batch_size=1, shuffle=False))

@@ -50,8 +50,8 @@ from specula_server.models.llama import (
     AttentionInputs,
     DecoderLayer,
     KVCache,
-    RMSNorm,
     LayerDoesNotFit,
+    RMSNorm,
     native_layer_weights,
 )
 

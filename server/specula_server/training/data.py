@@ -71,6 +71,16 @@ class Sample:
         return self.prompt_len - 1
 
 
+def encode_prompt(tokenizer: tokenizers.Tokenizer, text: str) -> list[int]:
+    """A prompt's ids as a request's would be: with the tokenizer's special tokens (a BOS), unless the text already
+    begins with them, as a prompt rendered by a chat template that writes its own BOS does (the router encodes
+    those without adding another: a second BOS would train on a context no request has)."""
+    ids = tokenizer.encode(text, add_special_tokens=True).ids
+    plain = tokenizer.encode(text, add_special_tokens=False).ids
+    added = len(ids) - len(plain)
+    return plain if added > 0 and plain[:added] == ids[:added] else ids
+
+
 def generate_samples(
     generator: TextGenerator,
     tokenizer: tokenizers.Tokenizer,
@@ -81,12 +91,12 @@ def generate_samples(
     sampling: SamplingParams | None = None,
     progress: bool = True,
 ) -> list[Sample]:
-    """The base model continues every prompt (kept to its last `max_input_tokens` tokens), `batch_size` at
-    a time, through the worker's own steps."""
+    """The base model continues every prompt (kept to its last `max_input_tokens` tokens, `encode_prompt`),
+    `batch_size` at a time, through the worker's own steps."""
     block_size = generator.block_size
     per_request = -(-(max_input_tokens + max_new_tokens) // block_size)
     generator.allocate_kv_cache(per_request * batch_size)
-    encoded = [tokenizer.encode(p, add_special_tokens=True).ids[-max_input_tokens:] for p in prompts]
+    encoded = [encode_prompt(tokenizer, p)[-max_input_tokens:] for p in prompts]
     samples: list[Sample] = []
     bar = tqdm(total=len(encoded), desc="generating", unit="prompt", disable=not progress)
     for first in range(0, len(encoded), batch_size):
