@@ -8,6 +8,7 @@ requests in flight, then the shards, and exits 0.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import signal
 from pathlib import Path
@@ -86,31 +87,30 @@ def test_a_killed_shard_stops_the_launcher_with_an_error_naming_it(launch):
 def test_sigterm_finishes_requests_in_flight_then_exits_0(launch):
     launcher = launch()
     children = launcher.children()
-    parameters = {"max_new_tokens": 300, "ignore_eos_token": True}
-
-    def streamed() -> list[dict]:
-        r = httpx.post(f"{launcher.url}/generate_stream", timeout=REQUEST_TIMEOUT_S,
-                       json={"inputs": PROMPTS[0], "parameters": {**parameters, "details": True}})
-        assert r.status_code == 200, r.text
-        return sse_events(r.text)
+    tokens = 1000  # long enough that both are still running when the signal arrives, on any machine
+    parameters = {"max_new_tokens": tokens, "ignore_eos_token": True}
 
     def plain() -> dict:
         return details(launcher.url, PROMPTS[1], **parameters)
 
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        stream_future, plain_future = pool.submit(streamed), pool.submit(plain)
-        running = wait_until(lambda: stream_future.done() or plain_future.done()
-                             or metric(launcher.url, "specula_batch_current_size") == 2,
-                             timeout=30, what="both requests to be running", interval=0.02)
-        assert running is True and not stream_future.done() and not plain_future.done(), (
-            stream_future.result(), plain_future.result())
-        os.kill(launcher.pid, signal.SIGTERM)
-        events = stream_future.result(timeout=REQUEST_TIMEOUT_S)
+    with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with client.stream("POST", f"{launcher.url}/generate_stream",
+                           json={"inputs": PROMPTS[0], "parameters": {**parameters, "details": True}}) as stream:
+            assert stream.status_code == 200
+            lines = stream.iter_lines()
+            received = [next(lines)]  # the stream's first token: it is running
+            plain_future = pool.submit(plain)
+            wait_until(lambda: plain_future.done() or metric(launcher.url, "specula_batch_current_size") == 2,
+                       timeout=30, what="both requests to be running", interval=0.02)
+            assert not plain_future.done(), plain_future.result()
+            os.kill(launcher.pid, signal.SIGTERM)
+            received += list(lines)
         body = plain_future.result(timeout=REQUEST_TIMEOUT_S)
+    events = [json.loads(line[len("data:"):]) for line in received if line.startswith("data:")]
 
-    assert len(events) == 300 and events[-1]["details"]["generated_tokens"] == 300
+    assert len(events) == tokens and events[-1]["details"]["generated_tokens"] == tokens
     assert events[-1]["details"]["finish_reason"] == "length"
-    assert body["details"]["generated_tokens"] == 300 and body["details"]["finish_reason"] == "length"
+    assert body["details"]["generated_tokens"] == tokens and body["details"]["finish_reason"] == "length"
     code = launcher.wait(timeout=60)
     assert code == 0, launcher.output()
     assert "received SIGTERM" in launcher.output()
