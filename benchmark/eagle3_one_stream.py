@@ -8,10 +8,13 @@ Every answer is checked against plain decoding's (greedy: they must be identical
     python benchmark/eagle3_one_stream.py --setting new=work/drafter:adaptive --setting fixed=work/drafter:fixed
     python benchmark/eagle3_one_stream.py --setting native=work/drafter:fixed \\
         --setting layers=work/drafter:fixed:layers          # the draft layers one operator at a time
+    python benchmark/eagle3_one_stream.py --setting chain=work/drafter:adaptive \\
+        --setting tree=work/drafter:adaptive:tree3         # top-3 trees, the best 6 nodes verified
 
-A setting is NAME=DRAFTER_DIR:MODE[:layers] (MODE: adaptive or fixed); `layers` runs the draft layers one operator
-at a time instead of as one native call (`Eagle3Model._native_stack`). The server's own figures over HTTP are
-`real_model.py`'s (`--settings specula specula-eagle3-int8 ...`).
+A setting is NAME=DRAFTER_DIR:MODE[:FLAG...] (MODE: adaptive or fixed); the flag `layers` runs the draft layers one
+operator at a time instead of as one native call (`Eagle3Model._native_stack`), `treeW` drafts trees of top-W
+expansions and verifies the best `--tree-tokens` nodes (the server's `--draft-tree-width W`). The server's own
+figures over HTTP are `real_model.py`'s (`--settings specula specula-eagle3-int8 ...`).
 """
 
 from __future__ import annotations
@@ -82,8 +85,10 @@ def load(setting: str | None, model, args):
     if setting is None:
         return load_test_generator(model, num_blocks=NUM_BLOCKS), None
     drafter, mode, *flags = setting.split(":")
+    widths = [int(flag[len("tree"):]) for flag in flags if flag.startswith("tree")]
     generator = load_test_generator(model, num_blocks=NUM_BLOCKS, speculator=drafter,
-                                    speculative_tokens=args.speculative_tokens, speculation_mode=mode,
+                                    speculative_tokens=args.tree_tokens if widths else args.speculative_tokens,
+                                    draft_tree_width=widths[0] if widths else 1, speculation_mode=mode,
                                     speculator_quantize=args.speculator_quantize or None)
     if "layers" in flags:
         draft_model = generator.speculator.config.draft_model.model
@@ -117,11 +122,12 @@ def answer(generator, timed, prompts, indices, max_new_tokens) -> tuple[float, d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--setting", action="append", required=True, metavar="NAME=DRAFTER:MODE[:layers]")
+    parser.add_argument("--setting", action="append", required=True, metavar="NAME=DRAFTER:MODE[:layers][:treeW]")
     parser.add_argument("--questions", type=int, default=5, help="Questions a round (distinct in every round).")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--speculative-tokens", type=int, default=3)
+    parser.add_argument("--tree-tokens", type=int, default=6, help="Nodes a tree verifies (settings with treeW).")
     parser.add_argument("--speculator-quantize", default="int8", help="'' for the drafter's float weights.")
     args = parser.parse_args()
     if args.questions * args.rounds + 1 > len(QUESTIONS):
