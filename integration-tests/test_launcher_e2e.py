@@ -8,7 +8,6 @@ requests in flight, then the shards, and exits 0.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import signal
 from pathlib import Path
@@ -97,20 +96,23 @@ def test_sigterm_finishes_requests_in_flight_then_exits_0(launch):
         with client.stream("POST", f"{launcher.url}/generate_stream",
                            json={"inputs": PROMPTS[0], "parameters": {**parameters, "details": True}}) as stream:
             assert stream.status_code == 200
-            lines = stream.iter_lines()
-            received = [next(lines)]  # the stream's first token: it is running
+            chunks = stream.iter_text()
+            body = next(chunks)
+            while "\n\n" not in body:  # the stream's first token event: it is running
+                body += next(chunks)
             plain_future = pool.submit(plain)
             wait_until(lambda: plain_future.done() or metric(launcher.url, "specula_batch_current_size") == 2,
                        timeout=30, what="both requests to be running", interval=0.02)
             assert not plain_future.done(), plain_future.result()
             os.kill(launcher.pid, signal.SIGTERM)
-            received += list(lines)
-        body = plain_future.result(timeout=REQUEST_TIMEOUT_S)
-    events = [json.loads(line[len("data:"):]) for line in received if line.startswith("data:")]
+            body += "".join(chunks)
+        plain_body = plain_future.result(timeout=REQUEST_TIMEOUT_S)
+    events = sse_events(body)
 
     assert len(events) == tokens and events[-1]["details"]["generated_tokens"] == tokens
     assert events[-1]["details"]["finish_reason"] == "length"
-    assert body["details"]["generated_tokens"] == tokens and body["details"]["finish_reason"] == "length"
+    assert plain_body["details"]["generated_tokens"] == tokens
+    assert plain_body["details"]["finish_reason"] == "length"
     code = launcher.wait(timeout=60)
     assert code == 0, launcher.output()
     assert "received SIGTERM" in launcher.output()
