@@ -42,12 +42,30 @@ static inline void prefetch_heads(const float* row, int64_t h0, int64_t h1, int6
   for (const char* p = first; p < last; p += 64) __builtin_prefetch(p);
 }
 
-#if !defined(__AVX512F__)
-static constexpr int kBatch = 8;  // positions whose dot products are folded together
+static constexpr int kBatch = kLanes;  // positions whose dot products are folded together
 
-// vsum of each of 8 vectors, as lane p of the result: the same pairwise order (lanes i and i + 4, then i and
-// i + 2, then 0 and 1), so the same bits, in a dozen shuffles and adds instead of 8 scalar folds.
-static inline vfloat vsum8(const vfloat* v) {
+// vsum of each of kLanes vectors, as lane p of the result: the same pairwise order (lanes i and i + kLanes / 2,
+// then i and i + kLanes / 4, ...), so the same bits, in a few dozen shuffles and adds instead of kLanes scalar
+// folds.
+#if defined(__AVX512F__)
+static inline vfloat vsum_lanes(const vfloat* v) {
+  __m512 t[8], u[4], w[2];
+  for (int i = 0; i < 8; ++i)  // lanes i and i + 8 of vectors 2i and 2i + 1
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4((__m512)v[2 * i], (__m512)v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4((__m512)v[2 * i], (__m512)v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // then i and i + 4: quarters of vectors 4i ... 4i + 3
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // then i and i + 2, within each quarter
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // lanes: vectors 0, 4, 8, 12 | 1, 5, 9, 13 | 2, 6, 10, 14 | 3, 7, 11, 15 (a 4 x 4 transpose, its own inverse)
+  return (vfloat)_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), sums);
+}
+#else
+static inline vfloat vsum_lanes(const vfloat* v) {
   __m256 half[4], pair[2];
   for (int i = 0; i < 4; ++i)
     half[i] = _mm256_add_ps(_mm256_permute2f128_ps((__m256)v[2 * i], (__m256)v[2 * i + 1], 0x20),
@@ -92,7 +110,6 @@ static void attend_row(const float* q, const float* keys, const float* values, i
   const float masked = -std::numeric_limits<float>::infinity();
   for (int64_t h = 0; h < heads; ++h) best[h] = masked;
   int64_t j = 0;
-#if !defined(__AVX512F__)
   for (; j + kBatch <= context; j += kBatch) {  // kBatch positions at once, their sums folded together
     const float* rows[kBatch];
     for (int p = 0; p < kBatch; ++p) {
@@ -109,7 +126,7 @@ static void attend_row(const float* q, const float* keys, const float* values, i
         const vfloat qv = vload(qh + kLanes * v);
         for (int p = 0; p < kBatch; ++p) sums[p] = vfma(qv, vload(rows[p] + offset + kLanes * v), sums[p]);
       }
-      const vfloat folded = vsum8(sums) * scale;
+      const vfloat folded = vsum_lanes(sums) * scale;
       for (int p = 0; p < kBatch; ++p) {
         const bool seen = !visible || visible[j + p];  // a hidden position's sum is computed, never used
         const float score = seen ? folded[p] : masked;
@@ -118,7 +135,6 @@ static void attend_row(const float* q, const float* keys, const float* values, i
       }
     }
   }
-#endif
   for (; j < context; ++j) {
     if (visible && !visible[j]) {
       for (int64_t h = 0; h < heads; ++h) scores[h * context + j] = masked;
