@@ -239,7 +239,7 @@ def report(label: str, result: dict, bandwidth: float, steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=REAL_MODEL, help="GGUF file or model directory")
-    parser.add_argument("--quantize", nargs="*", default=["none"], choices=["none", "int8", "int4", "gguf"],
+    parser.add_argument("--quantize", nargs="*", default=["none"], choices=["none", "int8", "w8a8", "int4", "gguf"],
                         help="precisions to profile (none: float32; an empty list: none)")
     parser.add_argument("--group-size", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)

@@ -1,6 +1,6 @@
 """A decoder stack's step of a few rows in one native call (`csrc/decode_layers.cpp`).
 
-`NativeStack` holds, per layer, the addresses of its norms, its four products' weights (panels, int8 or int4, as
+`NativeStack` holds, per layer, the addresses of its norms, its four products' weights (panels, int8, int4 or w8a8, as
 the layers hold them) and its KV cache, built once; `run` fills the step's shared inputs and runs every layer in
 one parallel region, updating the residual stream in place. The kernels are the ones the layer-by-layer path
 calls, in the same order, so the two give the same bits (tested); the model decides when a step qualifies
@@ -18,7 +18,7 @@ import torch
 from specula_kernels import native, paged_attention
 from specula_kernels.paged_attention import NATIVE_MAX_QUERY, GroupedAttentionInputs, PagedAttentionInputs
 
-PANELS, INT8, INT4 = 0, 1, 2
+PANELS, INT8, INT4, W8A8 = 0, 1, 2, 6
 GGUF_KINDS = {"Q4_0": 3, "Q4_1": 4, "Q8_0": 5}  # GGUF blocks (`gguf_blocks.GGUFBlocks.pack_native`), by type
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 

@@ -3,7 +3,8 @@
 Why by hand: the products of a decode step must stream weights at the memory's pace, where PyTorch's float kernels
 (oneDNN, MKL) take one row at 7-15 GB/s of a memory that gives 21 and its packed int8/int4 kernels are compute-bound
 (`csrc/float_linear.cpp`, `csrc/tiled_linear.cpp` for int8, int4 and a GGUF file's own blocks;
-docs/benchmarks.md#weight-only-quantization); decode attention must read the paged KV cache where it lies, where
+docs/benchmarks.md#weight-only-quantization), and int8 weights by int8 activations take integer dot products
+(`csrc/w8a8_linear.cpp`); decode attention must read the paged KV cache where it lies, where
 PyTorch's path gathers a dense copy first (`csrc/paged_attention.cpp`); and a layer's small operators (norms,
 rotary, SiLU) and a greedy step's reductions over its logits cost their dispatch more than their arithmetic at a
 few rows (`csrc/fused.cpp`). The sources are
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = tuple(Path(__file__).with_name("csrc") / name
                  for name in ("tiled_linear.cpp", "paged_attention.cpp", "fused.cpp", "float_linear.cpp",
-                              "decode_layers.cpp"))
+                              "decode_layers.cpp", "w8a8_linear.cpp"))
 _HEADERS = tuple(Path(__file__).with_name("csrc") / name for name in ("simd.h", "team.h"))
 _FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _BUILD_TIMEOUT_S = 300  # a second or two is usual
@@ -122,6 +123,7 @@ def _load() -> ctypes.CDLL:
         "specula_int8_linear": [ptr, i64, i64, ptr, i64, ptr, c_int],
         "specula_q4_linear": [ptr, i64, i64, ptr, ctypes.c_int32, i64, i64, ptr, c_int],
         "specula_q8_0_linear": [ptr, i64, i64, ptr, i64, ptr, c_int],
+        "specula_w8a8_linear": [ptr, i64, i64, ptr, i64, ptr, c_int],
         "specula_paged_attention": [ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i64, f32, ptr,
                                     i64, c_int],
         "specula_rms_norm": [ptr, i64, ptr, i64, ptr, i64, i64, f32, ptr, i64, c_int],
@@ -137,6 +139,7 @@ def _load() -> ctypes.CDLL:
         function.argtypes, function.restype = argtypes, None
     lib.specula_float_panel_rows.restype = c_int
     lib.specula_vector_lanes.restype = c_int
+    lib.specula_w8a8_vnni.restype = c_int
     return lib
 
 

@@ -210,3 +210,64 @@ def int4_linear_native(lib, x: torch.Tensor, tiles: torch.Tensor, group_size: in
         lib.specula_q4_linear(x32.data_ptr(), m, k, tiles.data_ptr(), bias, group_size, out_features, out.data_ptr(),
                               torch.get_num_threads())
     return out.to(x.dtype)
+
+
+# int8 weights by int8 activations (`--quantize w8a8`, `csrc/w8a8_linear.cpp`): the weights are `quantize_int8`'s
+# codes and row scales; each product quantizes its input per row and block of 32 inputs (GGUF's Q8_0 for
+# activations, as llama.cpp's q8_0 products do) and sums integer products.
+
+W8A8_BLOCK = 32  # inputs per activation scale
+W8A8_TILE_ROWS = 16  # output rows per tile of the native layout
+
+
+def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float `[m, in]` -> (codes float32 `[m, blocks, 32]` in [-127, 127], scales float32 `[m, blocks]`): per row
+    and block of 32 inputs (the last padded with zeros), scale = max |x| / 127 and code = round(x / scale), ties
+    to even, computed as the kernel computes them (x times the scale's float32 inverse)."""
+    m, k = x.shape
+    blocks = -(-k // W8A8_BLOCK)
+    padded = F.pad(x.float(), (0, blocks * W8A8_BLOCK - k)).view(m, blocks, W8A8_BLOCK)
+    scale = padded.abs().amax(dim=-1) / 127
+    inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+    return torch.round(padded * inverse[..., None]).clamp(-127, 127), scale
+
+
+def w8a8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x [m, in]` by int8 codes `q [out, in]` with row scales `scale [out]`, with `x` quantized per block of 32:
+    the definition the native kernel meets bit for bit (and the product where it is not built). Each block's sum
+    of code products is an integer below 2**24, so float32 holds it exactly; the blocks are folded in order, one
+    rounded product and one rounded sum each, then the row scale."""
+    codes, x_scale = quantize_activations_q8(x)
+    blocks = codes.shape[1]
+    weights = F.pad(q.float(), (0, blocks * W8A8_BLOCK - q.shape[1])).view(q.shape[0], blocks, W8A8_BLOCK)
+    sums = torch.einsum("mbk,nbk->mnb", codes, weights)  # [m, out, blocks]
+    out = torch.zeros(x.shape[0], q.shape[0], device=x.device)
+    for b in range(blocks):
+        out = out + sums[:, :, b] * x_scale[:, b, None]
+    return (out * scale.float()).to(x.dtype)
+
+
+def pack_w8a8_native(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`quantize_int8`'s codes and scales as `csrc/w8a8_linear.cpp` reads them, on any instruction set: uint8
+    `[tiles, bytes]`, a tile being 16 output rows, its bytes their scales (float32 `[16]`) and then, per group of
+    four inputs, the rows' four codes (int8 `[in / 4][16][4]`); inputs padded to a multiple of 32, rows to 16."""
+    out_features, in_features = q.shape
+    rows, inputs = -out_features % W8A8_TILE_ROWS, -in_features % W8A8_BLOCK
+    codes = F.pad(q, (0, inputs, 0, rows)).view(-1, W8A8_TILE_ROWS, (in_features + inputs) // 4, 4)
+    codes = codes.transpose(1, 2).contiguous().view(torch.uint8).flatten(1)  # [tiles, in / 4 * 16 * 4]
+    scales = F.pad(scale.float(), (0, rows)).view(-1, W8A8_TILE_ROWS).contiguous().view(torch.uint8)
+    return torch.cat([scales, codes], dim=1).contiguous()
+
+
+def w8a8_linear_native(lib, x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`w8a8_linear_reference` on the native kernel, for a weight from `pack_w8a8_native`."""
+    assert x.dim() == 2 and tiles.dim() == 2 and tiles.dtype == torch.uint8 and tiles.is_contiguous()
+    m, k = x.shape
+    padded = -(-k // W8A8_BLOCK) * W8A8_BLOCK
+    assert tiles.shape == (-(-out_features // W8A8_TILE_ROWS), 4 * W8A8_TILE_ROWS + padded * W8A8_TILE_ROWS)
+    x32 = x.float().contiguous()
+    out = x32.new_empty(m, out_features)
+    if m:
+        lib.specula_w8a8_linear(x32.data_ptr(), m, k, tiles.data_ptr(), out_features, out.data_ptr(),
+                                torch.get_num_threads())
+    return out.to(x.dtype)

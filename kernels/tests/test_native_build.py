@@ -38,7 +38,7 @@ def test_the_avx2_variant_passes_the_kernel_tests(tmp_path):
     env = {**os.environ, "SPECULA_NATIVE_ARCH": "x86-64-v3", "SPECULA_KERNEL_CACHE": str(tmp_path)}
     tests = [str(REPO / "kernels" / "tests" / name)
              for name in ("test_native_build.py", "test_linear.py", "test_fused.py", "test_paged_attention.py",
-                          "test_quantized_linear.py", "test_gguf_blocks.py")]
+                          "test_quantized_linear.py", "test_gguf_blocks.py", "test_w8a8_linear.py")]
     command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "not slow", *tests]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

@@ -73,10 +73,11 @@ class Device(StrEnum):
 
 
 class QuantizeMethod(StrEnum):
-    """Weight-only quantization of the linear layers (--quantize); none: float weights."""
+    """Quantization of the linear layers (--quantize); none: float weights."""
 
     INT8 = "int8"  # a scale per output channel, quantized at load time
     INT4 = "int4"  # a scale and zero per group of --quantize-group-size inputs, quantized at load time
+    W8A8 = "w8a8"  # int8's weights by activations quantized to int8 per block of 32 inputs at each product
     GGUF = "gguf"  # a .gguf file's own Q8_0/Q4_0/Q4_1 blocks
 
 
@@ -122,7 +123,8 @@ def quantize_method(value: str) -> QuantizeMethod:
     if value not in values(QuantizeMethod):
         raise ValueError(f"--quantize {value} is not supported; supported: {', '.join(values(QuantizeMethod))} "
                          "(int8 and int4: weight-only, quantized at load time from a float checkpoint, so for a GPTQ "
-                         "or AWQ model serve its float original with --quantize int4; gguf: a GGUF file's own "
+                         "or AWQ model serve its float original with --quantize int4; w8a8: int8's weights by int8 "
+                         "activations; gguf: a GGUF file's own "
                          "Q8_0/Q4_0/Q4_1 blocks)")
     return QuantizeMethod(value)
 

@@ -66,10 +66,11 @@ SETTINGS: tuple[Setting, ...] = (
             f"{listed(Dtype)}. Default: bfloat16 on cuda, float32 on cpu.",
             worker=Decl(type=str, default=Dtype.FLOAT32.value, help=f"{listed(Dtype)}.")),
     Setting("quantize", str | None, None, LAUNCHER | WORKER,
-            "Weight-only quantization of the linear layers: int8 (a scale per output channel) or int4 (a scale and "
-            "zero per group of inputs), done by each shard at load time from the float checkpoint; or gguf, for a "
-            ".gguf model: its Q8_0, Q4_0 and Q4_1 tensors served as the file holds them (other types as float). "
-            "Default: none."),
+            "Quantization of the linear layers: int8 (a scale per output channel) or int4 (a scale and zero per "
+            "group of inputs), weight-only, done by each shard at load time from the float checkpoint; w8a8: int8's "
+            "weights by activations quantized to int8 at each product, per block of 32 inputs (llama.cpp's q8_0 "
+            "arithmetic: faster on CPUs, slightly less exact); or gguf, for a .gguf model: its Q8_0, Q4_0 and Q4_1 "
+            "tensors served as the file holds them (other types as float). Default: none."),
     Setting("quantize_group_size", int, 64, LAUNCHER | WORKER,
             "int4: inputs per scale and zero (32, 64, 128 or 256)."),
     Setting("device", str | None, None, LAUNCHER | WORKER,

@@ -1,5 +1,5 @@
 """A decode step's layers in one native call (`specula_kernels.decode_layers`) against the layer-by-layer path: the
-same tokens and log-probabilities, bit for bit, batched, with drafts verified, sampling seeded, in float32, int8,
+same tokens and log-probabilities, bit for bit, batched, with drafts verified, sampling seeded, in float32, int8, w8a8,
 int4 and a GGUF file's own blocks; models it cannot run keep the layer-by-layer path."""
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ REQUESTS = [  # (prompt, max_new_tokens, sampling): prompts that repeat give pro
     ([1] + list(range(200, 240)), 16, SamplingParams(do_sample=True, temperature=0.9, top_k=50, seed=1234)),
 ]
 SETTINGS = {"float32": {}, "int8": {"quantize": "int8"}, "int4": {"quantize": "int4", "quantize_group_size": 32},
+            "w8a8": {"quantize": "w8a8"},
             "gguf": {"quantize": "gguf"},  # a Q4_1 file's own blocks
             "long drafts": {"speculative_tokens": 24}}  # verifications of more than 16 rows a sequence
 

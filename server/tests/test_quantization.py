@@ -22,6 +22,7 @@ from specula_kernels.quantized_linear import (
     dequantize_int8,
     quantize_int4,
     quantize_int8,
+    w8a8_linear_reference,
 )
 from specula_kernels.sgmv import triton_available
 from specula_proto import generate_pb2 as pb
@@ -31,6 +32,7 @@ from specula_server.layers.quantization import (
     Int4Linear,
     Int8Linear,
     Quantization,
+    W8A8Linear,
     build_linear,
 )
 from specula_server.server import ServerConfig
@@ -51,7 +53,8 @@ from specula_testing.worker import (
 
 PROMPTS = [[1, 50, 60, 70, 80, 90, 100], [1, 7, 8, 7, 8, 7], [1] + list(range(100, 140))]
 NUM_NEW = 16
-SETTINGS = {"int8": {"quantize": "int8"}, "int4": {"quantize": "int4", "quantize_group_size": 32}}
+SETTINGS = {"int8": {"quantize": "int8"}, "int4": {"quantize": "int4", "quantize_group_size": 32},
+            "w8a8": {"quantize": "w8a8"}}
 # The references round each product's input and output to bfloat16 as the kernels do, but sum in another order:
 # now and then an output lands one bfloat16 step (2^-8 of it) apart, which 16 tokens of a small random model can
 # grow to a hundredth of a logprob (measured: up to 0.015 with a LoRA adapter, 2e-6 without).
@@ -147,6 +150,31 @@ def test_quantized_worker_matches_transformers_on_the_quantized_weights(model_di
     assert_matches_reference(run_prompts(generator), reference_for(reference, kernels))
 
 
+def w8a8_reference(model: torch.nn.Module) -> torch.nn.Module:
+    """A transformers model whose linear layers multiply as `--quantize w8a8` defines it: int8 weights with a scale
+    per output row, by activations quantized per row and block of 32 inputs (`w8a8_linear_reference`)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            q, scale = quantize_int8(module.weight.detach())
+            module.forward = lambda x, q=q, scale=scale: w8a8_linear_reference(
+                x.reshape(-1, x.shape[-1]), q, scale).reshape(*x.shape[:-1], q.shape[0])
+    return model.eval()
+
+
+def test_w8a8_worker_matches_transformers_with_w8a8_products(model_dir, kernels):
+    """The whole model (attention, norms, rotary, sampling) as transformers runs it, every product replaced by the
+    W8A8 definition: the native kernel equals that definition bit for bit, and without the kernels the worker runs
+    the definition itself."""
+    import transformers
+
+    generator = load_test_generator(model_dir, **SETTINGS["w8a8"])
+    layers = [m for m in generator.model.modules() if isinstance(m, W8A8Linear)]
+    assert len(layers) == 4 * generator.model.config.num_layers + 1
+    assert all(m.native == (None if kernels == "pytorch" else native.library()) for m in layers)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    assert_matches_reference(run_prompts(generator), w8a8_reference(reference))
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and triton")
 def test_int8_on_cuda_runs_the_triton_kernel_and_matches_transformers(model_dir, fake_quantized, monkeypatch):
@@ -163,7 +191,8 @@ def test_int8_on_cuda_runs_the_triton_kernel_and_matches_transformers(model_dir,
 
 
 @pytest.mark.parametrize("method,layer_type,weight_dtype", [("int8", Int8Linear, torch.int8),
-                                                            ("int4", Int4Linear, torch.uint8)])
+                                                            ("int4", Int4Linear, torch.uint8),
+                                                            ("w8a8", W8A8Linear, torch.int8)])
 def test_every_linear_holds_quantized_weights(model_dir, method, layer_type, weight_dtype):
     model = load_test_generator(model_dir, num_blocks=4, **SETTINGS[method]).model
     layers = [m for m in model.modules() if hasattr(m, "linear")]
@@ -173,7 +202,7 @@ def test_every_linear_holds_quantized_weights(model_dir, method, layer_type, wei
     assert all("norm" in n or "embed_tokens" in n or n.endswith(".bias") for n in float_names), float_names
     weights = {n: b for n, b in model.named_buffers() if n.endswith((".linear.qweight", ".linear.packed",
                                                                       ".linear.tiles"))}
-    if method == "int8" and native.library():  # native int8: bytes of tiles, each with its rows' scales
+    if method in ("int8", "w8a8") and native.library():  # native: bytes of tiles, each with its rows' scales
         weight_dtype = torch.uint8
     assert len(weights) == len(layers) and all(b.dtype == weight_dtype for b in weights.values())
     scales = [b for n, b in model.named_buffers() if ".linear." in n and n not in weights]
@@ -181,7 +210,7 @@ def test_every_linear_holds_quantized_weights(model_dir, method, layer_type, wei
     assert nbytes(scales) * 4 <= nbytes(weights.values())  # scales and zeros: at most a fifth of the bytes
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "w8a8"])
 def test_two_ranks_match_one_rank_quantized(model_dir, method):
     """Each rank quantizes its own rows to the values one rank holds, and computes whole dot products: greedy and
     seeded sampled output are one rank's."""
@@ -194,7 +223,7 @@ def test_two_ranks_match_one_rank_quantized(model_dir, method):
 
 
 @pytest.mark.parametrize("method,drafter", [("int8", "prompt lookup"), ("int4", "prompt lookup"),
-                                            ("int4", "medusa on the base LM head")])
+                                            ("w8a8", "prompt lookup"), ("int4", "medusa on the base LM head")])
 def test_greedy_output_is_identical_with_speculation_on_a_quantized_base(model_dir, tmp_path, method, drafter,
                                                                        kernels):
     plain = load_test_generator(model_dir, **SETTINGS[method])

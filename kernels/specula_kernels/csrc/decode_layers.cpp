@@ -16,14 +16,14 @@
 
 namespace {
 
-enum Kind : int32_t { kPanels = 0, kInt8 = 1, kInt4 = 2, kQ4_0 = 3, kQ4_1 = 4, kQ8_0 = 5 };
+enum Kind : int32_t { kPanels = 0, kInt8 = 1, kInt4 = 2, kQ4_0 = 3, kQ4_1 = 4, kQ8_0 = 5, kW8A8 = 6 };
 
 }  // namespace
 
 extern "C" {
 
 // A product's weight as the layer holds it (`linear.pack_panels`, `quantized_linear.pack_int8_native`,
-// `pack_int4_native`, or GGUF's from `gguf_blocks.GGUFBlocks.pack_native`).
+// `pack_int4_native`, `pack_w8a8_native`, or GGUF's from `gguf_blocks.GGUFBlocks.pack_native`).
 struct SpeculaProduct {
   int32_t kind;
   int64_t out_features, in_features, group_size;
@@ -75,6 +75,8 @@ static void product_team(const SpeculaProduct& p, const float* x, int64_t rows, 
                                y);
     case kInt8:
       return int8_linear_team(x, rows, p.in_features, static_cast<const uint8_t*>(p.weight), p.out_features, y);
+    case kW8A8:
+      return w8a8_linear_team(x, rows, p.in_features, static_cast<const uint8_t*>(p.weight), p.out_features, y);
     case kInt4:
     case kQ4_0:
     case kQ4_1:  // Specula's int4 codes are biased by 8, as Q4_0's

@@ -27,3 +27,4 @@ void int8_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* tiles
 void q4_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int32_t bias, int64_t group, int64_t N,
                     float* y);
 void q8_0_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int64_t N, float* y);
+void w8a8_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int64_t N, float* y);

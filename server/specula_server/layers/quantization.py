@@ -4,8 +4,10 @@ The tensor-parallel linears and the LM head (`tensor_parallel.py`) hand their ra
 `build_linear`, which returns the product they call: `DenseLinear` (float weights packed for threads), or
 `Int8Linear` / `Int4Linear`, which quantize the slice at load time and multiply on the native weight-only kernels
 (`specula_kernels.native`, CPUs with AVX2 or AVX-512), on Triton for int8 on CUDA, or else on PyTorch's packed kernels
-(`specula_kernels.quantized_linear`). Every product maps activations `[m, in]` to `[m, out]` in the model's dtype,
-so what acts on activations around it (LoRA deltas, Medusa heads, speculation, the all-reduce) is unchanged.
+(`specula_kernels.quantized_linear`), or `W8A8Linear`: int8's weights by activations quantized per block of 32
+inputs at each product, on the native integer dot-product kernel. Every product maps activations `[m, in]` to
+`[m, out]` in the model's dtype, so what acts on activations around it (LoRA deltas, Medusa heads, speculation, the
+all-reduce) is unchanged.
 
 Tensor parallelism quantizes exactly as one shard would: every quantized layer's shard holds whole rows (the
 row-parallel layers split their outputs when quantized, `RowParallelLinear`), and int8 scales and int4 groups
@@ -54,8 +56,11 @@ from specula_kernels.quantized_linear import (
     pack_int4,
     pack_int4_native,
     pack_int8_native,
+    pack_w8a8_native,
     quantize_int4,
     quantize_int8,
+    w8a8_linear_native,
+    w8a8_linear_reference,
 )
 from specula_proto.choices import QuantizeMethod, quantize_method, values
 
@@ -144,6 +149,28 @@ class Int8Linear(nn.Module):
         return int8_linear(x, self.qweight, self.scale)
 
 
+class W8A8Linear(nn.Module):
+    """int8 weights with one scale per output row (`Int8Linear`'s values) by activations quantized to int8 per row
+    and block of 32 inputs at each product (`quantized_linear.w8a8_linear_reference`); on the native kernel where it
+    is built, else on that reference in PyTorch (exact, slow: for tests and machines without the kernels)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        q, scale = quantize_int8(weight)
+        self.out_features, self.in_features = weight.shape
+        self.native = _native_kernels(weight.device)
+        if self.native:  # in tiles of 16 output rows, each with its rows' scales
+            self.register_buffer("tiles", pack_w8a8_native(q, scale))
+        else:
+            self.register_buffer("qweight", q)  # int8 [out, in]
+            self.register_buffer("scale", scale)  # float32 [out]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:
+            return w8a8_linear_native(self.native, x, self.tiles, self.out_features)
+        return w8a8_linear_reference(x, self.qweight, self.scale)
+
+
 class Int4Linear(nn.Module):
     """int4 weights with a scale and a zero per output row and group of `group_size` inputs; on the native
     kernels where they are built, else PyTorch's (each has its own packed layout)."""
@@ -200,6 +227,8 @@ def build_linear(weight: torch.Tensor | GGUFBlocks, quantization: Quantization |
     if quantization is None or quantization.method == "gguf":
         return DenseLinear(weight)
     in_features = weight.shape[1]
+    if quantization.method == "w8a8":
+        return W8A8Linear(weight)
     if quantization.method == "int8":
         if in_features % INT8_IN_MULTIPLE:
             raise ValueError(f"{quantization.flag} int8 needs every linear's inputs to be a multiple of "

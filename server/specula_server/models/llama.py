@@ -14,12 +14,21 @@ import torch
 from torch import nn
 
 from specula_kernels import native
-from specula_kernels.decode_layers import GGUF_KINDS, INT4, INT8, PANELS, LayerWeights, NativeStack, ProductWeights
+from specula_kernels.decode_layers import (
+    GGUF_KINDS,
+    INT4,
+    INT8,
+    PANELS,
+    W8A8,
+    LayerWeights,
+    NativeStack,
+    ProductWeights,
+)
 from specula_kernels.fused import add_rms_norm, rms_norm, rotary_and_cache, silu_and_mul
 from specula_kernels.paged_attention import GroupedAttentionInputs, PagedAttentionInputs, paged_attention
 from specula_server.adapters.registry import LoraBatch
 from specula_server.distributed import ShardGroup
-from specula_server.layers.quantization import DenseLinear, GGUFLinear, Int4Linear, Int8Linear
+from specula_server.layers.quantization import DenseLinear, GGUFLinear, Int4Linear, Int8Linear, W8A8Linear
 from specula_server.layers.rotary import RotaryEmbedding
 from specula_server.layers.tensor_parallel import (
     ColumnParallelLinear,
@@ -247,6 +256,8 @@ def _product_weights(linear: torch.nn.Module) -> ProductWeights:
         return ProductWeights(PANELS, linear.out_features, panels.shape[1], panels)
     if isinstance(linear, Int8Linear) and linear.native:
         return ProductWeights(INT8, linear.out_features, linear.in_features, linear.tiles)
+    if isinstance(linear, W8A8Linear) and linear.native:
+        return ProductWeights(W8A8, linear.out_features, linear.in_features, linear.tiles)
     if isinstance(linear, Int4Linear) and linear.native:
         return ProductWeights(INT4, linear.out_features, linear.tiles.shape[1] * linear.group_size, linear.tiles,
                               group_size=linear.group_size)
