@@ -1,4 +1,4 @@
-"""Weight-only quantization (`--quantize`), side by side: float32 vs int8 vs int4, speed and accuracy.
+"""Quantization (`--quantize`), side by side: float32 vs int8 vs w8a8 vs int4, speed and accuracy.
 
 `decode`: single-stream greedy decode in the worker (prefill + decode steps over the paged KV cache) on a
 Llama-shaped model with random weights (134M parameters with the 32000-token vocabulary, as
@@ -53,7 +53,7 @@ DEMO_MODEL = REPO / "launcher" / "specula_launcher" / "demo_model"
 
 
 def variants(group_size: int, bfloat16: bool = False) -> dict[str, dict]:
-    out = {"float32": {}, "int8": {"quantize": "int8"},
+    out = {"float32": {}, "int8": {"quantize": "int8"}, "w8a8": {"quantize": "w8a8"},
            "int4": {"quantize": "int4", "quantize_group_size": group_size}}
     if bfloat16:  # the whole model in bfloat16 (weights, activations, KV cache), not quantized
         out["bfloat16"] = {"dtype": "bfloat16"}
@@ -83,7 +83,7 @@ def run_decode(args) -> dict:
             from specula_server.layers import quantization
             with mock.patch.object(quantization, "_native_kernels", lambda device: None):
                 for name, settings in variants(args.group_size).items():
-                    if settings:
+                    if settings and name != "w8a8":  # w8a8 has no PyTorch kernel (its definition: slow)
                         generators[f"{name}, PyTorch kernels"] = load_test_generator(
                             model_dir, num_blocks=num_blocks, **settings)
         prompt = [1] + [(7 * i) % 400 + 3 for i in range(args.prompt_tokens - 1)]

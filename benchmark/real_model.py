@@ -82,6 +82,9 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
     "specula-eagle3-tree": ("specula", ["--speculative-tokens", "6", "--speculator", "{eagle3}",
                                         "--draft-tree-width", "3"]),
     "specula-int8": ("specula", ["--quantize", "int8"]),
+    # int8 weights by int8 activations: the arithmetic of llama.cpp's q8_0 products.
+    "specula-w8a8": ("specula", ["--quantize", "w8a8"]),
+    "specula-w8a8-ngram": ("specula", ["--quantize", "w8a8", "--speculative-tokens", str(DRAFTS)]),
     "specula-int4": ("specula", ["--quantize", "int4", "--quantize-group-size", "32"]),
     "specula-gguf": ("specula", ["--quantize", "gguf"]),
     # One setting above with one decode step per Step call (--num-scheduler-steps; the default runs up to 4).
