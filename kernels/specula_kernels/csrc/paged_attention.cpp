@@ -35,11 +35,10 @@
 
 static constexpr int64_t kAhead = 8;  // positions ahead whose keys (values) are prefetched, for a range of heads
 
-// The lines of one slot's keys or values that query heads [h0, h1) read.
-static inline void prefetch_heads(const float* row, int64_t h0, int64_t h1, int64_t group, int dim) {
-  const char* first = reinterpret_cast<const char*>(row + (h0 / group) * dim);
-  const char* last = reinterpret_cast<const char*>(row + ((h1 - 1) / group + 1) * dim);
-  for (const char* p = first; p < last; p += 64) __builtin_prefetch(p);
+// The lines of one slot's keys or values in [first, last) floats of it (what a range of query heads reads).
+static inline void prefetch_heads(const float* row, int64_t first, int64_t last) {
+  const char* end = reinterpret_cast<const char*>(row + last);
+  for (const char* p = reinterpret_cast<const char*>(row + first); p < end; p += 64) __builtin_prefetch(p);
 }
 
 static constexpr int kBatch = kLanes;  // positions whose dot products are folded together
@@ -98,12 +97,17 @@ static float softmax_in_place(float* scores, int64_t context, float best) {
 // One query row, query heads [h0, h1): out[h] = softmax(scale * q[h] . K[h]) V[h] over the visible positions.
 // Positions outer, heads inner, so each visible slot's keys (then values) for these heads are read as one
 // contiguous run of lines, in the order the cache's blocks hold them. `scores`: (h1 - h0) * context floats;
-// `acc`: (h1 - h0) * dim floats.
+// `acc`: (h1 - h0) * dim floats; `offsets`: h1 - h0 slots.
 static void attend_row(const float* q, const float* keys, const float* values, int64_t slot_stride, int64_t group,
                        int64_t h0, int64_t h1, const int64_t* slots, const uint8_t* visible, int64_t context,
-                       int vectors, float scale, float* scores, float* acc, float* best, float* out) {
+                       int vectors, float scale, float* scores, float* acc, float* best, int64_t* offsets,
+                       float* out) {
   const int dim = kLanes * vectors;
   const int64_t heads = h1 - h0;
+  // Where each head's key and value lie in a slot, and the part of a slot these heads read: computed once, not
+  // per position (an integer division costs more than a position's arithmetic).
+  for (int64_t h = 0; h < heads; ++h) offsets[h] = ((h0 + h) / group) * dim;
+  const int64_t first = offsets[0], last = offsets[heads - 1] + dim;
   // The cache's blocks lie in any order, so the hardware's prefetchers lose the stream at every block boundary;
   // the lines a position `kAhead` on needs are fetched ahead instead (half the time of a decode step's
   // attention, measured on the real model).
@@ -114,11 +118,11 @@ static void attend_row(const float* q, const float* keys, const float* values, i
     const float* rows[kBatch];
     for (int p = 0; p < kBatch; ++p) {
       if (j + p + kAhead < context)
-        prefetch_heads(keys + slots[j + p + kAhead] * slot_stride, h0, h1, group, dim);
+        prefetch_heads(keys + slots[j + p + kAhead] * slot_stride, first, last);
       rows[p] = keys + slots[j + p] * slot_stride;
     }
     for (int64_t h = 0; h < heads; ++h) {
-      const int64_t offset = ((h0 + h) / group) * dim;
+      const int64_t offset = offsets[h];
       const float* qh = q + (h0 + h) * dim;
       vfloat sums[kBatch];
       for (int p = 0; p < kBatch; ++p) sums[p] = vload(qh) * vload(rows[p] + offset);
@@ -140,10 +144,10 @@ static void attend_row(const float* q, const float* keys, const float* values, i
       for (int64_t h = 0; h < heads; ++h) scores[h * context + j] = masked;
       continue;
     }
-    if (j + kAhead < context) prefetch_heads(keys + slots[j + kAhead] * slot_stride, h0, h1, group, dim);
+    if (j + kAhead < context) prefetch_heads(keys + slots[j + kAhead] * slot_stride, first, last);
     const float* row = keys + slots[j] * slot_stride;
     for (int64_t h = 0; h < heads; ++h) {
-      const float* k = row + ((h0 + h) / group) * dim;
+      const float* k = row + offsets[h];
       const float* qh = q + (h0 + h) * dim;
       vfloat sum = vload(qh) * vload(k);
       for (int v = 1; v < vectors; ++v) sum = vfma(vload(qh + kLanes * v), vload(k + kLanes * v), sum);
@@ -162,11 +166,11 @@ static void attend_row(const float* q, const float* keys, const float* values, i
   std::memset(acc, 0, sizeof(float) * heads * dim);
   for (int64_t j = 0; j < context; ++j) {
     if (visible && !visible[j]) continue;  // skipped, not weighted by zero: a NaN there never reaches the row
-    if (j + kAhead < context) prefetch_heads(values + slots[j + kAhead] * slot_stride, h0, h1, group, dim);
+    if (j + kAhead < context) prefetch_heads(values + slots[j + kAhead] * slot_stride, first, last);
     const float* row = values + slots[j] * slot_stride;
     for (int64_t h = 0; h < heads; ++h) {
       const vfloat w = vsplat(scores[h * context + j]);
-      const float* val = row + ((h0 + h) / group) * dim;
+      const float* val = row + offsets[h];
       float* a = acc + h * dim;
       for (int v = 0; v < vectors; ++v) vstore(a + kLanes * v, vfma(w, vload(val + kLanes * v), vload(a + kLanes * v)));
     }
@@ -195,6 +199,7 @@ void paged_attention_team(const float* query, int64_t query_stride, const float*
     const int64_t most = (num_heads + splits - 1) / splits;  // query heads of the largest range
     const size_t context = static_cast<size_t>(max_context > 0 ? max_context : 1);
     std::vector<float> scores(most * context), acc(most * head_dim), best(most);
+    std::vector<int64_t> offsets(most);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_seqs * splits; ++item) {
       const int64_t s = item / splits, part = item % splits;
@@ -205,7 +210,8 @@ void paged_attention_team(const float* query, int64_t query_stride, const float*
         const int64_t t = query_index[s * max_query + qi];
         const uint8_t* visible = mask ? mask + (s * max_query + qi) * max_context : nullptr;
         attend_row(query + t * query_stride, key_cache, value_cache, slot_stride, group, h0, h1, slots, visible,
-                   max_context, vectors, scale, scores.data(), acc.data(), best.data(), out + t * out_stride);
+                   max_context, vectors, scale, scores.data(), acc.data(), best.data(), offsets.data(),
+                   out + t * out_stride);
       }
     }
   }

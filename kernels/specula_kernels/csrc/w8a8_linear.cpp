@@ -45,45 +45,43 @@ struct Activations {
   int64_t padded;
 };
 
-// One row's codes, scales and sums. A block's scale is NaN where the block holds a NaN (and its codes then mean
-// nothing), infinite where it holds an infinity with codes 0: either way the outputs become NaN, as a float
-// product's would not be finite.
-void quantize_row(const float* x, int64_t K, int64_t padded, int8_t* codes, float* scales, int32_t* sums) {
-  for (int64_t b = 0; b < padded / kBlock; ++b) {
-    const int64_t start = b * kBlock, n = K - start < kBlock ? K - start : kBlock;
-    vfloat v[kBlock / kLanes];
-    for (int i = 0; i < kBlock / kLanes; ++i) {
-      const int64_t left = n - i * kLanes;
-      v[i] = left >= kLanes ? vload(x + start + i * kLanes) : left > 0 ? vload_part(x + start + i * kLanes, left)
-                                                                       : vfloat{};
-    }
-    float amax = 0.0f;
-    for (int i = 0; i < kBlock / kLanes; ++i)
-      for (int l = 0; l < kLanes; ++l) {
-        const float a = std::fabs(v[i][l]);
-        if (a > amax || a != a) amax = a;  // a NaN stays
-      }
-    const float scale = amax / 127.0f;
-    const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
-    int32_t sum = 0;
-    for (int i = 0; i < kBlock / kLanes; ++i) {
-      const vfloat scaled = v[i] * inverse;
-#if defined(__AVX512F__)
-      int32_t rounded[kLanes];  // to nearest, ties to even (the default rounding mode)
-      _mm512_storeu_si512(rounded, _mm512_cvtps_epi32((__m512)scaled));
-#else
-      int32_t rounded[kLanes];
-      _mm256_storeu_si256((__m256i*)rounded, _mm256_cvtps_epi32((__m256)scaled));
-#endif
-      for (int l = 0; l < kLanes; ++l) {
-        const int32_t c = rounded[l] < -127 ? -127 : rounded[l] > 127 ? 127 : rounded[l];
-        codes[start + i * kLanes + l] = static_cast<int8_t>(c);
-        sum += c;
-      }
-    }
-    scales[b] = scale;
-    sums[b] = 128 * sum;
+// Block b of one row (x, K inputs): its codes, scale and sum. A block's scale is NaN where the block holds a NaN
+// (and its codes then mean nothing), infinite where it holds an infinity with codes 0: either way the outputs
+// become NaN, as a float product's would not be finite.
+void quantize_block(const float* x, int64_t K, int64_t b, int8_t* codes, float* scales, int32_t* sums) {
+  const int64_t start = b * kBlock, n = K - start < kBlock ? K - start : kBlock;
+  vfloat v[kBlock / kLanes];
+  for (int i = 0; i < kBlock / kLanes; ++i) {
+    const int64_t left = n - i * kLanes;
+    v[i] = left >= kLanes ? vload(x + start + i * kLanes) : left > 0 ? vload_part(x + start + i * kLanes, left)
+                                                                     : vfloat{};
   }
+  float amax = 0.0f;
+  for (int i = 0; i < kBlock / kLanes; ++i)
+    for (int l = 0; l < kLanes; ++l) {
+      const float a = std::fabs(v[i][l]);
+      if (a > amax || a != a) amax = a;  // a NaN stays
+    }
+  const float scale = amax / 127.0f;
+  const float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+  int32_t sum = 0;
+  for (int i = 0; i < kBlock / kLanes; ++i) {
+    const vfloat scaled = v[i] * inverse;
+#if defined(__AVX512F__)
+    int32_t rounded[kLanes];  // to nearest, ties to even (the default rounding mode)
+    _mm512_storeu_si512(rounded, _mm512_cvtps_epi32((__m512)scaled));
+#else
+    int32_t rounded[kLanes];
+    _mm256_storeu_si256((__m256i*)rounded, _mm256_cvtps_epi32((__m256)scaled));
+#endif
+    for (int l = 0; l < kLanes; ++l) {
+      const int32_t c = rounded[l] < -127 ? -127 : rounded[l] > 127 ? 127 : rounded[l];
+      codes[start + i * kLanes + l] = static_cast<int8_t>(c);
+      sum += c;
+    }
+  }
+  scales[b] = scale;
+  sums[b] = 128 * sum;
 }
 
 // A product rounded on its own: the empty asm keeps the compiler from fusing it into the sum that follows (a
@@ -193,8 +191,10 @@ void w8a8_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* tiles
   const Activations a{reinterpret_cast<int8_t*>(buffer + M * blocks * 8), reinterpret_cast<float*>(buffer),
                       reinterpret_cast<int32_t*>(buffer + M * blocks * 4), padded};
 #pragma omp for schedule(static)
-  for (int64_t r = 0; r < M; ++r)
-    quantize_row(x + r * K, K, padded, a.codes + r * padded, a.scales + r * blocks, a.sums + r * blocks);
+  for (int64_t i = 0; i < M * blocks; ++i) {  // blocks, not rows, shared: one row is work for every thread
+    const int64_t r = i / blocks;
+    quantize_block(x + r * K, K, i % blocks, a.codes + r * padded, a.scales + r * blocks, a.sums + r * blocks);
+  }
   const int64_t num_tiles = (N + kTileRows - 1) / kTileRows;
   const int64_t tile_bytes = kHeader + padded * kTileRows;
 #pragma omp for schedule(static)
