@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "simd.h"
 #include "team.h"
@@ -180,28 +181,49 @@ void tile_all_rows(const uint8_t* tile, const Activations& a, int64_t M, float* 
   }
 }
 
-}  // namespace
-
-// x [M, K] float32 -> y [M, N] over the tiles above; called by every thread of a region.
-void w8a8_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int64_t N, float* y) {
-  const int64_t padded = (K + kBlock - 1) / kBlock * kBlock, blocks = padded / kBlock;
-  char* buffer;
-#pragma omp single copyprivate(buffer)
-  buffer = new char[M * padded + M * blocks * 8 + 64];
-  const Activations a{reinterpret_cast<int8_t*>(buffer + M * blocks * 8), reinterpret_cast<float*>(buffer),
-                      reinterpret_cast<int32_t*>(buffer + M * blocks * 4), padded};
-#pragma omp for schedule(static)
-  for (int64_t i = 0; i < M * blocks; ++i) {  // blocks, not rows, shared: one row is work for every thread
-    const int64_t r = i / blocks;
-    quantize_block(x + r * K, K, i % blocks, a.codes + r * padded, a.scales + r * blocks, a.sums + r * blocks);
-  }
+// Every thread's tiles of y; `a` holds every row's quantized activations.
+void tiles_team(const Activations& a, int64_t M, const uint8_t* tiles, int64_t N, float* y) {
   const int64_t num_tiles = (N + kTileRows - 1) / kTileRows;
-  const int64_t tile_bytes = kHeader + padded * kTileRows;
+  const int64_t tile_bytes = kHeader + a.padded * kTileRows;
 #pragma omp for schedule(static)
   for (int64_t t = 0; t < num_tiles; ++t) {
     const int64_t cols = N - t * kTileRows < kTileRows ? N - t * kTileRows : kTileRows;
     tile_all_rows(tiles + t * tile_bytes, a, M, y + t * kTileRows, N, cols);
   }
+}
+
+constexpr int64_t kOwnRows = 8;  // calls of at most this many rows quantize them on every thread
+
+}  // namespace
+
+// x [M, K] float32 -> y [M, N] over the tiles above; called by every thread of a region.
+void w8a8_linear_team(const float* x, int64_t M, int64_t K, const uint8_t* tiles, int64_t N, float* y) {
+  const int64_t padded = (K + kBlock - 1) / kBlock * kBlock, blocks = padded / kBlock;
+  const int64_t bytes = M * padded + M * blocks * 8;
+  auto view = [&](char* buffer) {
+    return Activations{reinterpret_cast<int8_t*>(buffer + M * blocks * 8), reinterpret_cast<float*>(buffer),
+                       reinterpret_cast<int32_t*>(buffer + M * blocks * 4), padded};
+  };
+  auto quantize = [&](const Activations& a, int64_t i) {
+    const int64_t r = i / blocks;
+    quantize_block(x + r * K, K, i % blocks, a.codes + r * padded, a.scales + r * blocks, a.sums + r * blocks);
+  };
+  if (M <= kOwnRows) {
+    // A decode or verification step: each thread quantizes the few rows into its own buffer (a microsecond or
+    // two), which saves the barriers a shared buffer needs around it.
+    thread_local std::vector<char> own;
+    if (static_cast<int64_t>(own.size()) < bytes) own.resize(bytes);
+    const Activations a = view(own.data());
+    for (int64_t i = 0; i < M * blocks; ++i) quantize(a, i);
+    return tiles_team(a, M, tiles, N, y);
+  }
+  char* buffer;
+#pragma omp single copyprivate(buffer)
+  buffer = new char[bytes];
+  const Activations a = view(buffer);
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < M * blocks; ++i) quantize(a, i);
+  tiles_team(a, M, tiles, N, y);
 #pragma omp single
   delete[] buffer;
 }
