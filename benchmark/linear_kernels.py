@@ -16,7 +16,7 @@ round, the order reversing every round; reported: the median over rounds of the 
 With `--quantized`, also the weight-only formats of `--quantize` (int4 in groups of 64), on the native kernels
 (`specula_kernels.native`, where they build) and on PyTorch's packed kernels:
 
-    int8 native, int4 native, int8 pytorch, int4 pytorch
+    int8 native, int4 native, w8a8 native (int8 weights by int8 activations), int8 pytorch, int4 pytorch
 
     python benchmark/linear_kernels.py --rows 1 8 32 64 --rounds 15
     python benchmark/linear_kernels.py --rows 1 8 32 256 --rounds 7 --quantized
@@ -67,8 +67,10 @@ from specula_kernels.quantized_linear import (  # noqa: E402
     pack_int4,
     pack_int4_native,
     pack_int8_native,
+    pack_w8a8_native,
     quantize_int4,
     quantize_int8,
+    w8a8_linear_native,
 )
 
 GROUP = 64
@@ -94,6 +96,8 @@ def quantized_variants() -> dict[str, tuple[torch.dtype, callable, callable]]:
                               lambda x, p: int8_linear_native(lib, x, *p))
         out["int4 native"] = (torch.float32, lambda w: (pack_int4_native(*quantize_int4(w, GROUP), lanes), w.shape[0]),
                               lambda x, p: int4_linear_native(lib, x, p[0], GROUP, p[1]))
+        out["w8a8 native"] = (torch.float32, lambda w: (pack_w8a8_native(*quantize_int8(w)), w.shape[0]),
+                              lambda x, p: w8a8_linear_native(lib, x, *p))
     else:
         print(f"native kernels unavailable: {native.unavailable_reason()}")
 
@@ -113,7 +117,7 @@ def baseline_variant(tree: Path) -> dict[str, tuple[torch.dtype, callable, calla
     turns with this tree's in one process, on the same packed weights."""
     csrc = tree / "kernels" / "specula_kernels" / "csrc"
     saved = native._SOURCES, native._HEADERS
-    native._SOURCES = tuple(csrc / source.name for source in saved[0])
+    native._SOURCES = tuple(csrc / source.name for source in saved[0] if (csrc / source.name).exists())
     native._HEADERS = tuple(csrc / header.name for header in saved[1])
     try:
         lib = native._load()

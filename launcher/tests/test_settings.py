@@ -90,7 +90,7 @@ def test_the_model_flags_take_the_values_their_choices_declare() -> None:
     assert (config.dtype, config.device, config.quantize, config.kv_cache_dtype, config.log_level) == (
         Dtype.BFLOAT16, Device.CUDA, QuantizeMethod.INT8, KVCacheDtype.FP8, LogLevel.DEBUG)
     assert type(config.dtype) is Dtype and type(config.log_level) is LogLevel
-    assert values(QuantizeMethod) == ("int8", "int4", "gguf")
+    assert values(QuantizeMethod) == ("int8", "int4", "w8a8", "gguf")
     assert (listed(Dtype), listed(Device)) == ("float32, bfloat16 or float16", "cpu or cuda")
     dtype = next(s for s in SETTINGS if s.name == "dtype")
     assert dtype.help.startswith("float32, bfloat16 or float16. ")

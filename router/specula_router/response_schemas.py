@@ -180,8 +180,9 @@ class Info(BaseModel):
     model_sha: str | None = Field(None, examples=["e985a63cdc139290c5f700ff1929f0b5942cced2"])
     model_dtype: str = Field(..., examples=["bfloat16"])
     model_device_type: str = Field(..., examples=["cuda"])
-    quantize: str | None = Field(None, description="Weight-only quantization of the linear layers (`--quantize`): "
-                                 "int8, int4 or gguf (a GGUF file's own blocks); null for float weights.",
+    quantize: str | None = Field(None, description="Quantization of the linear layers (`--quantize`): int8 or "
+                                 "int4 (weight-only), w8a8 (int8 weights and activations) or gguf (a GGUF file's "
+                                 "own blocks); null for float weights.",
                           examples=["int8"])
     kv_cache_dtype: str | None = Field(None, description="What the KV cache stores keys and values in "
                                        "(`--kv-cache-dtype`); null when the workers did not say.",

@@ -89,7 +89,7 @@ class ServerConfig:
     draft_tree_width: int = 1  # candidates per Medusa head / MLP speculator stage (1: the top-1 chain only)
     speculator_quantize: str | None = None  # an EAGLE-3 speculator's products: int8, int4 or None (its dtype)
     instance_id: str = ""  # the launcher run this shard belongs to (reported in Info); "" when started alone
-    quantize: str | None = None  # weight-only quantization of the linear layers: int8, int4 or None (float)
+    quantize: str | None = None  # quantization of the linear layers: int8, int4, w8a8, gguf or None (float)
     quantize_group_size: int = DEFAULT_GROUP_SIZE  # int4: inputs per scale and zero
     # What the KV cache stores keys and values in: auto (the compute dtype), bfloat16, float16, fp8 / fp8_e4m3
     # (float8_e4m3fn) or fp8_e5m2 (specula_proto.choices.KVCacheDtype)

@@ -48,7 +48,7 @@ class WorkerInfo:
     uds_urls: tuple[str, ...]
     kv_cache_memory: int | None  # bytes for the KV cache; None: derive from free device memory
     instance_id: str = ""  # the launcher run this shard belongs to; "" when started alone
-    quantize: str = ""  # --quantize: "int8", "int4", or "" for float weights
+    quantize: str = ""  # --quantize: "int8", "int4", "w8a8", "gguf", or "" for float weights
 
 
 class ExceptionInterceptor(grpc.aio.ServerInterceptor):
