@@ -99,6 +99,8 @@ SETTINGS: dict[str, tuple[str, list[str]]] = {
     "llamacpp-f32-ngram": ("llamacpp:f32", ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
                                             "--spec-ngram-simple-size-m", str(DRAFTS)]),
     "llamacpp-q8_0": ("llamacpp:q8_0", []),
+    "llamacpp-q8_0-ngram": ("llamacpp:q8_0", ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3",
+                                              "--spec-ngram-simple-size-m", str(DRAFTS)]),
     "llamacpp-q4_1": ("llamacpp:q4_1", []),
 }
 QUESTIONS = [
