@@ -3,11 +3,11 @@
 // activations are quantized at each product, per row and block of 32 inputs, to codes c in [-127, 127] with the
 // scale d = max |x| / 127 (GGUF's Q8_0, the arithmetic llama.cpp multiplies its q8_0 weights with).
 //
-// Why by hand: the weight-only kernels (tiled_linear.cpp) decode every weight to a float and multiply-add it, and
-// at one row that arithmetic, not the memory, sets their pace (int8 at 52-70% of its bandwidth floor,
-// docs/benchmarks.md#one-stream-where-a-decode-step-goes). An integer dot product takes four inputs a lane in
-// one instruction: AVX-512 VNNI's vpdpbusd, or AVX2's vpmaddubsw and vpmaddwd. PyTorch has no such CPU kernel
-// for float activations.
+// Why by hand: the weight-only kernels (tiled_linear.cpp) decode every weight to a float and multiply-add it into
+// every row's sums; at one row that still keeps up with the memory, but at the few rows of a verification or a
+// batch, and the many of a prompt, that arithmetic sets their pace (docs/benchmarks.md#int8-activations-w8a8).
+// An integer dot product takes four inputs a lane in one instruction: AVX-512 VNNI's vpdpbusd, or AVX2's
+// vpmaddubsw and vpmaddwd. PyTorch has no such CPU kernel for float activations.
 //
 // Layout (`quantized_linear.pack_w8a8_native`), the same for every instruction set: output rows in tiles of 16,
 // a tile being its rows' scales (float32 [16]) and then, per group of four inputs, the 16 rows' four codes (int8
