@@ -23,7 +23,7 @@ With `--quantized`, also the weight-only formats of `--quantize` (int4 in groups
     python benchmark/linear_kernels.py --rows 1 4 8 32 64 --rounds 15 --pack-hint 1 64
     python benchmark/linear_kernels.py --model smollm2 --rows 1 4 8 32 64 350 --rounds 9
 
-With `--baseline-tree DIR`, also the native kernels (float32 panels, int8, int4) built from another checkout's
+With `--baseline-tree DIR`, also the native kernels (float32 panels, int8, int4, w8a8) built from another checkout's
 sources, taking turns with this tree's on the same weights (a change to `csrc/` measured in one process):
 
     git worktree add /tmp/before HEAD~1
@@ -112,7 +112,8 @@ def quantized_variants() -> dict[str, tuple[torch.dtype, callable, callable]]:
 
 
 def baseline_variant(tree: Path) -> dict[str, tuple[torch.dtype, callable, callable]]:
-    """`panels fp32 (baseline)`, `int8 native (baseline)` and `int4 native (baseline)`: the native kernels compiled
+    """`panels fp32 (baseline)`, `int8 native (baseline)`, `int4 native (baseline)` and `w8a8 native (baseline)`: the
+    native kernels compiled
     from another checkout's sources (`tree`, e.g. a `git worktree` of the commit before a change to `csrc/`), taking
     turns with this tree's in one process, on the same packed weights."""
     csrc = tree / "kernels" / "specula_kernels" / "csrc"
@@ -133,7 +134,8 @@ def baseline_variant(tree: Path) -> dict[str, tuple[torch.dtype, callable, calla
 
     return {"panels fp32 (baseline)": (torch.float32, pack_panels, product),
             "int8 native (baseline)": (torch.float32, None, lambda x, p: int8_linear_native(lib, x, *p)),
-            "int4 native (baseline)": (torch.float32, None, lambda x, p: int4_linear_native(lib, x, p[0], GROUP, p[1]))}
+            "int4 native (baseline)": (torch.float32, None, lambda x, p: int4_linear_native(lib, x, p[0], GROUP, p[1])),
+            "w8a8 native (baseline)": (torch.float32, None, lambda x, p: w8a8_linear_native(lib, x, *p))}
 
 
 def onednn_pack_for(rows: int):
@@ -171,8 +173,9 @@ def main() -> None:
     parser.add_argument("--pack-hint", type=int, nargs="*", default=[],
                         help=f"also float32 oneDNN weights packed for these row counts (default {PACK_ROWS_HINT})")
     parser.add_argument("--variants", nargs="+", help="only these variants (names as in the table's header)")
-    parser.add_argument("--baseline-tree", type=Path, help="also `panels fp32 (baseline)`, `int8 native (baseline)` "
-                        "and `int4 native (baseline)`: the native kernels built from this checkout's sources (a "
+    parser.add_argument("--baseline-tree", type=Path, help="also `panels fp32 (baseline)`, `int8 native (baseline)`, "
+                        "`int4 native (baseline)` and `w8a8 native (baseline)`: the native kernels built from this "
+                        "checkout's sources (a "
                         "change to them measured in one process)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -187,7 +190,7 @@ def main() -> None:
     if args.variants:
         kinds = {name: kind for name, kind in kinds.items() if name in args.variants}
     # A baseline multiplies its variant's tensors: two copies of the weights read at different speeds.
-    twins = {f"{name} (baseline)": name for name in ("panels fp32", "int8 native", "int4 native")}
+    twins = {f"{name} (baseline)": name for name in ("panels fp32", "int8 native", "int4 native", "w8a8 native")}
     packed = {name: [pack(w.to(dtype)) for w in weights] for name, (dtype, pack, _) in kinds.items()
               if name not in twins}
     for baseline, twin in twins.items():

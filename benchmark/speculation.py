@@ -13,7 +13,9 @@ Workloads:
   "# after: rename X to Y"), greedy, each answer ending at the model's EOS: answers reuse their prompt's text;
 - `novel`: sampling at temperature 1 after the beginning of a held-out code block: new text, little to copy,
   so speculation must not slow anything down;
-- `repetitive`: greedy decoding from random token prompts; a random model's output falls into loops.
+- `repetitive`: greedy decoding from random token prompts; a random model's output falls into loops;
+- `rewrite`, `summary`, `question`: the real model's chat requests of `real_model.py` (code rewrites, summaries,
+  open questions; greedy, ending at EOS or `--new-tokens`), for `--model-dir` the real model's GGUF file.
 
 `copy` and `novel` need a model trained on code (the bundled demo model, the default); `repetitive` works with
 any model. At concurrency 1 the `copy` and `repetitive` workloads also time transformers `generate()` with and
@@ -21,6 +23,9 @@ without `prompt_lookup_num_tokens` on the same weights and prompts.
 
     python benchmark/speculation.py --workload copy novel --concurrency 1 2 4 8 16 32 64 \\
         --json benchmark/results/speculation.json --plot benchmark/results/speculation.png
+    python benchmark/speculation.py --model-dir ~/.cache/specula/real-model/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --workload rewrite --quantize w8a8 --concurrency 8 --min-requests 32 --batching continuous \
+        --new-tokens 128 --speculative-tokens 4
 """
 
 from __future__ import annotations
@@ -54,8 +59,30 @@ def settings(speculative_tokens: int) -> dict[str, dict]:
             "adaptive": {"speculative_tokens": speculative_tokens, "speculation_mode": "adaptive"}}
 
 
+CHAT_WORKLOADS = ("rewrite", "summary", "question")  # the real model's chat requests (`real_model.py`)
+
+
+def chat_requests(workload: str, model_dir: Path, count: int, new_tokens: int) -> list[dict]:
+    """`count` of `real_model.py`'s chat prompts of one kind (code rewrites, summaries, open questions) as the
+    router renders and tokenizes them: greedy, ending at EOS or after `new_tokens`."""
+    sys.path.insert(0, str(REPO / "benchmark"))
+    import real_model
+
+    from specula_router.chat_template import load_chat_template
+    from specula_server.hub import resolve_model_dir
+    from specula_server.tokens import load_tokenizer
+
+    texts = real_model.make_prompts([count], 1, [workload])[workload][count][:count]
+    directory = resolve_model_dir(str(model_dir))
+    template, tokenizer = load_chat_template(directory), load_tokenizer(directory)
+    return [{"ids": tokenizer.encode(template.render([{"role": "user", "content": t}]), add_special_tokens=False).ids,
+             "max_new_tokens": new_tokens, "greedy": True, "eos": True} for t in texts]
+
+
 def workload_requests(workload: str, model_dir: Path, count: int, args) -> list[dict]:
     """Per request: prompt ids, max_new_tokens, sampling, whether EOS ends it."""
+    if workload in CHAT_WORKLOADS:
+        return chat_requests(workload, model_dir, count, args.new_tokens)
     if workload == "repetitive":
         rng = random.Random(count)
         return [{"ids": [1] + [rng.randrange(3, 500) for _ in range(args.prompt_tokens - 1)],
@@ -220,7 +247,9 @@ def main() -> None:
     parser.add_argument("--model-dir", type=Path, default=DEMO_MODEL,
                         help="model to use (default: the bundled demo model); 'random' for a ~125M random Llama")
     parser.add_argument("--workload", nargs="+", default=["copy", "novel"],
-                        choices=["copy", "novel", "repetitive"])
+                        choices=["copy", "novel", "repetitive", *CHAT_WORKLOADS],
+                        help="rewrite, summary, question: the real model's chat requests (give its --model-dir)")
+    parser.add_argument("--quantize", default=None, help="every setting's --quantize (e.g. int8, w8a8)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     parser.add_argument("--min-requests", type=int, default=8, help="requests per measurement at least")
     parser.add_argument("--batching", choices=["static", "continuous"], default="static",
@@ -245,7 +274,9 @@ def main() -> None:
         requests = {w: workload_requests(w, model_dir, count, args) for w in args.workload}
         longest = max(len(r["ids"]) + r["max_new_tokens"] for rs in requests.values() for r in rs)
         blocks = max(args.concurrency) * -(-(longest + args.speculative_tokens + 1) // 16) + 8
-        generators = {name: load_test_generator(model_dir, num_blocks=blocks, dtype=dtype, device=args.device, **s)
+        quantize = {"quantize": args.quantize} if args.quantize else {}
+        generators = {name: load_test_generator(model_dir, num_blocks=blocks, dtype=dtype, device=args.device,
+                                                **quantize, **s)
                       for name, s in configs.items()}
         for g in generators.values():
             if g.speculation is not None:  # what the server's warmup does (a plain generator has no cost model)

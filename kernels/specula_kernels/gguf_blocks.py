@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specula_kernels.quantized_linear import int4_linear_native, pack_q4_tiles, tile_bytes, to_tiles
+from specula_kernels.quantized_linear import int4_linear_native, native_product, pack_q4_tiles, tile_bytes, to_tiles
 
 NATIVE_TYPES = ("Q8_0", "Q4_0", "Q4_1")
 BLOCK = 32  # weights per block
@@ -123,9 +123,5 @@ def gguf_linear_native(lib, x: torch.Tensor, type_name: str, tiles: torch.Tensor
     lanes = tiles.shape[2] // (16 + BLOCK * 4)  # the build's, which packed them
     assert tiles.shape == (-(-out_features // (4 * lanes)), k // BLOCK, 16 * lanes + BLOCK * 4 * lanes)
     assert k % BLOCK == 0
-    x32 = x.float().contiguous()
-    out = x32.new_empty(m, out_features)
-    if m:
-        lib.specula_q8_0_linear(x32.data_ptr(), m, k, tiles.data_ptr(), out_features, out.data_ptr(),
-                                torch.get_num_threads())
-    return out.to(x.dtype)
+    return native_product(x, out_features, lambda x_ptr, out_ptr, threads: lib.specula_q8_0_linear(
+        x_ptr, m, k, tiles.data_ptr(), out_features, out_ptr, threads))

@@ -27,6 +27,8 @@ kernels are tested against.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -181,18 +183,24 @@ def pack_int4_native(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, l
     return pack_q4_tiles(q, scale.to(KERNEL_DTYPE).float(), zero.to(KERNEL_DTYPE).float(), group_size, lanes)
 
 
+def native_product(x: torch.Tensor, out_features: int, call: Callable[[int, int, int], object]) -> torch.Tensor:
+    """The native products' calling convention: `call(x_ptr, out_ptr, threads)` writes `x`'s `[m, out_features]`
+    product, in float32, from `x` as contiguous float32; it is not called for no rows. Returned in `x`'s dtype."""
+    x32 = x.float().contiguous()
+    out = x32.new_empty(x32.shape[0], out_features)
+    if x32.shape[0]:
+        call(x32.data_ptr(), out.data_ptr(), torch.get_num_threads())
+    return out.to(x.dtype)
+
+
 def int8_linear_native(lib, x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
     """`x [m, in] @ (q * scale)^T` on the native kernel, for a weight from `pack_int8_native`."""
     assert x.dim() == 2 and tiles.dim() == 2 and tiles.dtype == torch.uint8 and tiles.is_contiguous()
     m, k = x.shape
     panel = tiles.shape[1] // (2 * (4 + k))  # the build's, which packed them (per call: no query of the library)
     assert k % INT8_IN_MULTIPLE == 0 and tiles.shape == (-(-out_features // (2 * panel)), 2 * panel * (4 + k))
-    x32 = x.float().contiguous()
-    out = x32.new_empty(m, out_features)
-    if m:
-        lib.specula_int8_linear(x32.data_ptr(), m, k, tiles.data_ptr(), out_features, out.data_ptr(),
-                                torch.get_num_threads())
-    return out.to(x.dtype)
+    return native_product(x, out_features, lambda x_ptr, out_ptr, threads: lib.specula_int8_linear(
+        x_ptr, m, k, tiles.data_ptr(), out_features, out_ptr, threads))
 
 
 def int4_linear_native(lib, x: torch.Tensor, tiles: torch.Tensor, group_size: int, out_features: int,
@@ -204,12 +212,8 @@ def int4_linear_native(lib, x: torch.Tensor, tiles: torch.Tensor, group_size: in
     lanes = tiles.shape[2] // (32 + 2 * group_size)  # the build's, which packed them
     assert k % group_size == 0 and tiles.shape == (-(-out_features // (4 * lanes)), k // group_size,
                                                   32 * lanes + 2 * lanes * group_size), tiles.shape
-    x32 = x.float().contiguous()
-    out = x32.new_empty(m, out_features)
-    if m:
-        lib.specula_q4_linear(x32.data_ptr(), m, k, tiles.data_ptr(), bias, group_size, out_features, out.data_ptr(),
-                              torch.get_num_threads())
-    return out.to(x.dtype)
+    return native_product(x, out_features, lambda x_ptr, out_ptr, threads: lib.specula_q4_linear(
+        x_ptr, m, k, tiles.data_ptr(), bias, group_size, out_features, out_ptr, threads))
 
 
 # int8 weights by int8 activations (`--quantize w8a8`, `csrc/w8a8_linear.cpp`): the weights are `quantize_int8`'s
@@ -265,9 +269,5 @@ def w8a8_linear_native(lib, x: torch.Tensor, tiles: torch.Tensor, out_features: 
     m, k = x.shape
     padded = -(-k // W8A8_BLOCK) * W8A8_BLOCK
     assert tiles.shape == (-(-out_features // W8A8_TILE_ROWS), 4 * W8A8_TILE_ROWS + padded * W8A8_TILE_ROWS)
-    x32 = x.float().contiguous()
-    out = x32.new_empty(m, out_features)
-    if m:
-        lib.specula_w8a8_linear(x32.data_ptr(), m, k, tiles.data_ptr(), out_features, out.data_ptr(),
-                                torch.get_num_threads())
-    return out.to(x.dtype)
+    return native_product(x, out_features, lambda x_ptr, out_ptr, threads: lib.specula_w8a8_linear(
+        x_ptr, m, k, tiles.data_ptr(), out_features, out_ptr, threads))
