@@ -17,8 +17,13 @@ Between the two, the step that prefills the prompt (`--prompt-tokens`) is timed 
 Each product is reported with the bytes it reads and the bandwidth it reaches; the floor is the step's weight
 bytes at the bandwidth of a large sum (`worker_decode.measure_bandwidth`).
 
+With several precisions, one after another, a drift of the machine between them reads as a difference of the
+precisions (on a shared VM, a tenth or more). So the precisions' untimed steps then also take turns, step by step
+(the order reversing every step), `--rounds` times `--steps` steps, the bandwidth measured again before each
+round; each round's medians and shares of that round's floor are reported last.
+
     python benchmark/decode_profile.py                          # real model, float32, 2 threads
-    python benchmark/decode_profile.py --quantize int8 int4     # several precisions, one after another
+    python benchmark/decode_profile.py --quantize int8 int4     # several precisions, then taking turns
     python benchmark/decode_profile.py --quantize gguf          # the file's own Q4_1 / Q8_0 blocks
     python benchmark/decode_profile.py --quantize --eagle3 DIR  # only what an EAGLE-3 drafter's capture costs
 """
@@ -154,7 +159,8 @@ def prefill_seconds(generator, prompt: list[int], rounds: int = 3) -> list[float
     return times
 
 
-def profile(model_path: Path, quantize: str | None, args) -> dict:
+def profile(model_path: Path, quantize: str | None, args, keep: list | None = None) -> dict:
+    """The untimed and timed passes of one precision (`keep`, when given, receives the generator)."""
     settings = {"quantize": quantize} if quantize else {}
     if quantize:
         settings["quantize_group_size"] = args.group_size
@@ -176,9 +182,38 @@ def profile(model_path: Path, quantize: str | None, args) -> dict:
     model._stack = stack
 
     per_step = {name: seconds / args.steps for name, seconds in timers.total.items()}
+    if keep is not None:
+        keep.append(generator)
     return {"untimed": untimed, "prefill": prefill, "timed": timed, "per_step": per_step, "calls": dict(timers.calls),
             "bytes": dict(bytes_read), "prompt_tokens": len(prompt),
             "total_bytes": weight_bytes(model) - weight_bytes(model.embed_tokens)}
+
+
+def taking_turns(generators: dict, prompt: list[int], steps: int, rounds: int
+                 ) -> tuple[dict[str, list[list[float]]], list[float]]:
+    """Untimed decode steps of every generator, one step each in turn (the order reversing every step), over
+    `rounds` requests of `steps` steps after `prompt`; returns each one's step seconds per round, and the
+    bandwidth measured before each round (the machine's pace moves between rounds, the floor with it)."""
+    names = list(generators)
+    times: dict[str, list[list[float]]] = {name: [] for name in names}
+    bandwidths = []
+    for _ in range(rounds):
+        bandwidths.append(measure_bandwidth(torch.device("cpu"), repeats=5))
+        for name in names:
+            times[name].append([])
+        for generator in generators.values():
+            spec = make_spec(0, prompt, BlockPool(generator.kv_cache.num_blocks, generator.block_size),
+                             max_new_tokens=steps + 1)
+            generator.step(StepPlan(new=[spec]))
+        for step in range(steps):
+            for name in names if step % 2 == 0 else names[::-1]:
+                start = time.perf_counter()
+                generators[name].step(StepPlan())
+                times[name][-1].append(time.perf_counter() - start)
+        for generator in generators.values():
+            while generator.requests:
+                generator.step(StepPlan())
+    return times, bandwidths
 
 
 def capture_cost(model_path: Path, args) -> dict[str, list[float]]:
@@ -248,15 +283,28 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--eagle3", type=Path, help="an EAGLE-3 drafter for the model: also time what capturing the "
                         "hidden states it reads costs a decode step (float32), against no drafter")
-    parser.add_argument("--rounds", type=int, default=3, help="turns of each setting with --eagle3")
+    parser.add_argument("--rounds", type=int, default=3, help="turns of each setting with --eagle3, and requests "
+                        "of --steps steps taking turns with several precisions")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     bandwidth = measure_bandwidth(torch.device("cpu"))
-    results = {}
+    results, generators = {}, []
     for quantize in args.quantize:
         q = None if quantize == "none" else quantize
-        results[quantize] = profile(args.model, q, args)
+        results[quantize] = profile(args.model, q, args, generators if len(args.quantize) > 1 else None)
         report(f"{args.model.name}, {quantize if q else 'float32'}", results[quantize], bandwidth, args.steps)
+    if len(generators) > 1:
+        prompt = [1] + [(7 * i) % 4000 + 3 for i in range(args.prompt_tokens - 1)]
+        turns, bandwidths = taking_turns(dict(zip(args.quantize, generators)), prompt, args.steps, args.rounds)
+        print(f"\n### taking turns step by step ({args.rounds} rounds of {args.steps} steps; bandwidth before each "
+              f"round {', '.join(f'{b / 1e9:.1f}' for b in bandwidths)} GB/s)\n"
+              "| precision | ms/step, each round's median | share of its floor, each round |\n|---|---|---|")
+        for quantize, rounds in turns.items():
+            step_ms = [statistics.median(seconds) * 1e3 for seconds in rounds]
+            shares = [results[quantize]["total_bytes"] / b * 1e3 / ms for b, ms in zip(bandwidths, step_ms)]
+            results[quantize]["turns"] = {"seconds": rounds, "bandwidths": bandwidths}
+            print(f"| {quantize if quantize != 'none' else 'float32'} | {', '.join(f'{ms:.2f}' for ms in step_ms)} "
+                  f"| {', '.join(f'{share:.0%}' for share in shares)} |")
     capture = None
     if args.eagle3:
         print(f"\n### {args.model.name}, float32, one stream: an EAGLE-3 drafter's capture, {args.rounds} rounds of "
