@@ -16,15 +16,17 @@ round, the order reversing every round; reported: the median over rounds of the 
 With `--quantized`, also the weight-only formats of `--quantize` (int4 in groups of 64), on the native kernels
 (`specula_kernels.native`, where they build) and on PyTorch's packed kernels:
 
-    int8 native, int4 native, w8a8 native (int8 weights by int8 activations), int8 pytorch, int4 pytorch
+    int8 native, int4 native, w8a8 native (int8 weights by int8 activations), q4_1 native (GGUF's Q4_1 blocks,
+    quantized by the `gguf` package, as `--quantize gguf` serves them), int8 pytorch, int4 pytorch
 
     python benchmark/linear_kernels.py --rows 1 8 32 64 --rounds 15
     python benchmark/linear_kernels.py --rows 1 8 32 256 --rounds 7 --quantized
     python benchmark/linear_kernels.py --rows 1 4 8 32 64 --rounds 15 --pack-hint 1 64
     python benchmark/linear_kernels.py --model smollm2 --rows 1 4 8 32 64 350 --rounds 9
 
-With `--baseline-tree DIR`, also the native kernels (float32 panels, int8, int4, w8a8) built from another checkout's
-sources, taking turns with this tree's on the same weights (a change to `csrc/` measured in one process):
+With `--baseline-tree DIR`, also the native kernels (float32 panels, int8, int4, w8a8, Q4_1) built from another
+checkout's sources, taking turns with this tree's on the same weights (a change to `csrc/` measured in one
+process):
 
     git worktree add /tmp/before HEAD~1
     python benchmark/linear_kernels.py --model smollm2 --rows 1 8 32 --variants "panels fp32" \
@@ -46,6 +48,7 @@ sys.path[:0] = [str(REPO / p) for p in ("kernels",)]
 import torch  # noqa: E402
 
 from specula_kernels import native  # noqa: E402
+from specula_kernels.gguf_blocks import GGUFBlocks, gguf_linear_native  # noqa: E402
 from specula_kernels.linear import (  # noqa: E402
     PACK_ROWS_HINT,
     default_num_parts,
@@ -87,6 +90,14 @@ MODELS = {"134m": model_shapes(768, 768, 2048, 12, 32000), "smollm2": model_shap
 SHAPES = MODELS["134m"]
 
 
+def pack_gguf(w: torch.Tensor, type_name: str, lanes: int) -> tuple[torch.Tensor, int]:
+    """`w` quantized to a GGUF block type by the `gguf` package, packed for the native kernel."""
+    from gguf import GGMLQuantizationType, quants
+
+    data = quants.quantize(w.numpy(), GGMLQuantizationType[type_name])
+    return GGUFBlocks(type_name, torch.from_numpy(data), w.shape[1]).pack_native(lanes), w.shape[0]
+
+
 def quantized_variants() -> dict[str, tuple[torch.dtype, callable, callable]]:
     out = {}
     lib = native.library()
@@ -98,6 +109,8 @@ def quantized_variants() -> dict[str, tuple[torch.dtype, callable, callable]]:
                               lambda x, p: int4_linear_native(lib, x, p[0], GROUP, p[1]))
         out["w8a8 native"] = (torch.float32, lambda w: (pack_w8a8_native(*quantize_int8(w)), w.shape[0]),
                               lambda x, p: w8a8_linear_native(lib, x, *p))
+        out["q4_1 native"] = (torch.float32, lambda w: pack_gguf(w, "Q4_1", lanes),
+                              lambda x, p: gguf_linear_native(lib, x, "Q4_1", *p))
     else:
         print(f"native kernels unavailable: {native.unavailable_reason()}")
 
@@ -135,7 +148,8 @@ def baseline_variant(tree: Path) -> dict[str, tuple[torch.dtype, callable, calla
     return {"panels fp32 (baseline)": (torch.float32, pack_panels, product),
             "int8 native (baseline)": (torch.float32, None, lambda x, p: int8_linear_native(lib, x, *p)),
             "int4 native (baseline)": (torch.float32, None, lambda x, p: int4_linear_native(lib, x, p[0], GROUP, p[1])),
-            "w8a8 native (baseline)": (torch.float32, None, lambda x, p: w8a8_linear_native(lib, x, *p))}
+            "w8a8 native (baseline)": (torch.float32, None, lambda x, p: w8a8_linear_native(lib, x, *p)),
+            "q4_1 native (baseline)": (torch.float32, None, lambda x, p: gguf_linear_native(lib, x, "Q4_1", *p))}
 
 
 def onednn_pack_for(rows: int):
@@ -190,7 +204,8 @@ def main() -> None:
     if args.variants:
         kinds = {name: kind for name, kind in kinds.items() if name in args.variants}
     # A baseline multiplies its variant's tensors: two copies of the weights read at different speeds.
-    twins = {f"{name} (baseline)": name for name in ("panels fp32", "int8 native", "int4 native", "w8a8 native")}
+    twins = {f"{name} (baseline)": name
+             for name in ("panels fp32", "int8 native", "int4 native", "w8a8 native", "q4_1 native")}
     packed = {name: [pack(w.to(dtype)) for w in weights] for name, (dtype, pack, _) in kinds.items()
               if name not in twins}
     for baseline, twin in twins.items():
