@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import threading
 import time
 
 import httpx
@@ -81,9 +82,14 @@ def test_requests_with_large_budgets_that_stop_early_run_together(base_url, tigh
                           details=True).json()["details"]["tokens"]
         stops.append("".join(t["text"] for t in tokens[57:60]))  # generation ends by token 60
     spans: dict[int, list[float]] = {}
+    # The six are sent at one moment: a client made inside each thread (an SSL context each, under the GIL) once
+    # delayed one request past the ~0.2 s the first three took to finish, and only three then overlapped.
+    clients = [httpx.Client(timeout=REQUEST_TIMEOUT_S) for _ in range(6)]
+    together = threading.Barrier(6)
 
     def stream(i: int) -> str:
-        with httpx.stream("POST", f"{tight.url}/generate_stream", timeout=REQUEST_TIMEOUT_S, json={
+        together.wait()
+        with clients[i].stream("POST", f"{tight.url}/generate_stream", json={
                 "inputs": PROMPTS[i], "parameters": {"max_new_tokens": 190, "stop": [stops[i]], "details": True,
                                                      "ignore_eos_token": True}}) as r:
             assert r.status_code == 200
@@ -95,8 +101,12 @@ def test_requests_with_large_budgets_that_stop_early_run_together(base_url, tigh
         spans[i].append(time.monotonic())
         return events[-1]["details"]["finish_reason"]
 
-    with concurrent.futures.ThreadPoolExecutor(6) as pool:
-        reasons = list(pool.map(stream, range(6)))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            reasons = list(pool.map(stream, range(6)))
+    finally:
+        for client in clients:
+            client.close()
     assert reasons == ["stop_sequence"] * 6
     # The most requests between their first token and their end at one moment (each holds blocks then).
     most = max(sum(start <= t <= end for start, end in spans.values()) for t, _ in spans.values())
