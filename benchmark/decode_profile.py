@@ -126,6 +126,11 @@ def instrument(model, timers: Timers) -> dict[str, int]:
     return bytes_read
 
 
+def synthetic_prompt(num_tokens: int) -> list[int]:
+    """The prompt every pass decodes after: `num_tokens` ids spread over the vocabulary's first 4,000."""
+    return [1] + [(7 * i) % 4000 + 3 for i in range(num_tokens - 1)]
+
+
 def decode_steps(generator, prompt: list[int], steps: int, timers: Timers | None = None, **request) -> list[float]:
     """Prefills `prompt` and decodes `steps` tokens one step at a time; returns each decode step's seconds.
     `timers` run during the decode steps only; `request`: more fields of the request (`RequestSpec`)."""
@@ -167,7 +172,7 @@ def profile(model_path: Path, quantize: str | None, args, keep: list | None = No
     num_blocks = -(-(args.prompt_tokens + args.steps + 8) // 16) + 1
     generator = load_test_generator(model_path, num_blocks=num_blocks, dtype="float32", **settings)
     model = generator.model
-    prompt = [1] + [(7 * i) % 4000 + 3 for i in range(args.prompt_tokens - 1)]
+    prompt = synthetic_prompt(args.prompt_tokens)
     decode_steps(generator, prompt, 8)  # warm up
     untimed = decode_steps(generator, prompt, args.steps)
     prefill = prefill_seconds(generator, prompt)
@@ -227,7 +232,7 @@ def capture_cost(model_path: Path, args) -> dict[str, list[float]]:
                                 speculative_tokens=4)
     stack = eagle.model._native_stack()
     assert stack is not None, "the model does not run on the native stack here"
-    prompt = [1] + [(7 * i) % 4000 + 3 for i in range(args.prompt_tokens - 1)]
+    prompt = synthetic_prompt(args.prompt_tokens)
     settings = {"no drafter": (plain, stack), "EAGLE-3 capture, on the stack": (eagle, stack),
                 "EAGLE-3 capture, layer by layer": (eagle, None)}
     times: dict[str, list[float]] = {name: [] for name in settings}
@@ -294,7 +299,7 @@ def main() -> None:
         results[quantize] = profile(args.model, q, args, generators if len(args.quantize) > 1 else None)
         report(f"{args.model.name}, {quantize if q else 'float32'}", results[quantize], bandwidth, args.steps)
     if len(generators) > 1:
-        prompt = [1] + [(7 * i) % 4000 + 3 for i in range(args.prompt_tokens - 1)]
+        prompt = synthetic_prompt(args.prompt_tokens)
         turns, bandwidths = taking_turns(dict(zip(args.quantize, generators)), prompt, args.steps, args.rounds)
         print(f"\n### taking turns step by step ({args.rounds} rounds of {args.steps} steps; bandwidth before each "
               f"round {', '.join(f'{b / 1e9:.1f}' for b in bandwidths)} GB/s)\n"

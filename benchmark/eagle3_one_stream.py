@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "benchmark", "testing")]
 
-from real_model import QUESTIONS  # noqa: E402
+from real_model import QUESTIONS, chat_ids  # noqa: E402
 
 from specula_server.request import StepPlan  # noqa: E402
 from specula_testing.real_model import fetch_smollm2  # noqa: E402
@@ -39,14 +39,7 @@ NUM_BLOCKS, BLOCK_SIZE = 200, 16
 
 def chat_prompts(model) -> list[list[int]]:
     """The benchmark's questions as the router renders and tokenizes chats."""
-    from specula_router.chat_template import load_chat_template
-    from specula_server.hub import resolve_model_dir
-    from specula_server.tokens import load_tokenizer
-
-    model_dir = resolve_model_dir(str(model))
-    template, tokenizer = load_chat_template(model_dir), load_tokenizer(model_dir)
-    return [tokenizer.encode(template.render([{"role": "user", "content": q}]), add_special_tokens=False).ids
-            for q in QUESTIONS]
+    return chat_ids(model, QUESTIONS)
 
 
 class Timed:

@@ -252,6 +252,19 @@ def training_prompts(count: int, gguf: Path, questions: int | None = None) -> li
                                           add_generation_prompt=True) for text in mixed]
 
 
+def chat_ids(model, texts: Sequence[str]) -> list[list[int]]:
+    """`texts` as user messages, rendered and tokenized as the router does (the model's chat template, the
+    generation prompt added): the prompt ids of the in-process benchmarks that drive the worker directly."""
+    from specula_router.chat_template import load_chat_template
+    from specula_server.hub import resolve_model_dir
+    from specula_server.tokens import load_tokenizer
+
+    model_dir = resolve_model_dir(str(model))
+    template, tokenizer = load_chat_template(model_dir), load_tokenizer(model_dir)
+    return [tokenizer.encode(template.render([{"role": "user", "content": text}]), add_special_tokens=False).ids
+            for text in texts]
+
+
 def level_size(c: int, per_stream: int) -> int:
     """Requests at concurrency `c`: `per_stream` per stream, and at least 3 (one stream alone is noisy)."""
     return max(3, c * per_stream)

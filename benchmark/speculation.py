@@ -65,18 +65,11 @@ CHAT_WORKLOADS = ("rewrite", "summary", "question")  # the real model's chat req
 def chat_requests(workload: str, model_dir: Path, count: int, new_tokens: int) -> list[dict]:
     """`count` of `real_model.py`'s chat prompts of one kind (code rewrites, summaries, open questions) as the
     router renders and tokenizes them: greedy, ending at EOS or after `new_tokens`."""
-    sys.path.insert(0, str(REPO / "benchmark"))
     import real_model
 
-    from specula_router.chat_template import load_chat_template
-    from specula_server.hub import resolve_model_dir
-    from specula_server.tokens import load_tokenizer
-
     texts = real_model.make_prompts([count], 1, [workload])[workload][count][:count]
-    directory = resolve_model_dir(str(model_dir))
-    template, tokenizer = load_chat_template(directory), load_tokenizer(directory)
-    return [{"ids": tokenizer.encode(template.render([{"role": "user", "content": t}]), add_special_tokens=False).ids,
-             "max_new_tokens": new_tokens, "greedy": True, "eos": True} for t in texts]
+    return [{"ids": ids, "max_new_tokens": new_tokens, "greedy": True, "eos": True}
+            for ids in real_model.chat_ids(model_dir, texts)]
 
 
 def workload_requests(workload: str, model_dir: Path, count: int, args) -> list[dict]:
