@@ -12,7 +12,10 @@ prompt, then decodes one stream step by step. Two passes over the same steps:
   (`step outside the model`: batch building, sampling, outputs). The timers cost a little (reported: the timed
   pass's step against the untimed one).
 
-Between the two, the step that prefills the prompt (`--prompt-tokens`) is timed three times (median).
+Between the two, the step that prefills the prompt (`--prompt-tokens`) is timed three times (median), and where
+the layers run as one native call, the untimed steps run again with the native stack reading its clock after each
+operator of each layer (the team's first thread, after the barrier that ends the operator), which splits that call
+without leaving it.
 
 Each product is reported with the bytes it reads and the bandwidth it reaches; the floor is the step's weight
 bytes at the bandwidth of a large sum (`worker_decode.measure_bandwidth`).
@@ -44,6 +47,7 @@ sys.path[:0] = [str(REPO / p) for p in ("server", "kernels", "proto", "benchmark
 import torch  # noqa: E402
 from worker_decode import measure_bandwidth  # noqa: E402
 
+from specula_kernels.decode_layers import OPERATORS  # noqa: E402
 from specula_server.request import StepPlan  # noqa: E402
 from specula_testing.worker import BlockPool, load_test_generator, make_spec  # noqa: E402
 
@@ -176,6 +180,13 @@ def profile(model_path: Path, quantize: str | None, args, keep: list | None = No
     decode_steps(generator, prompt, 8)  # warm up
     untimed = decode_steps(generator, prompt, args.steps)
     prefill = prefill_seconds(generator, prompt)
+    stack = model._native_stack()
+    inside = None
+    if stack is not None:  # the same steps again, the native stack reading its clock after every operator
+        stack.time_operators()
+        stamped = decode_steps(generator, prompt, args.steps)
+        inside = {"stamped": stamped, "seconds": dict(zip(OPERATORS, stack.operator_seconds.tolist()))}
+        stack.time_operators(False)
 
     timers = Timers()
     bytes_read = instrument(model, timers)
@@ -189,7 +200,8 @@ def profile(model_path: Path, quantize: str | None, args, keep: list | None = No
     per_step = {name: seconds / args.steps for name, seconds in timers.total.items()}
     if keep is not None:
         keep.append(generator)
-    return {"untimed": untimed, "prefill": prefill, "timed": timed, "per_step": per_step, "calls": dict(timers.calls),
+    return {"untimed": untimed, "prefill": prefill, "inside": inside, "timed": timed, "per_step": per_step,
+            "calls": dict(timers.calls),
             "bytes": dict(bytes_read), "prompt_tokens": len(prompt),
             "total_bytes": weight_bytes(model) - weight_bytes(model.embed_tokens)}
 
@@ -258,6 +270,19 @@ def report(label: str, result: dict, bandwidth: float, steps: int) -> None:
           f"({result['total_bytes'] / 1e6:.0f} MB at {bandwidth / 1e9:.1f} GB/s), {floor_ms / step_ms:.0%} of it; "
           f"timed pass {timed_ms:.2f} ms/step; prefill of the {result['prompt_tokens']}-token prompt "
           f"{statistics.median(result['prefill']) * 1e3:.0f} ms")
+    if result["inside"] is not None:
+        inside = result["inside"]
+        stamped_ms = statistics.median(inside["stamped"]) * 1e3
+        total = sum(inside["stamped"]) / len(inside["stamped"]) * 1e3
+        rows = [(name, seconds / steps * 1e3) for name, seconds in inside["seconds"].items()]
+        print(f"Inside the one native call of the layers (the stack's own clock after each operator; {stamped_ms:.2f} "
+              "ms/step with it read)\n| operator | ms/step | share | MB read | GB/s |\n|---|---|---|---|---|")
+        rows.append(("outside the layers' call (embedding, LM head, sampling, the step's Python)",
+                     total - sum(ms for _, ms in rows)))
+        for name, ms in rows:
+            mb = result["bytes"].get(name, 0) / 1e6
+            print(f"| {name} | {ms:.2f} | {ms / total:.0%} | " + (f"{mb:.0f} | {mb / ms:.1f} |" if mb else " |  |"))
+        print("Operator by operator (the layers from Python, each operator timed):")
     print("| operator | ms/step | share | calls/step | MB read | GB/s |\n|---|---|---|---|---|---|")
     rows = [(name, per.get(name, 0.0)) for name in PRODUCTS]
     rows += [(name, per.get(name, 0.0)) for name in ("paged_attention", "rotary_and_cache", "rms_norm",

@@ -19,6 +19,9 @@ from specula_kernels import native, paged_attention
 from specula_kernels.paged_attention import NATIVE_MAX_QUERY, GroupedAttentionInputs, PagedAttentionInputs
 
 PANELS, INT8, INT4, W8A8 = 0, 1, 2, 6
+# What `NativeStack.time_operators` splits a layer into, in the order the stack runs them.
+OPERATORS = ("rms_norm", "qkv_proj", "rotary_and_cache", "paged_attention", "o_proj", "add_rms_norm",
+             "gate_up_proj", "silu_and_mul", "down_proj", "residual_add")
 GGUF_KINDS = {"Q4_0": 3, "Q4_1": 4, "Q8_0": 5}  # GGUF blocks (`gguf_blocks.GGUFBlocks.pack_native`), by type
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -83,6 +86,13 @@ class NativeStack:
         self.eps, self.scale = eps, scale
         self._array = None
         self._caches: tuple[int, ...] = ()
+        self.operator_seconds: torch.Tensor | None = None  # see `time_operators`
+
+    def time_operators(self, on: bool = True) -> None:
+        """While on, every call of `run` also adds each operator's seconds, summed over the layers, into
+        `operator_seconds` (indexed as `OPERATORS`; zeroed here), from the clock the native stack reads after each
+        operator (benchmark/decode_profile.py; off while serving)."""
+        self.operator_seconds = torch.zeros(len(OPERATORS), dtype=torch.float64) if on else None
 
     @staticmethod
     def serves(attn, kv_caches) -> bool:
@@ -148,9 +158,16 @@ class NativeStack:
         first = 0
         for stop in stops:
             if stop > first:
+                stamps = None
+                if self.operator_seconds is not None:
+                    stamps = torch.zeros(1 + len(OPERATORS) * (stop - first), dtype=torch.int64)
+                    native.library().specula_stack_stamps(stamps.data_ptr())
                 native.library().specula_decode_layers(ctypes.addressof(layers) + first * ctypes.sizeof(Layer),
                                                        stop - first, ctypes.addressof(step), hidden.data_ptr(),
                                                        torch.get_num_threads())
+                if stamps is not None:
+                    native.library().specula_stack_stamps(None)
+                    self.operator_seconds += stamps.diff().view(-1, len(OPERATORS)).sum(0) / 1e9
                 first = stop
             if visit is not None and stop in visit_after:
                 visit(stop, hidden)

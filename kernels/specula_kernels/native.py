@@ -133,6 +133,7 @@ def _load() -> ctypes.CDLL:
         "specula_decode_layers": [ptr, i64, ptr, ptr, c_int],
         "specula_eagle3_layer": [ptr, ptr, ctypes.c_int32, ptr, ptr, ptr, ptr, ptr, c_int],
         "specula_logit_rows": [ptr, i64, i64, i64, ptr, ptr, ptr, c_int],
+        "specula_stack_stamps": [ptr],
     }
     for name, argtypes in signatures.items():
         function = getattr(lib, name)

@@ -161,6 +161,32 @@ def test_native_row_is_the_same_bits_in_any_step():
 
 
 @needs_native
+def test_native_long_context_gives_the_same_bits_on_any_number_of_threads():
+    """One sequence alone, where the threads split its heads (nine query heads over three KV heads, as the real
+    model's), attended by one, two or three threads: the same bits, close to the dense reference."""
+    gen = torch.Generator().manual_seed(8)
+    heads, kv_heads, head_dim = 9, 3, 64
+    k_cache, v_cache = random_cache(gen, 512, kv_heads, head_dim)
+    spans = [(300, 1), (250, 5)]  # a decode row; a verification of four drafts over a context of 4-5 chunks
+    tables = [torch.randperm(512, generator=gen)[: s + c] for s, c in spans]
+    q = torch.randn(6, heads, head_dim, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        outs = {}
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs[n] = [paged_attention(q[:1], k_cache, v_cache, build_inputs(spans[:1], tables[:1]), 0.125),
+                       paged_attention(q[1:], k_cache, v_cache, build_inputs(spans[1:], tables[1:]), 0.125)]
+    finally:
+        torch.set_num_threads(threads)
+    for n in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(outs[1], outs[n]))
+    for out, (s, _), table, rows in zip(outs[1], spans, tables, (q[:1], q[1:])):
+        torch.testing.assert_close(out, dense_reference(rows, k_cache[table], v_cache[table], s), rtol=1e-5,
+                                   atol=1e-5)
+
+
+@needs_native
 def test_native_tree_mask_and_groups_match_the_pytorch_path(monkeypatch):
     from specula_kernels.paged_attention import GroupedAttentionInputs
 

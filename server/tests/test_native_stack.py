@@ -76,6 +76,24 @@ def test_the_stack_gives_the_layers_bits(generator, monkeypatch):
     assert all(len(fused[i]) == new for i, (_, new, _) in enumerate(REQUESTS))
 
 
+def test_timing_the_operators_changes_no_bit(generator):
+    """The stack's clock (`NativeStack.time_operators`, what benchmark/decode_profile.py reads inside the one call):
+    every operator gets its time, the tokens stay the same."""
+    from specula_kernels.decode_layers import OPERATORS
+
+    stack = generator.model._native_stack()
+    plain = run_batch(generator)
+    stack.time_operators()
+    try:
+        timed = run_batch(generator)
+        seconds = stack.operator_seconds.clone()
+    finally:
+        stack.time_operators(False)
+    assert timed == plain
+    assert seconds.shape == (len(OPERATORS),) and bool((seconds > 0).all()), seconds
+    assert float(seconds.sum()) < 60
+
+
 def test_auxiliary_states_from_the_stack_are_the_layers_bits(generator, monkeypatch):
     """The residual stream after chosen layers, which an EAGLE-3 drafter reads: the stack runs the layers between
     them as one native call each, and gives the layer-by-layer path's bits for them and for the final state."""

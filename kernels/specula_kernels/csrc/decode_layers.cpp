@@ -10,6 +10,8 @@
 // Per layer: h = rms_norm(x); qkv = h Wqkv^T; rotate q and k, store k and v in the cache; a = attention(q);
 // x += a Wo^T; h = rms_norm(x); g = silu(gate) * up of h Wgu^T; x += g Wd^T.
 
+#include <omp.h>
+
 #include <cstdint>
 
 #include "team.h"
@@ -68,6 +70,18 @@ struct SpeculaStep {
 
 }  // extern "C"
 
+// A clock for benchmark/decode_profile.py's view inside the stack: with a buffer set (`specula_stack_stamps`), the
+// team's first thread writes the time (ns) when a call's region starts and after each operator of each layer
+// (ten a layer, in the order below; every operator ends on the team's barrier, so a stamp marks the whole team's completion). Null
+// while serving: one untaken branch an operator.
+static int64_t* g_stamps = nullptr;
+
+extern "C" void specula_stack_stamps(int64_t* buffer) { g_stamps = buffer; }
+
+static inline void stamp(int64_t*& cursor) {
+  if (cursor != nullptr) *cursor++ = static_cast<int64_t>(omp_get_wtime() * 1e9);
+}
+
 static void product_team(const SpeculaProduct& p, const float* x, int64_t rows, float* y) {
   switch (p.kind) {
     case kPanels:
@@ -96,33 +110,49 @@ static void add_team(float* x, const float* y, int64_t rows, int64_t hidden) {
 
 // One layer's work after its input norm: `input` [rows][in] is what its q/k/v product reads (the normed residual
 // stream `hidden`, or EAGLE-3's wider input below). Called by every thread of the region.
-static void layer_team(const SpeculaLayer& layer, const SpeculaStep& s, const float* input, float* hidden) {
+static void layer_team(const SpeculaLayer& layer, const SpeculaStep& s, const float* input, float* hidden,
+                       int64_t*& cursor) {
   const int64_t q_width = s.num_heads * s.head_dim, qkv_width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim;
   product_team(layer.qkv, input, s.rows, s.qkv);
+  stamp(cursor);
   rotary_cache_team(s.qkv, qkv_width, s.rows, s.num_heads, s.num_kv_heads, s.head_dim, s.cos, s.sin,
                     layer.key_cache, layer.value_cache, s.slot_mapping);
+  stamp(cursor);
   for (int64_t g = 0; g < s.num_attention; ++g) {
     const SpeculaAttention& a = s.attention[g];
     paged_attention_team(s.qkv, qkv_width, layer.key_cache, layer.value_cache, s.num_kv_heads, a.context_slots,
                          a.num_seqs, a.max_context, a.query_index, a.query_valid, a.max_query, a.mask,
                          s.num_heads, s.head_dim, s.scale, s.attended, q_width);
   }
+  stamp(cursor);
   product_team(layer.o, s.attended, s.rows, s.projected);
+  stamp(cursor);
   rms_norm_team(hidden, s.hidden, s.projected, s.hidden, layer.post_norm, s.rows, s.hidden, s.eps, s.normed,
                 s.hidden);
+  stamp(cursor);
   product_team(layer.gate_up, s.normed, s.rows, s.gate_up);
+  stamp(cursor);
   silu_mul_team(s.gate_up, 2 * s.intermediate, s.rows, s.intermediate, s.activated, s.intermediate);
+  stamp(cursor);
   product_team(layer.down, s.activated, s.rows, s.projected);
+  stamp(cursor);
   add_team(hidden, s.projected, s.rows, s.hidden);
+  stamp(cursor);
 }
 
 extern "C" void specula_decode_layers(const SpeculaLayer* layers, int64_t num_layers, const SpeculaStep* step,
                                       float* hidden, int threads) {
   const SpeculaStep& s = *step;
 #pragma omp parallel num_threads(threads)
-  for (int64_t l = 0; l < num_layers; ++l) {
-    rms_norm_team(hidden, s.hidden, nullptr, 0, layers[l].input_norm, s.rows, s.hidden, s.eps, s.normed, s.hidden);
-    layer_team(layers[l], s, s.normed, hidden);
+  {
+    int64_t* cursor = omp_get_thread_num() == 0 ? g_stamps : nullptr;
+    stamp(cursor);
+    for (int64_t l = 0; l < num_layers; ++l) {
+      rms_norm_team(hidden, s.hidden, nullptr, 0, layers[l].input_norm, s.rows, s.hidden, s.eps, s.normed,
+                    s.hidden);
+      stamp(cursor);
+      layer_team(layers[l], s, s.normed, hidden, cursor);
+    }
   }
 }
 
@@ -145,6 +175,7 @@ extern "C" void specula_eagle3_layer(const SpeculaLayer* layer, const float* hid
       const float* from = norm_before_residual ? input + r * 2 * h + h : state + r * h;
       for (int64_t i = 0; i < h; ++i) hidden[r * h + i] = from[i];
     }
-    layer_team(*layer, s, input, hidden);
+    int64_t* cursor = nullptr;  // not stamped
+    layer_team(*layer, s, input, hidden, cursor);
   }
 }
