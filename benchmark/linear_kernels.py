@@ -129,14 +129,7 @@ def baseline_variant(tree: Path) -> dict[str, tuple[torch.dtype, callable, calla
     native kernels compiled
     from another checkout's sources (`tree`, e.g. a `git worktree` of the commit before a change to `csrc/`), taking
     turns with this tree's in one process, on the same packed weights."""
-    csrc = tree / "kernels" / "specula_kernels" / "csrc"
-    saved = native._SOURCES, native._HEADERS
-    native._SOURCES = tuple(csrc / source.name for source in saved[0] if (csrc / source.name).exists())
-    native._HEADERS = tuple(csrc / header.name for header in saved[1])
-    try:
-        lib = native._load()
-    finally:
-        native._SOURCES, native._HEADERS = saved
+    lib = native.load_from(tree / "kernels" / "specula_kernels" / "csrc")
 
     def product(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:  # `panel_linear` on the other library
         own, native._library = native._library, lib

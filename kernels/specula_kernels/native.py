@@ -144,6 +144,20 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
+def load_from(csrc: Path) -> ctypes.CDLL:
+    """The kernels built from another checkout's sources (`csrc`: its `kernels/specula_kernels/csrc`), for benchmarks
+    that time a change to the kernels against the code before it in one process (benchmark/kernel_turns.py,
+    benchmark/linear_kernels.py). Raises AttributeError if those sources lack an entry point this tree binds."""
+    global _SOURCES, _HEADERS
+    saved = _SOURCES, _HEADERS
+    _SOURCES = tuple(csrc / source.name for source in saved[0] if (csrc / source.name).exists())
+    _HEADERS = tuple(csrc / header.name for header in saved[1])
+    try:
+        return _load()
+    finally:
+        _SOURCES, _HEADERS = saved
+
+
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they cannot be built here (logged once, with the reason)."""
     global _library, _reason, _tried
