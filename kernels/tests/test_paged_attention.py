@@ -161,29 +161,33 @@ def test_native_row_is_the_same_bits_in_any_step():
 
 
 @needs_native
-def test_native_long_context_gives_the_same_bits_on_any_number_of_threads():
-    """One sequence alone, where the threads split its heads (nine query heads over three KV heads, as the real
-    model's), attended by one, two or three threads: the same bits, close to the dense reference."""
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 16)])
+def test_native_gives_the_same_bits_on_any_number_of_threads(heads, kv_heads, head_dim):
+    """Attended by one thread, or by more threads than sequences (which then share each row's positions, heads and
+    vectors in turn): the same bits, close to the dense reference. Decode rows, a verification of four drafts, two
+    sequences of different lengths (padding masked), a context shorter than the threads' share of positions."""
     gen = torch.Generator().manual_seed(8)
-    heads, kv_heads, head_dim = 9, 3, 64
     k_cache, v_cache = random_cache(gen, 512, kv_heads, head_dim)
-    spans = [(300, 1), (250, 5)]  # a decode row; a verification of four drafts over a context of 4-5 chunks
-    tables = [torch.randperm(512, generator=gen)[: s + c] for s, c in spans]
-    q = torch.randn(6, heads, head_dim, generator=gen)
+    steps = [[(300, 1)], [(250, 5)], [(40, 1), (100, 3)], [(5, 1)]]
+    tables = [[torch.randperm(512, generator=gen)[: s + c] for s, c in spans] for spans in steps]
+    queries = [torch.randn(sum(c for _, c in spans), heads, head_dim, generator=gen) for spans in steps]
     threads = torch.get_num_threads()
     try:
         outs = {}
-        for n in (1, 2, 3):
+        for n in (1, 2, 3, 4):
             torch.set_num_threads(n)
-            outs[n] = [paged_attention(q[:1], k_cache, v_cache, build_inputs(spans[:1], tables[:1]), 0.125),
-                       paged_attention(q[1:], k_cache, v_cache, build_inputs(spans[1:], tables[1:]), 0.125)]
+            outs[n] = [paged_attention(q, k_cache, v_cache, build_inputs(spans, table), head_dim**-0.5)
+                       for q, spans, table in zip(queries, steps, tables)]
     finally:
         torch.set_num_threads(threads)
-    for n in (2, 3):
-        assert all(torch.equal(a, b) for a, b in zip(outs[1], outs[n]))
-    for out, (s, _), table, rows in zip(outs[1], spans, tables, (q[:1], q[1:])):
-        torch.testing.assert_close(out, dense_reference(rows, k_cache[table], v_cache[table], s), rtol=1e-5,
-                                   atol=1e-5)
+    for n in (2, 3, 4):
+        assert all(torch.equal(a, b) for a, b in zip(outs[1], outs[n])), n
+    for out, q, spans, table in zip(outs[1], queries, steps, tables):
+        row = 0
+        for (s, c), slots in zip(spans, table):
+            expected = dense_reference(q[row : row + c], k_cache[slots], v_cache[slots], s)
+            torch.testing.assert_close(out[row : row + c], expected, rtol=1e-5, atol=1e-5)
+            row += c
 
 
 @needs_native

@@ -5,10 +5,13 @@
 // runs `scaled_dot_product_attention` over it: the context crosses memory three times (read, written, read
 // again), and SDPA's CPU kernel is built for blocks of queries, not the one row a decode step has per sequence.
 // With many sequences the two were a large share of a float32 decode step
-// (docs/benchmarks.md#attention-in-place-fused-layer-operations-the-whole-step). Here a
-// thread takes a sequence and a range of its heads (all of them when there are sequences enough for the
-// threads) and, for each query row, reads each visible slot's keys for those heads as one contiguous run (dot
-// products), then its values the same way (weighted sums): the context crosses memory once per row.
+// (docs/benchmarks.md#attention-in-place-fused-layer-operations-the-whole-step). Here, with sequences enough
+// for the threads, a thread takes a sequence and, for each query row, reads each visible slot's keys as one
+// contiguous run (dot products), then its values (weighted sums): the context crosses memory once per row. With
+// fewer sequences than threads (one stream), the threads share each row: a range of its positions' scores each,
+// then some heads' softmax each, then some vectors of head_dim of its weighted sums each, so that each key and
+// value is still read once (a split by heads read a KV head shared by two ranges twice, and split nine heads four
+// and five).
 //
 // Layouts (float32): query rows `[tokens][heads][head_dim]`, any stride between tokens (the rotated queries are
 // a view into the fused q/k/v output); caches `[slots][kv_heads][head_dim]`; `context_slots [seqs][max_context]`,
@@ -18,7 +21,8 @@
 //
 // Exactness: a row's output is a fixed-order computation over its own query and visible keys and values (scores
 // in order, the softmax sum in kLanes lanes folded in a fixed order, values accumulated in position order), so it
-// does not depend on the other rows, sequences or padding of its step, nor on the threads.
+// does not depend on the other rows, sequences or padding of its step, nor on the threads: a row shared among the
+// threads gets the bits it gets attended by one.
 //
 // head_dim a multiple of 16 up to 256 (the caller checks).
 
@@ -96,19 +100,18 @@ static float softmax_in_place(float* scores, int64_t context, float best) {
   return 1.0f / vsum(total);
 }
 
-// The weighted sums of values of one row's query heads [h0, h1), out[h] = recip[h] * sum_j w[h][j] V[h][j] (heads
-// whose `recip` is -inf, with nothing visible, left alone). The sums stay in registers while a tile of them runs
-// over a block of kValueBlock positions: kTileVectors vectors of head_dim of the query heads that read one KV head
-// (at most kTileHeads of them), each tile reading only its KV head's part of a slot, the block's slots in cache for
+// The weighted sums of values of one row's query heads [h0, h1), vectors [va, vb) of head_dim: out[h] = recip[h] *
+// sum_j w[h][j] V[h][j] (heads whose `recip` is -inf, with nothing visible, left alone). The sums stay in registers
+// while a tile of them runs over a block of kValueBlock positions: kTileVectors vectors of the query heads that read
+// one KV head (at most kTileHeads of them), each tile reading only its part of a slot, the block's slots in cache for
 // the next tile (sums kept in memory instead, a store and a load a vector and position, were most of a decode step's
 // attention with AVX-512). Between blocks a tile's sums wait in `sums` ((h1 - h0) * dim floats). Per head and lane
 // the same order as one sum over the positions: fma(w, v, 0) first, then position by position.
 template <int kTileHeads, int kTileVectors>
-static void value_tiles(const float* values, int64_t slot_stride, int64_t group, int64_t h0, int64_t h1,
-                        const int64_t* slots, const uint8_t* visible, int64_t context, int vectors,
+static void value_tiles(const float* values, int64_t slot_stride, int64_t group, int64_t h0, int64_t h1, int va,
+                        int vb, const int64_t* slots, const uint8_t* visible, int64_t context, int dim,
                         const float* weights, const float* recip, int64_t first, int64_t last, float* sums,
                         float* out) {
-  const int dim = kLanes * vectors;
   const float masked = -std::numeric_limits<float>::infinity();
   for (int64_t b0 = 0; b0 < context; b0 += kValueBlock) {
     const int64_t b1 = std::min(context, b0 + kValueBlock);
@@ -116,7 +119,7 @@ static void value_tiles(const float* values, int64_t slot_stride, int64_t group,
     for (int64_t t0 = h0; t0 < h1;) {
       const int64_t t1 = std::min({h1, (t0 / group + 1) * group, t0 + kTileHeads});  // one KV head's, at most
       const int64_t n = t1 - t0, offset = (t0 / group) * dim;
-      for (int v0 = 0; v0 < vectors; v0 += kTileVectors) {
+      for (int v0 = va; v0 < vb; v0 += kTileVectors) {
         vfloat acc[kTileHeads][kTileVectors] = {};
         float* kept = sums + (t0 - h0) * dim + kLanes * v0;
         if (b0 > 0)
@@ -148,17 +151,20 @@ static void value_tiles(const float* values, int64_t slot_stride, int64_t group,
   }
 }
 
-// The same sums kept in memory instead (`sums`, a thread's own (h1 - h0) * dim floats: a store and a load a vector
-// and position, one pass over the positions): with AVX2's sixteen registers a tile holds a few vectors of a few
-// heads, several tiles a block, measured slower than this on the AVX2 build (tiles of 2 x 4, 3 x 4 and 4 x 2
-// vectors, the real model's heads: 1.06-1.21x).
-static void value_sums_in_memory(const float* values, int64_t slot_stride, const int64_t* offsets, int64_t h0,
-                                 int64_t h1, const int64_t* slots, const uint8_t* visible, int64_t context,
-                                 int vectors, const float* weights, const float* recip, int64_t first, int64_t last,
-                                 float* sums, float* out) {
-  const int dim = kLanes * vectors;
+// The same sums kept in memory instead (`sums`, as above: a store and a load a vector and position, one pass over
+// the positions): with AVX2's sixteen registers a tile holds a few vectors of a few heads, several tiles a block,
+// measured slower than this on the AVX2 build (tiles of 2 x 4, 3 x 4 and 4 x 2 vectors, the real model's heads:
+// 1.06-1.21x).
+[[maybe_unused]] static void value_sums_in_memory(const float* values, int64_t slot_stride, int64_t group,
+                                                  int64_t h0, int64_t h1, int va, int vb, const int64_t* slots,
+                                                  const uint8_t* visible, int64_t context, int dim,
+                                                  const float* weights, const float* recip, int64_t first,
+                                                  int64_t last, float* sums, float* out) {
   const int64_t heads = h1 - h0;
-  std::memset(sums, 0, sizeof(float) * heads * dim);
+  thread_local std::vector<int64_t> offsets;  // where each head reads a slot: not per position (a division)
+  if (static_cast<int64_t>(offsets.size()) < heads) offsets.resize(heads);
+  for (int64_t h = 0; h < heads; ++h) offsets[h] = ((h0 + h) / group) * dim;
+  for (int64_t h = 0; h < heads; ++h) std::memset(sums + h * dim + kLanes * va, 0, sizeof(float) * kLanes * (vb - va));
   for (int64_t j = 0; j < context; ++j) {
     if (visible && !visible[j]) continue;  // skipped, not weighted by zero: a NaN there never reaches the row
     if (j + kAhead < context) prefetch_heads(values + slots[j + kAhead] * slot_stride, first, last);
@@ -167,60 +173,65 @@ static void value_sums_in_memory(const float* values, int64_t slot_stride, const
       const vfloat w = vsplat(weights[h * context + j]);
       const float* val = row + offsets[h];
       float* a = sums + h * dim;
-      for (int v = 0; v < vectors; ++v) vstore(a + kLanes * v, vfma(w, vload(val + kLanes * v), vload(a + kLanes * v)));
+      for (int v = va; v < vb; ++v) vstore(a + kLanes * v, vfma(w, vload(val + kLanes * v), vload(a + kLanes * v)));
     }
   }
   const float masked = -std::numeric_limits<float>::infinity();
   for (int64_t h = 0; h < heads; ++h) {
     if (recip[h] == masked) continue;
-    for (int v = 0; v < vectors; ++v)
+    for (int v = va; v < vb; ++v)
       vstore(out + (h0 + h) * dim + kLanes * v, vload(sums + h * dim + kLanes * v) * recip[h]);
   }
 }
 
-static void accumulate_values(const float* values, int64_t slot_stride, int64_t group, const int64_t* offsets,
-                              int64_t h0, int64_t h1, const int64_t* slots, const uint8_t* visible, int64_t context,
-                              int vectors, const float* weights, const float* recip, int64_t first, int64_t last,
-                              float* sums, float* out) {
+// Vectors [va, vb) of the weighted sums of values of query heads [h0, h1), each head's lines of a slot in [first,
+// last) of it; `weights` [h1 - h0][context] (the heads' softmax weights), `recip` [h1 - h0] (their sums' reciprocals).
+static void accumulate_values(const float* values, int64_t slot_stride, int64_t group, int64_t h0, int64_t h1,
+                              int va, int vb, const int64_t* slots, const uint8_t* visible, int64_t context, int dim,
+                              const float* weights, const float* recip, int64_t first, int64_t last, float* sums,
+                              float* out) {
 #if defined(__AVX512F__)
-  if (vectors % 4 == 0)  // sixteen registers of sums out of 32
-    return value_tiles<4, 4>(values, slot_stride, group, h0, h1, slots, visible, context, vectors, weights, recip,
+  const int width = vb - va;
+  if (width % 4 == 0)  // sixteen registers of sums out of 32
+    return value_tiles<4, 4>(values, slot_stride, group, h0, h1, va, vb, slots, visible, context, dim, weights, recip,
                              first, last, sums, out);
-#endif
-  value_sums_in_memory(values, slot_stride, offsets, h0, h1, slots, visible, context, vectors, weights, recip, first,
+  if (width % 2 == 0)
+    return value_tiles<4, 2>(values, slot_stride, group, h0, h1, va, vb, slots, visible, context, dim, weights, recip,
+                             first, last, sums, out);
+  return value_tiles<4, 1>(values, slot_stride, group, h0, h1, va, vb, slots, visible, context, dim, weights, recip,
+                           first, last, sums, out);
+#else
+  value_sums_in_memory(values, slot_stride, group, h0, h1, va, vb, slots, visible, context, dim, weights, recip, first,
                        last, sums, out);
+#endif
 }
 
-// One query row, query heads [h0, h1): out[h] = softmax(scale * q[h] . K[h]) V[h] over the visible positions.
-// Positions outer, heads inner, so each visible slot's keys (then values) for these heads are read as one
-// contiguous run of lines, in the order the cache's blocks hold them. `scores`: (h1 - h0) * context floats;
-// `lane_best`, `best`, `offsets`: h1 - h0 each; `sums`: (h1 - h0) * dim floats.
-static void attend_row(const float* q, const float* keys, const float* values, int64_t slot_stride, int64_t group,
-                       int64_t h0, int64_t h1, const int64_t* slots, const uint8_t* visible, int64_t context,
-                       int vectors, float scale, float* scores, vfloat* lane_best, float* best, int64_t* offsets,
-                       float* sums, float* out) {
+// The scores of one row's query heads [h0, h1) (`q`: head h0's query) at positions [j0, j1) (j0 a multiple of kBatch),
+// scale * q[h] . K[h][j] into scores[h - h0][j] (-inf where hidden), and the largest visible one of each head into
+// best[h - h0] (-inf if none). Positions outer, heads inner, so each visible slot's keys for these heads are read as
+// one contiguous run of lines, [first, last) of the slot, in the order the cache's blocks hold them; `offsets[h -
+// h0]`: where head h's key lies in a slot. Each score is computed alone (kBatch positions' sums folded together at
+// positions j0, j0 + kBatch, ...), so the scores do not depend on how a row's positions are split into ranges.
+static void score_range(const float* q, const float* keys, int64_t slot_stride, const int64_t* offsets,
+                        int64_t heads, const int64_t* slots, const uint8_t* visible, int64_t j0, int64_t j1,
+                        int64_t context, int vectors, float scale, float* scores, vfloat* lane_best, float* best,
+                        int64_t first, int64_t last) {
   const int dim = kLanes * vectors;
-  const int64_t heads = h1 - h0;
-  // Where each head's key and value lie in a slot, and the part of a slot these heads read: computed once, not
-  // per position (an integer division costs more than a position's arithmetic).
-  for (int64_t h = 0; h < heads; ++h) offsets[h] = ((h0 + h) / group) * dim;
-  const int64_t first = offsets[0], last = offsets[heads - 1] + dim;
   // The cache's blocks lie in any order, so the hardware's prefetchers lose the stream at every block boundary;
   // the lines a position `kAhead` on needs are fetched ahead instead (half the time of a decode step's
   // attention, measured on the real model).
   const float masked = -std::numeric_limits<float>::infinity();
   for (int64_t h = 0; h < heads; ++h) lane_best[h] = vsplat(masked);  // each lane's best, kBatch positions at a time
-  int64_t j = 0;
-  for (; j + kBatch <= context; j += kBatch) {  // kBatch positions at once, their sums folded together
+  int64_t j = j0;
+  for (; j + kBatch <= j1; j += kBatch) {  // kBatch positions at once, their sums folded together
     const float* rows[kBatch];
     for (int p = 0; p < kBatch; ++p) {
-      if (j + p + kAhead < context)
-        prefetch_heads(keys + slots[j + p + kAhead] * slot_stride, first, last);
+      if (j + p + kAhead < j1) prefetch_heads(keys + slots[j + p + kAhead] * slot_stride, first, last);
       rows[p] = keys + slots[j + p] * slot_stride;
     }
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t offset = offsets[h];
-      const float* qh = q + (h0 + h) * dim;
+      const float* qh = q + h * dim;
       vfloat sums[kBatch];
       for (int p = 0; p < kBatch; ++p) sums[p] = vload(qh) * vload(rows[p] + offset);
       for (int v = 1; v < vectors; ++v) {
@@ -238,16 +249,16 @@ static void attend_row(const float* q, const float* keys, const float* values, i
     }
   }
   for (int64_t h = 0; h < heads; ++h) best[h] = vmax_lane(lane_best[h]);
-  for (; j < context; ++j) {
+  for (; j < j1; ++j) {
     if (visible && !visible[j]) {
       for (int64_t h = 0; h < heads; ++h) scores[h * context + j] = masked;
       continue;
     }
-    if (j + kAhead < context) prefetch_heads(keys + slots[j + kAhead] * slot_stride, first, last);
+    if (j + kAhead < j1) prefetch_heads(keys + slots[j + kAhead] * slot_stride, first, last);
     const float* row = keys + slots[j] * slot_stride;
     for (int64_t h = 0; h < heads; ++h) {
       const float* k = row + offsets[h];
-      const float* qh = q + (h0 + h) * dim;
+      const float* qh = q + h * dim;
       vfloat sum = vload(qh) * vload(k);
       for (int v = 1; v < vectors; ++v) sum = vfma(vload(qh + kLanes * v), vload(k + kLanes * v), sum);
       const float s = vsum(sum) * scale;
@@ -255,15 +266,53 @@ static void attend_row(const float* q, const float* keys, const float* values, i
       best[h] = s > best[h] ? s : best[h];
     }
   }
-  for (int64_t h = 0; h < heads; ++h) {
-    if (best[h] == masked) {  // nothing visible (a caller's padding row): zeros, never read
-      std::memset(out + (h0 + h) * dim, 0, sizeof(float) * dim);
-      continue;
-    }
-    best[h] = softmax_in_place(scores + h * context, context, best[h]);  // now the weights' reciprocal sum
+}
+
+// softmax over one head's scores, given their largest: the weights in place, and the reciprocal of their sum
+// returned; a head with nothing visible (a caller's padding row) gets zeros in `out` and -inf returned.
+static float weigh_head(float* scores, int64_t context, float best, int dim, float* out) {
+  if (best == -std::numeric_limits<float>::infinity()) {
+    std::memset(out, 0, sizeof(float) * dim);
+    return best;
   }
-  accumulate_values(values, slot_stride, group, offsets, h0, h1, slots, visible, context, vectors, scores, best, first,
-                    last, sums, out);
+  return softmax_in_place(scores, context, best);
+}
+
+// Per-thread scratch of the kernel: kept by the thread (a step's layers reuse it), grown when a call needs more.
+template <typename T>
+static T* scratch(std::vector<T>& buffer, size_t size) {
+  if (buffer.size() < size) buffer.resize(size);
+  return buffer.data();
+}
+
+// A sequence's rows, each attended by one thread (there are sequences enough to share among the threads): query
+// heads [0, heads), scores, softmax, then the sums of values.
+static void attend_rows_alone(const float* query, int64_t query_stride, const float* keys, const float* values,
+                              int64_t slot_stride, int64_t group, const int64_t* slots, int64_t context,
+                              const int64_t* query_index, const uint8_t* query_valid, int64_t max_query,
+                              const uint8_t* mask, int64_t heads, int vectors, float scale, float* out,
+                              int64_t out_stride) {
+  const int dim = kLanes * vectors;
+  thread_local std::vector<float> scores_buffer, best_buffer, sums_buffer;
+  thread_local std::vector<vfloat> lanes_buffer;
+  thread_local std::vector<int64_t> offsets_buffer;
+  float* scores = scratch(scores_buffer, heads * context);
+  float* best = scratch(best_buffer, heads);
+  float* sums = scratch(sums_buffer, heads * dim);
+  vfloat* lanes = scratch(lanes_buffer, heads);
+  int64_t* offsets = scratch(offsets_buffer, heads);
+  for (int64_t h = 0; h < heads; ++h) offsets[h] = (h / group) * dim;  // not per position: a division
+  for (int64_t qi = 0; qi < max_query; ++qi) {
+    if (!query_valid[qi]) continue;
+    const int64_t t = query_index[qi];
+    const uint8_t* visible = mask ? mask + qi * context : nullptr;
+    score_range(query + t * query_stride, keys, slot_stride, offsets, heads, slots, visible, 0, context, context,
+                vectors, scale, scores, lanes, best, 0, slot_stride);
+    for (int64_t h = 0; h < heads; ++h)
+      best[h] = weigh_head(scores + h * context, context, best[h], dim, out + t * out_stride + h * dim);
+    accumulate_values(values, slot_stride, group, 0, heads, 0, vectors, slots, visible, context, dim, scores, best, 0,
+                      slot_stride, sums, out + t * out_stride);
+  }
 }
 
 void paged_attention_team(const float* query, int64_t query_stride, const float* key_cache, const float* value_cache,
@@ -272,32 +321,79 @@ void paged_attention_team(const float* query, int64_t query_stride, const float*
                           const uint8_t* mask, int64_t num_heads, int64_t head_dim, float scale, float* out,
                           int64_t out_stride) {
   const int vectors = static_cast<int>(head_dim / kLanes);
+  const int dim = static_cast<int>(head_dim);
   const int64_t group = num_heads / num_kv_heads;  // query heads per KV head
-  const int64_t slot_stride = num_kv_heads * head_dim;
-  // A work item is a sequence and a range of its query heads: all of them when there are enough sequences to
-  // share among the threads, else split so that every thread has a share of each sequence's heads (a head's
-  // result does not depend on the range it is computed in).
-  int64_t splits = (static_cast<int64_t>(omp_get_num_threads()) + num_seqs - 1) / num_seqs;
-  splits = splits < 1 ? 1 : (splits > num_heads ? num_heads : splits);
-  {
-    const int64_t most = (num_heads + splits - 1) / splits;  // query heads of the largest range
-    const size_t context = static_cast<size_t>(max_context > 0 ? max_context : 1);
-    std::vector<float> scores(most * context), best(most), sums(most * head_dim);
-    std::vector<vfloat> lane_best(most);
-    std::vector<int64_t> offsets(most);
+  const int64_t slot_stride = num_kv_heads * head_dim, context = max_context;
+  const int64_t threads = omp_get_num_threads();
+  if (num_seqs >= threads || context <= 0) {  // a sequence's rows to each thread
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_seqs * splits; ++item) {
-      const int64_t s = item / splits, part = item % splits;
-      const int64_t h0 = part * num_heads / splits, h1 = (part + 1) * num_heads / splits;
-      const int64_t* slots = context_slots + s * max_context;
-      for (int64_t qi = 0; qi < max_query; ++qi) {
-        if (!query_valid[s * max_query + qi]) continue;
-        const int64_t t = query_index[s * max_query + qi];
-        const uint8_t* visible = mask ? mask + (s * max_query + qi) * max_context : nullptr;
-        attend_row(query + t * query_stride, key_cache, value_cache, slot_stride, group, h0, h1, slots, visible,
-                   max_context, vectors, scale, scores.data(), lane_best.data(), best.data(), offsets.data(),
-                   sums.data(), out + t * out_stride);
-      }
+    for (int64_t s = 0; s < num_seqs; ++s)
+      attend_rows_alone(query, query_stride, key_cache, value_cache, slot_stride, group,
+                        context_slots + s * context, context, query_index + s * max_query,
+                        query_valid + s * max_query, max_query, mask ? mask + s * max_query * context : nullptr,
+                        num_heads, vectors, scale, out, out_stride);
+    return;
+  }
+  // Fewer sequences than threads: every thread takes a share of each row's work, in three steps with the team's
+  // barrier between them: a range of its positions' scores (all heads), then the softmax of some of its heads, then
+  // some vectors of its sums of values (all positions). Each key and value is read by one thread, and the results
+  // are the bits the rows would get attended alone: each score is computed alone, the largest score is the same
+  // maximum, a head's softmax and each sum run over all positions in order as above.
+  const int64_t rows = num_seqs * max_query, batches = context / kBatch;
+  const int64_t units = num_kv_heads * vectors;  // a vector of a KV head's part of head_dim: phase three's work
+  float* shared;
+#pragma omp single copyprivate(shared)
+  {
+    thread_local std::vector<float> buffer;  // this thread's, kept: the team's while it runs
+    shared = scratch(buffer, rows * num_heads * (context + 1 + threads));
+  }
+  float* scores = shared;  // [rows][heads][context]: scores, then weights
+  float* part_best = scores + rows * num_heads * context;  // [rows][threads][heads]
+  float* recip = part_best + rows * threads * num_heads;  // [rows][heads]
+  thread_local std::vector<float> sums_buffer;
+  thread_local std::vector<vfloat> lanes_buffer;
+  thread_local std::vector<int64_t> offsets_buffer;
+  float* sums = scratch(sums_buffer, num_heads * dim);
+  vfloat* lanes = scratch(lanes_buffer, num_heads);
+  int64_t* offsets = scratch(offsets_buffer, num_heads);
+  for (int64_t h = 0; h < num_heads; ++h) offsets[h] = (h / group) * dim;
+#pragma omp for schedule(static)
+  for (int64_t item = 0; item < rows * threads; ++item) {  // positions [j0, j1) of a row's scores
+    const int64_t row = item / threads, part = item % threads, s = row / max_query;
+    if (!query_valid[row]) continue;
+    const int64_t j0 = part * batches / threads * kBatch;
+    const int64_t j1 = part == threads - 1 ? context : (part + 1) * batches / threads * kBatch;
+    score_range(query + query_index[row] * query_stride, key_cache, slot_stride, offsets, num_heads,
+                context_slots + s * context, mask ? mask + row * context : nullptr, j0, j1, context, vectors, scale,
+                scores + row * num_heads * context, lanes, part_best + (row * threads + part) * num_heads, 0,
+                slot_stride);
+  }
+#pragma omp for schedule(static)
+  for (int64_t item = 0; item < rows * num_heads; ++item) {  // a head's softmax
+    const int64_t row = item / num_heads, h = item % num_heads;
+    if (!query_valid[row]) continue;
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t part = 0; part < threads; ++part) {
+      const float b = part_best[(row * threads + part) * num_heads + h];
+      best = b > best ? b : best;
+    }
+    recip[item] = weigh_head(scores + item * context, context, best, dim,
+                             out + query_index[row] * out_stride + h * dim);
+  }
+#pragma omp for schedule(static)
+  for (int64_t item = 0; item < rows * threads; ++item) {  // vectors [u0, u1) of the KV heads' parts, all positions
+    const int64_t row = item / threads, part = item % threads, s = row / max_query;
+    if (!query_valid[row]) continue;
+    const int64_t u0 = part * units / threads, u1 = (part + 1) * units / threads;
+    for (int64_t u = u0; u < u1;) {
+      const int64_t kv = u / vectors, end = std::min(u1, (kv + 1) * vectors);
+      const int va = static_cast<int>(u - kv * vectors), vb = static_cast<int>(end - kv * vectors);
+      const int64_t h0 = kv * group;
+      accumulate_values(value_cache, slot_stride, group, h0, h0 + group, va, vb, context_slots + s * context,
+                        mask ? mask + row * context : nullptr, context, dim,
+                        scores + (row * num_heads + h0) * context, recip + row * num_heads + h0,
+                        kv * dim + kLanes * va, kv * dim + kLanes * vb, sums, out + query_index[row] * out_stride);
+      u = end;
     }
   }
 }
