@@ -71,9 +71,10 @@ struct SpeculaStep {
 }  // extern "C"
 
 // A clock for benchmark/decode_profile.py's view inside the stack: with a buffer set (`specula_stack_stamps`), the
-// team's first thread writes the time (ns) when a call's region starts and after each operator of each layer
-// (ten a layer, in the order below; every operator ends on the team's barrier, so a stamp marks the whole team's completion). Null
-// while serving: one untaken branch an operator.
+// team's first thread writes the time (ns) when a call's region starts and after each operator of each layer (ten a
+// layer, in the order below; every operator ends on the team's barrier, so a stamp marks the whole team's
+// completion). One buffer for the process, set around one call at a time by the benchmark; null while serving: one
+// untaken branch an operator.
 static int64_t* g_stamps = nullptr;
 
 extern "C" void specula_stack_stamps(int64_t* buffer) { g_stamps = buffer; }
