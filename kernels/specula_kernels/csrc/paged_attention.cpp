@@ -155,15 +155,12 @@ static void value_tiles(const float* values, int64_t slot_stride, int64_t group,
 // the positions): with AVX2's sixteen registers a tile holds a few vectors of a few heads, several tiles a block,
 // measured slower than this on the AVX2 build (tiles of 2 x 4, 3 x 4 and 4 x 2 vectors, the real model's heads:
 // 1.06-1.21x).
-[[maybe_unused]] static void value_sums_in_memory(const float* values, int64_t slot_stride, int64_t group,
+[[maybe_unused]] static void value_sums_in_memory(const float* values, int64_t slot_stride, const int64_t* offsets,
                                                   int64_t h0, int64_t h1, int va, int vb, const int64_t* slots,
                                                   const uint8_t* visible, int64_t context, int dim,
                                                   const float* weights, const float* recip, int64_t first,
                                                   int64_t last, float* sums, float* out) {
   const int64_t heads = h1 - h0;
-  thread_local std::vector<int64_t> offsets;  // where each head reads a slot: not per position (a division)
-  if (static_cast<int64_t>(offsets.size()) < heads) offsets.resize(heads);
-  for (int64_t h = 0; h < heads; ++h) offsets[h] = ((h0 + h) / group) * dim;
   for (int64_t h = 0; h < heads; ++h) std::memset(sums + h * dim + kLanes * va, 0, sizeof(float) * kLanes * (vb - va));
   for (int64_t j = 0; j < context; ++j) {
     if (visible && !visible[j]) continue;  // skipped, not weighted by zero: a NaN there never reaches the row
@@ -185,11 +182,12 @@ static void value_tiles(const float* values, int64_t slot_stride, int64_t group,
 }
 
 // Vectors [va, vb) of the weighted sums of values of query heads [h0, h1), each head's lines of a slot in [first,
-// last) of it; `weights` [h1 - h0][context] (the heads' softmax weights), `recip` [h1 - h0] (their sums' reciprocals).
-static void accumulate_values(const float* values, int64_t slot_stride, int64_t group, int64_t h0, int64_t h1,
-                              int va, int vb, const int64_t* slots, const uint8_t* visible, int64_t context, int dim,
-                              const float* weights, const float* recip, int64_t first, int64_t last, float* sums,
-                              float* out) {
+// last) of it; `weights` [h1 - h0][context] (the heads' softmax weights), `recip` [h1 - h0] (their sums' reciprocals),
+// `offsets` [h1 - h0] (where each head's value lies in a slot, computed once a call: not per position, a division).
+static void accumulate_values(const float* values, int64_t slot_stride, int64_t group, const int64_t* offsets,
+                              int64_t h0, int64_t h1, int va, int vb, const int64_t* slots, const uint8_t* visible,
+                              int64_t context, int dim, const float* weights, const float* recip, int64_t first,
+                              int64_t last, float* sums, float* out) {
 #if defined(__AVX512F__)
   const int width = vb - va;
   if (width % 4 == 0)  // sixteen registers of sums out of 32
@@ -201,8 +199,8 @@ static void accumulate_values(const float* values, int64_t slot_stride, int64_t 
   return value_tiles<4, 1>(values, slot_stride, group, h0, h1, va, vb, slots, visible, context, dim, weights, recip,
                            first, last, sums, out);
 #else
-  value_sums_in_memory(values, slot_stride, group, h0, h1, va, vb, slots, visible, context, dim, weights, recip, first,
-                       last, sums, out);
+  value_sums_in_memory(values, slot_stride, offsets, h0, h1, va, vb, slots, visible, context, dim, weights, recip,
+                       first, last, sums, out);
 #endif
 }
 
@@ -310,8 +308,8 @@ static void attend_rows_alone(const float* query, int64_t query_stride, const fl
                 vectors, scale, scores, lanes, best, 0, slot_stride);
     for (int64_t h = 0; h < heads; ++h)
       best[h] = weigh_head(scores + h * context, context, best[h], dim, out + t * out_stride + h * dim);
-    accumulate_values(values, slot_stride, group, 0, heads, 0, vectors, slots, visible, context, dim, scores, best, 0,
-                      slot_stride, sums, out + t * out_stride);
+    accumulate_values(values, slot_stride, group, offsets, 0, heads, 0, vectors, slots, visible, context, dim, scores,
+                      best, 0, slot_stride, sums, out + t * out_stride);
   }
 }
 
@@ -389,8 +387,8 @@ void paged_attention_team(const float* query, int64_t query_stride, const float*
       const int64_t kv = u / vectors, end = std::min(u1, (kv + 1) * vectors);
       const int va = static_cast<int>(u - kv * vectors), vb = static_cast<int>(end - kv * vectors);
       const int64_t h0 = kv * group;
-      accumulate_values(value_cache, slot_stride, group, h0, h0 + group, va, vb, context_slots + s * context,
-                        mask ? mask + row * context : nullptr, context, dim,
+      accumulate_values(value_cache, slot_stride, group, offsets + h0, h0, h0 + group, va, vb,
+                        context_slots + s * context, mask ? mask + row * context : nullptr, context, dim,
                         scores + (row * num_heads + h0) * context, recip + row * num_heads + h0,
                         kv * dim + kLanes * va, kv * dim + kLanes * vb, sums, out + query_index[row] * out_stride);
       u = end;
