@@ -7,7 +7,7 @@ prefills `--streams` requests of `--prompt-tokens` tokens, then decodes `--steps
 turns step by step (the order reversing every round) over the same weights and KV cache; `--rounds` times. Both run
 the same Python, so the difference is the kernels'. Reported per round: each library's median step and its ratio,
 and where the decoder stack runs as one native call, each operator's milliseconds a step from the stack's own clock
-(`NativeStack.time_operators`; a baseline without that clock, from before it, times steps only).
+(`NativeStack.time_operators`; so the baseline must be a tree that has that clock, 0ca0333 or later).
 
     git worktree add /tmp/before HEAD~1
     python benchmark/kernel_turns.py --baseline-tree /tmp/before --quantize w8a8 --streams 1 8
@@ -35,7 +35,7 @@ from specula_testing.worker import BlockPool, load_test_generator, make_spec  # 
 
 def turns(generator, libraries: dict, streams: int, prompt: list[int], steps: int, rounds: int) -> None:
     stack = generator.model._native_stack()
-    clocked = {name: stack is not None and hasattr(lib, "specula_stack_stamps") for name, lib in libraries.items()}
+    clocked = stack is not None  # the layers as one native call: its clock splits them
     print("| streams | round | this tree ms/step | baseline ms/step | ratio |\n|---|---|---|---|---|")
     ratios = []
     totals = {name: torch.zeros(len(OPERATORS), dtype=torch.float64) for name in libraries}
@@ -48,12 +48,12 @@ def turns(generator, libraries: dict, streams: int, prompt: list[int], steps: in
         for i in range(steps):
             name = order[(i + r) % 2]
             native._library = libraries[name]
-            if clocked[name]:
+            if clocked:
                 stack.time_operators()
             start = time.perf_counter()
             generator.step(StepPlan())
             seconds[name].append(time.perf_counter() - start)
-            if clocked[name]:
+            if clocked:
                 totals[name] += stack.operator_seconds
                 stack.time_operators(False)
         native._library = libraries["this tree"]
@@ -64,10 +64,10 @@ def turns(generator, libraries: dict, streams: int, prompt: list[int], steps: in
         print(f"| {streams} | {r} | {medians['this tree']:.2f} | {medians['baseline']:.2f} | {ratios[-1]:.3f} |")
     print(f"| {streams} | median |  |  | **{statistics.median(ratios):.3f}** |\n")
     per_step = rounds * steps / 2
-    if any(clocked.values()):
+    if clocked:
         print(f"{streams} streams, ms a step inside the stack:\n| operator | this tree | baseline |\n|---|---|---|")
         for i, op in enumerate(OPERATORS):
-            cells = [f"{float(totals[n][i]) / per_step * 1e3:.3f}" if clocked[n] else "" for n in libraries]
+            cells = [f"{float(totals[n][i]) / per_step * 1e3:.3f}" for n in libraries]
             print(f"| {op} | {' | '.join(cells)} |")
         print()
 
@@ -86,10 +86,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    libraries = {"this tree": native.library(),
-                 "baseline": native.load_from(args.baseline_tree / "kernels" / "specula_kernels" / "csrc")}
-    if libraries["this tree"] is None:
+    if native.library() is None:
         sys.exit(f"native kernels unavailable: {native.unavailable_reason()}")
+    try:
+        baseline = native.load_from(args.baseline_tree / "kernels" / "specula_kernels" / "csrc")
+    except AttributeError as error:  # a tree from before an entry point this one binds (the stack's clock)
+        sys.exit(f"{args.baseline_tree}'s kernels lack an entry point this tree needs: {error}")
+    libraries = {"this tree": native.library(), "baseline": baseline}
     settings = {} if args.quantize == "none" else {"quantize": args.quantize, "quantize_group_size": args.group_size}
     per_stream = -(-(args.prompt_tokens + args.steps + 8) // 16) + 1
     generator = load_test_generator(args.model, num_blocks=max(args.streams) * per_stream, dtype="float32",
