@@ -15,7 +15,7 @@ write and attention converts the gathered context back to the query's dtype. A s
 This one formulation covers prefill, decode, and the verification of speculative drafts: a query row sees
 every key whose position is at most its own (or, for a tree of drafts, the mask the caller builds).
 
-Three paths, one signature:
+Four paths, one signature:
 
 - on CUDA, sequences with a few query rows each (decode, verification of drafts, trees included: at most
   `triton_paged_attention.MAX_QUERY`), float32/bfloat16/float16 query and cache, where triton is installed:
@@ -23,7 +23,9 @@ Three paths, one signature:
 - on CPU, sequences with a few query rows each (decode, verification of drafts: at most `NATIVE_MAX_QUERY`), float32
   query and cache, on a CPU where the native kernels build: `csrc/paged_attention.cpp`, which reads each visible
   key and value where it lies in the cache;
-- everything else (prompts, other dtypes and devices): the context gathered into a dense buffer and
+- on CPU, the rows of one prompt (from position 0, or a chunk after its cached or earlier positions), float32,
+  where the native kernels build: `csrc/prompt_attention.cpp`, blocks of query rows against the keys transposed once;
+- everything else (other prompts, other dtypes and devices): the context gathered into a dense buffer and
   `scaled_dot_product_attention` over it, the plain-PyTorch reference.
 """
 
@@ -169,6 +171,9 @@ def paged_attention(
         for rows, group in inputs.groups:
             if lib is not None and group.query_index.shape[1] <= NATIVE_MAX_QUERY:
                 _attend_native(lib, query, key_cache, value_cache, group, scale, out, step_rows(rows, group))
+            elif lib is not None and _native_prompt(query, group):
+                out[rows] = attend_prompt_native(lib, query[rows], key_cache, value_cache, group.context_slots[0],
+                                                 scale)
             else:
                 out[rows] = _attend(query[rows], key_cache, value_cache, group, scale)
         return out
@@ -176,7 +181,28 @@ def paged_attention(
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         _attend_native(lib, query, key_cache, value_cache, inputs, scale, out, inputs.query_index)
         return out
+    if lib is not None and _native_prompt(query, inputs):
+        return attend_prompt_native(lib, query, key_cache, value_cache, inputs.context_slots[0], scale)
     return _attend(query, key_cache, value_cache, inputs, scale)
+
+
+def _native_prompt(query: torch.Tensor, inputs: PagedAttentionInputs) -> bool:
+    """Whether the native prompt kernel serves these rows (the native kernels serve the tensors): one sequence whose
+    rows are its last positions in order, each seeing every position up to its own (a prompt, or a chunk of one
+    after its cached or earlier positions), and a head size of a multiple of two of the build's vectors. Decided
+    once per step (kept in the inputs' workspace): the mask, where there is one, is read to rule out a tree."""
+    if inputs.num_seqs != 1 or query.shape[-1] % (2 * native.vector_lanes()):
+        return False
+    causal = inputs.workspace.get("native.prompt")
+    if causal is None:
+        tokens, context = inputs.query_index.shape[1], inputs.context_slots.shape[1]
+        causal = bool(inputs.query_valid.all()) and context >= tokens and bool(
+            torch.equal(inputs.query_index[0], torch.arange(tokens)))
+        if causal and inputs.mask is not None:
+            positions = torch.arange(context - tokens, context).unsqueeze(1)
+            causal = torch.equal(inputs.mask[0, 0], torch.arange(context).unsqueeze(0) <= positions)
+        inputs.workspace["native.prompt"] = causal
+    return causal
 
 
 def use_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
@@ -296,6 +322,23 @@ def _attend_native(lib, query: torch.Tensor, key_cache: torch.Tensor, value_cach
         slots.data_ptr(), num_seqs, slots.shape[1], rows.data_ptr(), valid.data_ptr(), max_query,
         None if mask is None else mask.data_ptr(), num_heads, head_dim, ctypes.c_float(scale), out.data_ptr(),
         out.stride(0), torch.get_num_threads())
+
+
+def attend_prompt_native(lib, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a prompt's `query` rows `[tokens, num_heads, head_dim]` at the last `tokens` of the
+    positions whose cache slots are `slots` `[context]`, on the native kernel; returns `[tokens, num_heads,
+    head_dim]`. Float32 caches and query, head_dim a multiple of two of the build's vectors."""
+    tokens, num_heads, head_dim = query.shape
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        query = query.contiguous()
+    slots = slots.contiguous()
+    out = torch.empty(tokens, num_heads, head_dim, dtype=torch.float32)
+    lib.specula_prompt_attention(
+        query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[1],
+        slots.data_ptr(), slots.shape[0], tokens, num_heads, head_dim, ctypes.c_float(scale), out.data_ptr(),
+        out.stride(0), torch.get_num_threads())
+    return out
 
 
 def _attend(

@@ -93,13 +93,15 @@ needs_panels = pytest.mark.skipif(not panels_supported(torch.float32, torch.devi
 
 @needs_panels
 @pytest.mark.parametrize("out_features", [16, 37, 100])  # a whole panel, and partial last panels
-@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 97, 200])  # register blocks, their tails, past one pass
+# register blocks, their tails, past one pass of a few rows; many rows (a prompt's: from 192), past one pass of them
+@pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 97, 191, 200, 450])
+@pytest.mark.parametrize("in_features", [72, 300])  # one slice of a prompt's inputs; two and a partial one
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_panel_linear_matches_reference(out_features, rows, with_bias):
+def test_panel_linear_matches_reference(out_features, rows, in_features, with_bias):
     gen = torch.Generator().manual_seed(rows)
-    weight = torch.randn(out_features, 72, generator=gen)
+    weight = torch.randn(out_features, in_features, generator=gen)
     bias = torch.randn(out_features, generator=gen) if with_bias else None
-    x = torch.randn(rows, 72, generator=gen)
+    x = torch.randn(rows, in_features, generator=gen)
     panels = pack_panels(weight)
     assert torch.equal(unpack_panels(panels, out_features), weight)
     got = panel_linear(x, panels, out_features, bias)
@@ -111,14 +113,16 @@ def test_panel_linear_matches_reference(out_features, rows, with_bias):
 def test_a_rows_panel_result_is_the_same_bits_in_any_batch():
     """One sum over the inputs in order per output: a verified draft row equals the decode row it stands for."""
     gen = torch.Generator().manual_seed(1)
-    weight, x = torch.randn(70, 256, generator=gen), torch.randn(150, 256, generator=gen)
+    weight, x = torch.randn(70, 300, generator=gen), torch.randn(450, 300, generator=gen)
+    bias = torch.randn(70, generator=gen)
     panels = pack_panels(weight)
-    whole = panel_linear(x, panels, 70)
-    for start, stop in [(0, 1), (5, 6), (3, 10), (60, 75), (0, 96), (90, 150)]:
-        assert torch.equal(panel_linear(x[start:stop], panels, 70), whole[start:stop]), (start, stop)
+    for b in (None, bias):
+        whole = panel_linear(x, panels, 70, b)  # a prompt's many rows, in slices of the inputs
+        for start, stop in [(0, 1), (5, 6), (3, 10), (60, 75), (0, 96), (90, 150), (0, 191), (200, 392), (7, 450)]:
+            assert torch.equal(panel_linear(x[start:stop], panels, 70, b), whole[start:stop]), (start, stop)
     # a strided view of the rows (a slice of a wider tensor) gives the same bits as the rows alone
-    wide = torch.cat([x, torch.randn(150, 8, generator=gen)], dim=1)[:, :256]
-    assert torch.equal(panel_linear(wide, panels, 70), whole)
+    wide = torch.cat([x, torch.randn(450, 8, generator=gen)], dim=1)[:, :300]
+    assert torch.equal(panel_linear(wide, panels, 70), panel_linear(x, panels, 70))
 
 
 @needs_panels

@@ -229,7 +229,7 @@ def test_native_reads_no_masked_slot():
     assert torch.isfinite(clean).all()
 
 
-def test_prompts_and_other_dtypes_take_the_pytorch_path(monkeypatch):
+def test_prompts_and_other_dtypes_skip_the_decode_kernel(monkeypatch):
     calls = []
     monkeypatch.setattr(paged_attention_module, "_attend_native", lambda *args: calls.append(args))
     gen = torch.Generator().manual_seed(7)
@@ -243,3 +243,73 @@ def test_prompts_and_other_dtypes_take_the_pytorch_path(monkeypatch):
     paged_attention(torch.randn(1, 4, 8, generator=gen), k_cache[..., :8].contiguous(),
                     v_cache[..., :8].contiguous(), decode, scale=0.25)  # a head size the kernel does not take
     assert calls == []
+
+
+def spy_on_prompt_kernel(monkeypatch) -> list:
+    calls, real = [], paged_attention_module.attend_prompt_native
+    monkeypatch.setattr(paged_attention_module, "attend_prompt_native",
+                        lambda *args: calls.append(args[1].shape[0]) or real(*args))
+    return calls
+
+
+@needs_native
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
+def test_native_prompt_matches_dense_reference(heads, kv_heads, head_dim, monkeypatch):
+    """Prompts on the native prompt kernel: from position 0 (row counts around its blocks), and chunks after cached
+    or earlier positions; keys and values scattered over the cache as a block table leaves them."""
+    calls = spy_on_prompt_kernel(monkeypatch)
+    gen = torch.Generator().manual_seed(9)
+    k_cache, v_cache = random_cache(gen, 700, kv_heads, head_dim)
+    for start, count in [(0, 33), (0, 37), (0, 100), (0, 350), (50, 40), (200, 150), (1, 64)]:
+        table = torch.randperm(700, generator=gen)[: start + count]
+        q = torch.randn(count, heads, head_dim, generator=gen)
+        out = paged_attention(q, k_cache, v_cache, build_inputs([(start, count)], [table]), scale=head_dim**-0.5)
+        expected = dense_reference(q, k_cache[table], v_cache[table], start)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert calls == [33, 37, 100, 350, 40, 150, 64]
+
+
+@needs_native
+def test_native_prompt_gives_the_same_bits_on_any_number_of_threads():
+    gen = torch.Generator().manual_seed(10)
+    k_cache, v_cache = random_cache(gen, 400, 3, 64)
+    table = torch.randperm(400, generator=gen)[:300]
+    inputs = build_inputs([(70, 230)], [table])
+    q = torch.randn(230, 9, 64, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(paged_attention(q, k_cache, v_cache, inputs, scale=0.125))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@needs_native
+def test_native_prompt_beside_decode_rows_and_not_for_trees(monkeypatch):
+    """A prompt's group beside decode rows (a mixed step) takes the prompt kernel; a sequence's many rows under a
+    mask other than the causal one (a tree) do not, and both match the PyTorch path."""
+    from specula_kernels.paged_attention import GroupedAttentionInputs
+
+    calls = spy_on_prompt_kernel(monkeypatch)
+    gen = torch.Generator().manual_seed(11)
+    k_cache, v_cache = random_cache(gen, 300, 2, 64)
+    tables = [torch.randperm(300, generator=gen)[:n] for n in (10, 120, 20)]
+    grouped = GroupedAttentionInputs(torch.zeros(3 + 100 - 1, dtype=torch.long), [
+        (torch.tensor([0, 101]), build_inputs([(9, 1), (19, 1)], [tables[0], tables[2]])),
+        (torch.arange(1, 101), build_inputs([(20, 100)], [tables[1]])),
+    ])
+    q = torch.randn(102, 8, 64, generator=gen)
+    tree = build_inputs([(20, 100)], [tables[1]])
+    tree.mask[0, 0, 50, 60:70] = False  # row 50 skips ten positions: not a prompt's mask
+    out, tree_out = paged_attention(q, k_cache, v_cache, grouped, 0.125), paged_attention(
+        q[1:101], k_cache, v_cache, tree, 0.125)
+    assert calls == [100]
+    monkeypatch.setattr(paged_attention_module, "_native_library", lambda *args: None)
+    torch.testing.assert_close(out, paged_attention(q, k_cache, v_cache, grouped, 0.125), rtol=1e-5, atol=1e-5)
+    tree = build_inputs([(20, 100)], [tables[1]])
+    tree.mask[0, 0, 50, 60:70] = False
+    torch.testing.assert_close(tree_out, paged_attention(q[1:101], k_cache, v_cache, tree, 0.125), rtol=1e-5,
+                               atol=1e-5)
