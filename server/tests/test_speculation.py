@@ -834,10 +834,11 @@ def test_the_cost_of_a_verifying_step_includes_choosing_its_tokens(llama_dir, mo
 
 
 def test_a_plain_step_is_priced_without_the_ask_that_found_nothing_worth_verifying(llama_dir, plain, monkeypatch):
-    """A drafter that takes 50 ms to propose drafts the controller then declines: the ask's time is weighed as an
+    """A drafter that takes 200 ms to propose drafts the controller then declines: the ask's time is weighed as an
     ask (the back-off's measured cost), and the plain cost model sees the step without it. Counted as a plain
     step, a costly first ask (suffix trees built over 32 new prompts) made P three times what a step costs,
-    and drafts look free beside such a P."""
+    and drafts look free beside such a P. (The ask is far longer than a step of the test model, ~1-4 ms, so that
+    a step the machine happens to stall for tens of milliseconds is not taken for one that included it.)"""
     import time
 
     spec = load_test_generator(llama_dir, speculative_tokens=4, speculation_mode="adaptive")
@@ -846,7 +847,7 @@ def test_a_plain_step_is_priced_without_the_ask_that_found_nothing_worth_verifyi
         cost.anchor(n, 0.004 + 0.0001 * n)
     expensive_verification(cost, 4)  # the drafts are always declined
     spec.speculator.step_cost = cost
-    ask_s = 0.05
+    ask_s = 0.2
 
     def propose(reqs, caps):
         time.sleep(ask_s)
