@@ -30,10 +30,10 @@ PATHS = ("native", "sdpa")
 
 def on_path(path: str) -> None:
     """Routes whole prompts to the native prompt kernel (as served) or to SDPA (the kernel turned down)."""
-    attention._native_prompt = NATIVE_PROMPT if path == "native" else (lambda query, inputs: False)
+    attention._native_prompts = NATIVE_PROMPTS if path == "native" else (lambda query, inputs: None)
 
 
-NATIVE_PROMPT = attention._native_prompt
+NATIVE_PROMPTS = attention._native_prompts
 
 
 def kernel_inputs(tokens: int, gen: torch.Generator):

@@ -23,8 +23,9 @@ Four paths, one signature:
 - on CPU, sequences with a few query rows each (decode, verification of drafts: at most `NATIVE_MAX_QUERY`), float32
   query and cache, on a CPU where the native kernels build: `csrc/paged_attention.cpp`, which reads each visible
   key and value where it lies in the cache;
-- on CPU, the rows of one prompt (from position 0, or a chunk after its cached or earlier positions), float32,
-  where the native kernels build: `csrc/prompt_attention.cpp`, blocks of query rows against the keys transposed once;
+- on CPU, prompts (from position 0, or chunks after cached or earlier positions; several in a step, one call each),
+  float32, where the native kernels build: `csrc/prompt_attention.cpp`, blocks of query rows against the keys
+  transposed once;
 - everything else (other prompts, other dtypes and devices): the context gathered into a dense buffer and
   `scaled_dot_product_attention` over it, the plain-PyTorch reference.
 """
@@ -171,9 +172,8 @@ def paged_attention(
         for rows, group in inputs.groups:
             if lib is not None and group.query_index.shape[1] <= NATIVE_MAX_QUERY:
                 _attend_native(lib, query, key_cache, value_cache, group, scale, out, step_rows(rows, group))
-            elif lib is not None and _native_prompt(query, group):
-                out[rows] = attend_prompt_native(lib, query[rows], key_cache, value_cache, group.context_slots[0],
-                                                 scale)
+            elif lib is not None and (spans := _native_prompts(query, group)) is not None:
+                out[rows] = _attend_prompts(lib, query[rows], key_cache, value_cache, group, spans, scale)
             else:
                 out[rows] = _attend(query[rows], key_cache, value_cache, group, scale)
         return out
@@ -181,28 +181,52 @@ def paged_attention(
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         _attend_native(lib, query, key_cache, value_cache, inputs, scale, out, inputs.query_index)
         return out
-    if lib is not None and _native_prompt(query, inputs):
-        return attend_prompt_native(lib, query, key_cache, value_cache, inputs.context_slots[0], scale)
+    if lib is not None and (spans := _native_prompts(query, inputs)) is not None:
+        return _attend_prompts(lib, query, key_cache, value_cache, inputs, spans, scale)
     return _attend(query, key_cache, value_cache, inputs, scale)
 
 
-def _native_prompt(query: torch.Tensor, inputs: PagedAttentionInputs) -> bool:
-    """Whether the native prompt kernel serves these rows (the native kernels serve the tensors): one sequence whose
-    rows are its last positions in order, each seeing every position up to its own (a prompt, or a chunk of one
-    after its cached or earlier positions), and a head size of a multiple of two of the build's vectors. Decided
-    once per step (kept in the inputs' workspace): the mask, where there is one, is read to rule out a tree."""
-    if inputs.num_seqs != 1 or query.shape[-1] % (2 * native.vector_lanes()):
-        return False
-    causal = inputs.workspace.get("native.prompt")
-    if causal is None:
-        tokens, context = inputs.query_index.shape[1], inputs.context_slots.shape[1]
-        causal = bool(inputs.query_valid.all()) and context >= tokens and bool(
-            torch.equal(inputs.query_index[0], torch.arange(tokens)))
-        if causal and inputs.mask is not None:
-            positions = torch.arange(context - tokens, context).unsqueeze(1)
-            causal = torch.equal(inputs.mask[0, 0], torch.arange(context).unsqueeze(0) <= positions)
-        inputs.workspace["native.prompt"] = causal
-    return causal
+def _native_prompts(query: torch.Tensor, inputs: PagedAttentionInputs) -> list[tuple[int, int, int]] | None:
+    """Where the native prompt kernel serves these rows (the native kernels serve the tensors), each sequence's
+    `(first row, rows, context)`: every sequence's rows lie one after another in the flat token list, at its last
+    positions, each seeing every position up to its own (a prompt, or a chunk of one after its cached or earlier
+    positions), and the head size is a multiple of two of the build's vectors. None where one sequence does not
+    fit (a tree of drafts). Decided once per step (kept in the inputs' workspace): the mask is read to rule out
+    trees."""
+    if query.shape[-1] % (2 * native.vector_lanes()) or inputs.mask is None:
+        return None
+    spans = inputs.workspace.get("native.prompts")
+    if spans is None:
+        spans = _prompt_spans(inputs)
+        inputs.workspace["native.prompts"] = spans if spans is not None else False
+    return spans if spans is not False else None
+
+
+def _prompt_spans(inputs: PagedAttentionInputs) -> list[tuple[int, int, int]] | None:
+    spans = []
+    positions = torch.arange(inputs.context_slots.shape[1]).unsqueeze(0)
+    for i, count in enumerate(inputs.query_valid.sum(1).tolist()):
+        first = int(inputs.query_index[i, 0])
+        seen = inputs.mask[i, 0, :count]
+        context = int(seen[count - 1].sum()) if count else 0
+        if (count == 0 or context < count
+                or not torch.equal(inputs.query_index[i, :count], torch.arange(first, first + count))
+                or not torch.equal(seen, positions <= torch.arange(context - count, context).unsqueeze(1))):
+            return None
+        spans.append((first, count, context))
+    return spans
+
+
+def _attend_prompts(lib, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    inputs: PagedAttentionInputs, spans: list[tuple[int, int, int]], scale: float) -> torch.Tensor:
+    """`_attend` on the native prompt kernel, one call per sequence of `spans` (`_native_prompts`)."""
+    if query.stride(2) != 1 or query.stride(1) != query.shape[2]:
+        query = query.contiguous()
+    out = torch.empty(query.shape, dtype=torch.float32)
+    for i, (first, count, context) in enumerate(spans):
+        attend_prompt_native(lib, query[first : first + count], key_cache, value_cache,
+                             inputs.context_slots[i, :context], scale, out[first : first + count])
+    return out
 
 
 def use_triton(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> bool:
@@ -325,15 +349,18 @@ def _attend_native(lib, query: torch.Tensor, key_cache: torch.Tensor, value_cach
 
 
 def attend_prompt_native(lib, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                         slots: torch.Tensor, scale: float) -> torch.Tensor:
+                         slots: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a prompt's `query` rows `[tokens, num_heads, head_dim]` at the last `tokens` of the
-    positions whose cache slots are `slots` `[context]`, on the native kernel; returns `[tokens, num_heads,
-    head_dim]`. Float32 caches and query, head_dim a multiple of two of the build's vectors."""
+    positions whose cache slots are `slots` `[context]`, on the native kernel, into `out` (or a new tensor) `[tokens,
+    num_heads, head_dim]`, which it returns. Float32 caches, query and out, head_dim a multiple of two of the
+    build's vectors; rows may be strided, each row's heads contiguous."""
     tokens, num_heads, head_dim = query.shape
     if query.stride(2) != 1 or query.stride(1) != head_dim:
         query = query.contiguous()
     slots = slots.contiguous()
-    out = torch.empty(tokens, num_heads, head_dim, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(tokens, num_heads, head_dim, dtype=torch.float32)
+    assert out.stride(2) == 1 and out.stride(1) == head_dim, out.stride()
     lib.specula_prompt_attention(
         query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[1],
         slots.data_ptr(), slots.shape[0], tokens, num_heads, head_dim, ctypes.c_float(scale), out.data_ptr(),

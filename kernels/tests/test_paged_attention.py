@@ -313,3 +313,26 @@ def test_native_prompt_beside_decode_rows_and_not_for_trees(monkeypatch):
     tree.mask[0, 0, 50, 60:70] = False
     torch.testing.assert_close(tree_out, paged_attention(q[1:101], k_cache, v_cache, tree, 0.125), rtol=1e-5,
                                atol=1e-5)
+
+
+@needs_native
+def test_native_prompt_serves_several_prompts_of_a_step(monkeypatch):
+    """Prompt chunks of several requests in one step (one padded group): one call each, each sequence matching
+    the dense reference; a group where one sequence's mask is a tree's goes to the PyTorch path whole."""
+    calls = spy_on_prompt_kernel(monkeypatch)
+    gen = torch.Generator().manual_seed(12)
+    k_cache, v_cache = random_cache(gen, 600, 3, 64)
+    spans = [(0, 100), (30, 50), (0, 33), (7, 1)]
+    tables = [torch.randperm(600, generator=gen)[: s + c] for s, c in spans]
+    q = torch.randn(sum(c for _, c in spans), 9, 64, generator=gen)
+    out = paged_attention(q, k_cache, v_cache, build_inputs(spans, tables), scale=0.125)
+    assert calls == [100, 50, 33, 1]
+    row = 0
+    for (s, c), table in zip(spans, tables):
+        expected = dense_reference(q[row : row + c], k_cache[table], v_cache[table], s)
+        torch.testing.assert_close(out[row : row + c], expected, rtol=1e-5, atol=1e-5)
+        row += c
+    tree = build_inputs(spans, tables)
+    tree.mask[1, 0, 40, 31:35] = False
+    paged_attention(q, k_cache, v_cache, tree, scale=0.125)
+    assert calls == [100, 50, 33, 1]
