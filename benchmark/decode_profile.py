@@ -12,7 +12,8 @@ prompt, then decodes one stream step by step. Two passes over the same steps:
   (`step outside the model`: batch building, sampling, outputs). The timers cost a little (reported: the timed
   pass's step against the untimed one).
 
-Between the two, the step that prefills the prompt (`--prompt-tokens`) is timed three times (median), and where
+Between the two, the step that prefills the prompt (`--prompt-tokens`) is timed three times (median; and three
+times more with the timed pass's timers, which split it by operator as they split a decode step), and where
 the layers run as one native call, the untimed steps run again with the native stack reading its clock after each
 operator of each layer (the team's first thread, after the barrier that ends the operator), which splits that call
 without leaving it.
@@ -194,14 +195,20 @@ def profile(model_path: Path, quantize: str | None, args, keep: list | None = No
     decode_steps(generator, prompt, 4, timers)
     timers.reset()
     timed = decode_steps(generator, prompt, args.steps, timers)
+    per_step = {name: seconds / args.steps for name, seconds in timers.total.items()}
+    calls = dict(timers.calls)
+    timers.reset()  # the prefill step, its operators timed the same way
+    timers.enabled = True
+    prefill_timed = prefill_seconds(generator, prompt)
+    timers.enabled = False
+    prefill_split = {name: seconds / len(prefill_timed) for name, seconds in timers.total.items()}
     timers.restore()
     model._stack = stack
 
-    per_step = {name: seconds / args.steps for name, seconds in timers.total.items()}
     if keep is not None:
         keep.append(generator)
     return {"untimed": untimed, "prefill": prefill, "inside": inside, "timed": timed, "per_step": per_step,
-            "calls": dict(timers.calls),
+            "prefill_timed": prefill_timed, "prefill_split": prefill_split, "calls": calls,
             "bytes": dict(bytes_read), "prompt_tokens": len(prompt),
             "total_bytes": weight_bytes(model) - weight_bytes(model.embed_tokens)}
 
@@ -301,6 +308,19 @@ def report(label: str, result: dict, bandwidth: float, steps: int) -> None:
               f"| {name} | {ms:.2f} | {ms / total:.0%} | {calls:.0f} |  |  |")
 
 
+def report_prefill(result: dict) -> None:
+    """The prefill step by operator (timed as the decode steps' operators are)."""
+    split = {name: seconds * 1e3 for name, seconds in result["prefill_split"].items()}
+    total = sum(result["prefill_timed"]) / len(result["prefill_timed"]) * 1e3
+    print(f"The prefill step of the {result['prompt_tokens']}-token prompt by operator ({total:.0f} ms with the "
+          "timers)\n| operator | ms | share |\n|---|---|---|")
+    rows = [(name, split.get(name, 0.0)) for name in (*PRODUCTS, "paged_attention", "rotary_and_cache", "rms_norm",
+                                                      "add_rms_norm", "silu_and_mul", "embedding")]
+    rows.append(("the rest (the model's Python, the step around it)", total - sum(ms for _, ms in rows)))
+    for name, ms in rows:
+        print(f"| {name} | {ms:.1f} | {ms / total:.0%} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=REAL_MODEL, help="GGUF file or model directory")
@@ -323,6 +343,7 @@ def main() -> None:
         q = None if quantize == "none" else quantize
         results[quantize] = profile(args.model, q, args, generators if len(args.quantize) > 1 else None)
         report(f"{args.model.name}, {quantize if q else 'float32'}", results[quantize], bandwidth, args.steps)
+        report_prefill(results[quantize])
     if len(generators) > 1:
         prompt = synthetic_prompt(args.prompt_tokens)
         turns, bandwidths = taking_turns(dict(zip(args.quantize, generators)), prompt, args.steps, args.rounds)
