@@ -109,8 +109,10 @@ void specula_prompt_attention(const float* query, int64_t query_stride, const fl
   const int64_t dim = head_dim, slot_stride = num_kv_heads * dim, start = context - tokens;
   const int64_t ld = (context + kKeys - 1) / kKeys * kKeys;  // positions per transposed row, padded with zeros
   const int64_t group = num_heads / num_kv_heads, blocks = (tokens + kRows - 1) / kRows;
-  thread_local std::vector<float> kt_buffer;  // the calling thread's: the team's while this call runs
-  float* kt = grown(kt_buffer, static_cast<size_t>(num_kv_heads * dim * ld));
+  // The call's own (one layer's keys of the context, transposed): a buffer kept per thread would hold the size of
+  // the longest prompt's for the process's life.
+  std::vector<float> kt_buffer(static_cast<size_t>(num_kv_heads * dim * ld));
+  float* kt = kt_buffer.data();
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)
