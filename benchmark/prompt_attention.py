@@ -26,14 +26,12 @@ from specula_kernels import paged_attention as attention  # noqa: E402
 from specula_testing.worker import load_test_generator  # noqa: E402
 
 PATHS = ("native", "sdpa")
+NATIVE_PROMPTS = attention._native_prompts
 
 
 def on_path(path: str) -> None:
-    """Routes whole prompts to the native prompt kernel (as served) or to SDPA (the kernel turned down)."""
+    """Routes prompts to the native prompt kernel (as served) or to SDPA (the kernel turned down)."""
     attention._native_prompts = NATIVE_PROMPTS if path == "native" else (lambda query, inputs: None)
-
-
-NATIVE_PROMPTS = attention._native_prompts
 
 
 def kernel_inputs(tokens: int, gen: torch.Generator):

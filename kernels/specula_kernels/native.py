@@ -141,8 +141,7 @@ def _load(baseline: bool = False) -> ctypes.CDLL:
         "specula_prompt_attention": [ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i64, f32, ptr, i64, c_int],
     }
     for name, argtypes in signatures.items():
-        function = getattr(lib, name, None)
-        if function is None and baseline and name in _LATER:
+        if baseline and name in _LATER and not hasattr(lib, name):
             continue  # another checkout's kernels (`load_from`), from before this entry point
         function = getattr(lib, name)
         function.argtypes, function.restype = argtypes, None

@@ -193,13 +193,11 @@ def _native_prompts(query: torch.Tensor, inputs: PagedAttentionInputs) -> list[t
     positions), and the head size is a multiple of two of the build's vectors. None where one sequence does not
     fit (a tree of drafts). Decided once per step (kept in the inputs' workspace): the mask is read to rule out
     trees."""
-    if query.shape[-1] % (2 * native.vector_lanes()) or inputs.mask is None:
-        return None
     spans = inputs.workspace.get("native.prompts")
     if spans is None:
-        spans = _prompt_spans(inputs)
-        inputs.workspace["native.prompts"] = spans if spans is not None else False
-    return spans if spans is not False else None
+        fits = inputs.mask is not None and query.shape[-1] % (2 * native.vector_lanes()) == 0
+        spans = inputs.workspace["native.prompts"] = (_prompt_spans(inputs) if fits else None) or False
+    return spans or None
 
 
 def _prompt_spans(inputs: PagedAttentionInputs) -> list[tuple[int, int, int]] | None:

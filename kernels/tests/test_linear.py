@@ -93,9 +93,9 @@ needs_panels = pytest.mark.skipif(not panels_supported(torch.float32, torch.devi
 
 @needs_panels
 @pytest.mark.parametrize("out_features", [16, 37, 100])  # a whole panel, and partial last panels
-# register blocks, their tails, past one pass of a few rows; many rows (a prompt's: from 192), past one pass of them
+# register blocks, their tails, past one pass of 96 rows, a prompt's several passes and a partial one
 @pytest.mark.parametrize("rows", [0, 1, 5, 6, 7, 13, 97, 191, 200, 450])
-@pytest.mark.parametrize("in_features", [72, 300])  # one slice of a prompt's inputs; two and a partial one
+@pytest.mark.parametrize("in_features", [72, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_panel_linear_matches_reference(out_features, rows, in_features, with_bias):
     gen = torch.Generator().manual_seed(rows)
@@ -117,7 +117,7 @@ def test_a_rows_panel_result_is_the_same_bits_in_any_batch():
     bias = torch.randn(70, generator=gen)
     panels = pack_panels(weight)
     for b in (None, bias):
-        whole = panel_linear(x, panels, 70, b)  # a prompt's many rows, in slices of the inputs
+        whole = panel_linear(x, panels, 70, b)  # a prompt's rows, in passes of 96
         for start, stop in [(0, 1), (5, 6), (3, 10), (60, 75), (0, 96), (90, 150), (0, 191), (200, 392), (7, 450)]:
             assert torch.equal(panel_linear(x[start:stop], panels, 70, b), whole[start:stop]), (start, stop)
     # a strided view of the rows (a slice of a wider tensor) gives the same bits as the rows alone

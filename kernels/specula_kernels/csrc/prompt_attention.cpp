@@ -15,8 +15,6 @@
 // each value row read from where it lies in the cache. A row's result does not depend on the blocking or the
 // threads; it differs from PyTorch's in the order of its sums (tests: within float32 tolerances).
 
-#include <omp.h>
-
 #include <cstdint>
 #include <vector>
 
